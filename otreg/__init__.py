@@ -1,0 +1,23 @@
+"""otreg: optimal transport and diffeomorphic registration on PyTorch, within a memory budget.
+
+The public API is what this module exports; everything else is private.
+"""
+
+from ._checks import ConvergenceWarning
+from ._info import info
+from .ot import SinkhornLoss, SinkhornResult, TransportPlan, sinkhorn, sinkhorn_divergence
+from .reductions import KeOpsUnavailable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "sinkhorn",
+    "SinkhornResult",
+    "sinkhorn_divergence",
+    "SinkhornLoss",
+    "TransportPlan",
+    "ConvergenceWarning",
+    "KeOpsUnavailable",
+    "info",
+]

@@ -1,0 +1,79 @@
+"""``otreg.info()``: versions, working backends and the KeOps cache folder."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import torch
+
+from . import reductions as R
+
+__all__ = ["info"]
+
+
+def _version(module: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return "not installed"
+
+
+def _try_backend(name: str) -> str:
+    from .costs import get_cost
+
+    x = torch.rand(1, 5, 3)
+    try:
+        out = R.softmin(x, x, torch.zeros(1, 5), 0.1, get_cost("sqeuclidean"), name)
+        return "ok" if bool(torch.isfinite(out).all()) else "gives non-finite values"
+    except Exception as err:
+        return f"fails: {type(err).__name__}: {str(err)[:200]}"
+
+
+def info(check_keops: bool = True, file=None) -> dict:
+    """Print and return what otreg runs on here.
+
+    Args:
+        check_keops: compile and run one small KeOps formula (about 10 s the first time,
+            cached afterwards) to tell whether the keops backend works.
+        file: where to print (default ``sys.stdout``); ``False`` prints nothing.
+    """
+    from . import __version__
+
+    report: dict = {
+        "otreg": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "numpy": _version("numpy"),
+        "pykeops": _version("pykeops"),
+    }
+    ok, reason = R.keops_status()
+    if ok:
+        import pykeops
+
+        report["keops cache"] = pykeops.get_build_folder()
+    backends = {"tensorized": "ok", "blocked": "ok"}
+    if not ok:
+        backends["keops"] = f"unavailable: {reason}"
+    elif check_keops:
+        backends["keops"] = _try_backend("keops")
+    else:
+        backends["keops"] = "importable (not compiled: check_keops=False)"
+    report["backends"] = backends
+    report["auto backend for large problems"] = R.resolve_backend(
+        "auto", R.TENSORIZED_MAX_PAIRS + 1, torch.device("cpu"))
+    if file is not False:
+        out = file or sys.stdout
+        for key, value in report.items():
+            if isinstance(value, dict):
+                print(f"{key}:", file=out)
+                for k, v in value.items():
+                    print(f"  {k:<12} {v}", file=out)
+            else:
+                print(f"{key + ':':<34} {value}", file=out)
+    return report

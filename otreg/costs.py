@@ -1,0 +1,86 @@
+"""Ground costs C(x, y) for each backend, and the blur -> epsilon rule.
+
+- ``"sqeuclidean"``: C(x, y) = |x - y|^2 / 2 (p = 2). With this halved convention the gradient
+  of the OT cost with respect to x_i is a_i (x_i - T(x_i)), and the Sinkhorn divergence tends to
+  W2^2 / 2 as blur -> 0 (the convention of GeomLoss).
+- ``"euclidean"``: C(x, y) = |x - y| (p = 1). Its square root is smoothed at 0 by adding
+  ``1e-20`` under the root, so that the gradient at x = y is 0 rather than NaN.
+
+The entropic regularisation is eps = blur ** p, in the points' units to the power p.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Cost", "COSTS", "get_cost", "epsilon_schedule", "diameter"]
+
+_SQRT_FLOOR = 1e-20
+
+
+def _sq_dists(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """|x_i - y_j|^2 for x (B, N, D), y (B, M, D) -> (B, N, M), through a matrix product.
+
+    The expansion |x|^2 + |y|^2 - 2<x, y> is what BLAS does fast; it is clamped at 0 against
+    rounding.
+    """
+    x2 = (x * x).sum(-1, keepdim=True)
+    y2 = (y * y).sum(-1).unsqueeze(-2)
+    return torch.baddbmm(x2 + y2, x, y.transpose(1, 2), alpha=-2.0).clamp_min_(0.0)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A ground cost: its name, its exponent p, and a formula for each backend."""
+
+    name: str
+    p: int
+
+    def dense(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The cost matrix, ``(B, N, M)``, for x ``(B, N, D)`` and y ``(B, M, D)``."""
+        sq = _sq_dists(x, y)
+        if self.p == 2:
+            return sq / 2
+        return torch.sqrt(sq + _SQRT_FLOOR)
+
+    def keops(self, x_i: Any, y_j: Any) -> Any:
+        """The same formula on KeOps LazyTensors (symbolic, never stored)."""
+        sq = ((x_i - y_j) ** 2).sum(-1)
+        if self.p == 2:
+            return sq / 2
+        return (sq + _SQRT_FLOOR).sqrt()
+
+
+COSTS = {"sqeuclidean": Cost("sqeuclidean", 2), "euclidean": Cost("euclidean", 1)}
+
+
+def get_cost(name: str | Cost, fn: str = "otreg") -> Cost:
+    """The Cost of that name (``"sqeuclidean"`` or ``"euclidean"``)."""
+    if isinstance(name, Cost):
+        return name
+    if name not in COSTS:
+        raise ValueError(f"{fn}: cost is {name!r}; choose one of {', '.join(map(repr, COSTS))}")
+    return COSTS[name]
+
+
+def diameter(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Diagonal of the bounding box of both clouds (batched ``(B, N, D)``): the largest cost scale."""
+    both = torch.cat([x.detach().reshape(-1, x.shape[-1]), y.detach().reshape(-1, y.shape[-1])])
+    span = both.max(0).values - both.min(0).values
+    return float(span.norm())
+
+
+def epsilon_schedule(p: int, diameter: float, blur: float, scaling: float) -> list[float]:
+    """The eps-scaling list, from ``diameter ** p`` down to ``blur ** p``.
+
+    Each step multiplies eps by ``scaling ** p``; the list starts with ``diameter ** p`` twice
+    and ends with ``blur ** p``: GeomLoss's convention, so that an iteration count here means
+    the same as there. The solver then iterates at the final eps until convergence.
+    """
+    start, stop, step = p * math.log(diameter), p * math.log(blur), p * math.log(scaling)
+    n = max(0, math.ceil((stop - start) / step))
+    return [diameter**p] + [math.exp(start + k * step) for k in range(n)] + [blur**p]

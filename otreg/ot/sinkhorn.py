@@ -1,0 +1,338 @@
+"""The Sinkhorn loop: log and scaling forms, eps-scaling, balanced and unbalanced.
+
+Entropic OT between measures a = sum_i a_i delta_{x_i} and b = sum_j b_j delta_{y_j}:
+
+.. math::
+
+    \\mathrm{OT}_\\varepsilon(a, b) = \\min_{\\pi \\ge 0} \\langle \\pi, C \\rangle
+        + \\varepsilon \\mathrm{KL}(\\pi \\,|\\, a \\otimes b)
+        + \\rho \\mathrm{KL}(\\pi 1 \\,|\\, a) + \\rho \\mathrm{KL}(\\pi^T 1 \\,|\\, b)
+
+(the two marginal penalties are constraints when ``reach`` is None). Its dual is
+
+.. math::
+
+    \\max_{f, g}\\; F(f) + G(g) - \\varepsilon \\langle a \\otimes b,
+        e^{(f \\oplus g - C)/\\varepsilon} - 1 \\rangle,
+
+with F(f) = <a, f> (balanced) or <a, rho (1 - e^{-f/rho})> (unbalanced, rho = reach ** p).
+The optimal plan is pi_ij = a_i b_j exp((f_i + g_j - C_ij)/eps). Coordinate ascent on the dual
+is the Sinkhorn iteration, with the damping lambda = 1 / (1 + eps/rho) in the unbalanced case:
+
+.. math::
+
+    f_i \\leftarrow \\lambda\\, \\mathrm{softmin}_j(\\log b_j + g_j/\\varepsilon)
+    \\qquad g_j \\leftarrow \\lambda\\, \\mathrm{softmin}_i(\\log a_i + f_i/\\varepsilon)
+
+The loop runs without autograd. eps decreases from ``diameter ** p`` to ``blur ** p``
+(one symmetric, averaged update per value, as in GeomLoss), then alternating updates continue
+at the final eps until the marginal error is below ``tol``.
+
+Gradients (envelope theorem): with the potentials detached, the dual objective evaluated
+once more, through one differentiable softmin, has gradient pi_ij grad C(x_i, y_j) with
+respect to the points and the exact partial derivatives with respect to the weights. No
+iteration is stored.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import reductions as R
+from .._checks import (
+    ConvergenceWarning,
+    as_points,
+    as_weights,
+    check_choice,
+    check_int,
+    check_positive,
+    check_same_device_dtype,
+)
+from ..costs import Cost, diameter as _diameter, epsilon_schedule, get_cost
+from .plan import TransportPlan
+
+__all__ = ["sinkhorn", "SinkhornResult", "FORMS", "BACKWARDS"]
+
+FORMS = ("log", "scaling")
+BACKWARDS = ("envelope",)
+
+
+@dataclass
+class SinkhornResult:
+    """What :func:`sinkhorn` returns.
+
+    Attributes:
+        f, g: dual potentials, ``(N,)`` and ``(M,)`` or ``(B, N)`` and ``(B, M)``, detached,
+            in cost units.
+        cost: the entropic OT value OT_eps(a, b), ``()`` or ``(B,)``, differentiable with
+            respect to the points and weights (envelope theorem).
+        n_iter: iterations run, the eps-scaling ones included.
+        converged: whether the marginal error fell below ``tol``.
+        marginal_error: relative L1 violation of the optimality (marginal) conditions, the
+            largest over the batch.
+        eps: the final entropic regularisation ``blur ** p``.
+        backend: the reduction backend that ran (``"auto"`` resolved).
+        form: ``"log"`` or ``"scaling"``.
+        plan: the lazy :class:`~otreg.ot.plan.TransportPlan`.
+    """
+
+    f: torch.Tensor
+    g: torch.Tensor
+    cost: torch.Tensor
+    n_iter: int
+    converged: bool
+    marginal_error: float
+    eps: float
+    backend: str
+    form: str
+    plan: TransportPlan = field(repr=False)
+
+
+# ------------------------------------------------------------------ validated problem
+@dataclass
+class _Problem:
+    """Validated, batched inputs and options shared by sinkhorn and sinkhorn_divergence."""
+
+    x: torch.Tensor  # (B, N, D)
+    y: torch.Tensor  # (B, M, D)
+    a: torch.Tensor  # (B, N)
+    b: torch.Tensor  # (B, M)
+    batched: bool
+    cost: Cost
+    rho: float | None  # reach ** p
+    schedule: list[float]
+    form: str
+    backend: str
+    tol: float
+    max_iter: int
+
+    @property
+    def eps(self) -> float:
+        return self.schedule[-1]
+
+    def damping(self, eps: float) -> float:
+        return 1.0 if self.rho is None else 1.0 / (1.0 + eps / self.rho)
+
+
+def _validate(fn: str, x, y, a, b, *, blur=0.05, reach=None, diameter=None, scaling=0.5,
+              cost="sqeuclidean", form="log", backend="auto", tol=1e-4, max_iter=1000,
+              backward="envelope", **unknown) -> _Problem:
+    """Check every input and option (defaults as in :func:`sinkhorn`); batch the inputs."""
+    if unknown:
+        raise TypeError(f"{fn}: unknown option(s) {', '.join(sorted(unknown))}; the options are "
+                        "blur, reach, diameter, scaling, cost, form, backend, tol, max_iter, "
+                        "backward")
+    x, bx = as_points(fn, "x", x)
+    y, by = as_points(fn, "y", y)
+    if bx != by:
+        raise ValueError(f"{fn}: x has shape {tuple(x.shape[bx ^ 1:])} and y "
+                         f"{tuple(y.shape[by ^ 1:])}; give both batched (B, N, D) or neither")
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"{fn}: x has batch size {x.shape[0]} but y has {y.shape[0]}; "
+                         "a batch needs the same number of problems on both sides")
+    if x.shape[-1] != y.shape[-1]:
+        raise ValueError(f"{fn}: x has points of dimension {x.shape[-1]} but y of dimension "
+                         f"{y.shape[-1]}; both need the same D")
+    check_same_device_dtype(fn, {"x": x, "y": y})
+    a = as_weights(fn, "a", a, x, "x")
+    b = as_weights(fn, "b", b, y, "y")
+    cost_ = get_cost(cost, fn)
+    blur = check_positive(fn, "blur", blur)
+    rho = None
+    if reach is not None:
+        rho = check_positive(fn, "reach", reach) ** cost_.p
+    scaling = check_positive(fn, "scaling", scaling)
+    if not scaling < 1:
+        raise ValueError(f"{fn}: scaling is {scaling}; it must be in (0, 1)")
+    diam = _diameter(x, y) if diameter is None else check_positive(fn, "diameter", diameter)
+    check_choice(fn, "form", form, FORMS)
+    check_choice(fn, "backend", backend, R.BACKENDS)
+    check_choice(fn, "backward", backward, BACKWARDS)
+    tol = check_positive(fn, "tol", tol, allow_zero=True)
+    max_iter = check_int(fn, "max_iter", max_iter, 1)
+    schedule = epsilon_schedule(cost_.p, max(diam, blur), blur, scaling)
+    if len(schedule) > max_iter:
+        raise ValueError(f"{fn}: max_iter is {max_iter} but the eps-scaling schedule alone has "
+                         f"{len(schedule)} steps (diameter {diam:.3g}, blur {blur:.3g}, scaling "
+                         f"{scaling}); raise max_iter or lower scaling")
+    if rho is None:
+        ma, mb = a.detach().sum(1), b.detach().sum(1)
+        rel = ((ma - mb).abs() / torch.maximum(ma, mb)).max()
+        if float(rel) > 1e-5:
+            raise ValueError(f"{fn}: a has total mass {ma.max().item():.6g} and b "
+                             f"{mb.max().item():.6g}; balanced OT (reach=None) needs equal masses:"
+                             " normalise the weights or set reach for unbalanced OT")
+    return _Problem(x, y, a, b, bx, cost_, rho, schedule, form, backend, tol, max_iter)
+
+
+# ------------------------------------------------------------------ the loop
+def _softmin(p: _Problem, eps: float, x, y, w_log, pot) -> torch.Tensor:
+    """-eps log sum_j w_j exp((pot_j - C(x_i, y_j))/eps) in the problem's form."""
+    if p.form == "log":
+        return R.softmin(x, y, w_log + pot / eps, eps, p.cost, p.backend)
+    v = torch.exp(w_log + pot / eps).unsqueeze(-1)
+    kv = R.kernel_product(x, y, v, eps, p.cost, p.backend).squeeze(-1)
+    out = -eps * torch.log(kv)
+    if not bool(torch.isfinite(out).all()):
+        raise FloatingPointError(
+            f"sinkhorn: form='scaling' under- or overflowed at eps={eps:.3g} (exp(-C/eps) "
+            f"rounds to 0 in {x.dtype} for costs above about {87 * eps:.3g}); use form='log', "
+            "which is stable at any eps, or a larger blur")
+    return out
+
+
+def _residual(p: _Problem, eps: float, w: torch.Tensor, pot: torch.Tensor,
+              smin: torch.Tensor) -> torch.Tensor:
+    """Relative L1 violation of the optimality condition of ``pot``, per batch, (B,).
+
+    The plan's marginal on that side is w * exp((pot - smin)/eps); it must equal w
+    (balanced) or w * exp(-pot/rho) (unbalanced).
+    """
+    target = 1.0 if p.rho is None else torch.exp(-pot / p.rho)
+    err = (w * (torch.exp((pot - smin) / eps) - target).abs()).sum(1)
+    return err / w.sum(1)
+
+
+def _solve_pair(p: _Problem, x, y, a, b):
+    """Potentials (f, g) for OT(a, b) between x and y, without autograd."""
+    a_log, b_log = a.log(), b.log()
+    eps0 = p.schedule[0]
+    lam = p.damping(eps0)
+    zeros_a, zeros_b = torch.zeros_like(a), torch.zeros_like(b)
+    f = lam * _softmin(p, eps0, x, y, b_log, zeros_b)
+    g = lam * _softmin(p, eps0, y, x, a_log, zeros_a)
+    n_iter = 0
+    for eps in p.schedule:  # annealing: symmetric, averaged updates
+        lam = p.damping(eps)
+        ft = lam * _softmin(p, eps, x, y, b_log, g)
+        gt = lam * _softmin(p, eps, y, x, a_log, f)
+        f, g = (f + ft) / 2, (g + gt) / 2
+        n_iter += 1
+    eps, lam = p.eps, p.damping(p.eps)
+    err = torch.full((x.shape[0],), math.inf, dtype=x.dtype, device=x.device)
+    while n_iter < p.max_iter:  # alternating updates at the final eps
+        f = lam * _softmin(p, eps, x, y, b_log, g)
+        sg = _softmin(p, eps, y, x, a_log, f)
+        err = _residual(p, eps, b, g, sg)
+        g = lam * sg
+        n_iter += 1
+        if float(err.max()) <= p.tol:
+            break
+    return f, g, n_iter, float(err.max())
+
+
+def _solve_self(p: _Problem, x, a):
+    """The symmetric potential f = f_aa of OT(a, a), without autograd."""
+    a_log = a.log()
+    eps0 = p.schedule[0]
+    f = p.damping(eps0) * _softmin(p, eps0, x, x, a_log, torch.zeros_like(a))
+    n_iter = 0
+    for eps in p.schedule:
+        f = (f + p.damping(eps) * _softmin(p, eps, x, x, a_log, f)) / 2
+        n_iter += 1
+    eps, lam = p.eps, p.damping(p.eps)
+    err = torch.full((x.shape[0],), math.inf, dtype=x.dtype, device=x.device)
+    while n_iter < p.max_iter:
+        sf = _softmin(p, eps, x, x, a_log, f)
+        err = _residual(p, eps, a, f, sf)
+        f = (f + lam * sf) / 2
+        n_iter += 1
+        if float(err.max()) <= p.tol:
+            break
+    return f, n_iter, float(err.max())
+
+
+def _dual_value(p: _Problem, x, y, a, b, f, g) -> torch.Tensor:
+    """The dual objective at fixed (detached) potentials, (B,), differentiable in x, y, a, b.
+
+    Its gradient is the envelope-theorem gradient of OT_eps: pi_ij grad C for the points.
+    """
+    eps = p.eps
+    s = _softmin(p, eps, x, y, b.log(), g)  # (B, N), carries the x, y and b dependence
+    mass = (a * torch.exp((f - s) / eps)).sum(1)  # <a x b, exp((f + g - C)/eps)>
+    if p.rho is None:
+        value = (a * f).sum(1) + (b * g).sum(1)
+    else:
+        value = p.rho * ((a * -torch.expm1(-f / p.rho)).sum(1)
+                         + (b * -torch.expm1(-g / p.rho)).sum(1))
+    return value - eps * (mass - a.sum(1) * b.sum(1))
+
+
+def _warn_if_unconverged(fn: str, what: str, p: _Problem, n_iter: int, err: float) -> bool:
+    converged = err <= p.tol
+    if not converged:
+        warnings.warn(f"{fn}: {what} stopped after {n_iter} iterations with marginal error "
+                      f"{err:.3g} > tol={p.tol:g} at eps={p.eps:.3g}; raise max_iter, or "
+                      "relax tol (a larger blur converges faster)", ConvergenceWarning,
+                      stacklevel=3)
+    return converged
+
+
+def _unbatch(t: torch.Tensor, batched: bool) -> torch.Tensor:
+    return t if batched else t.squeeze(0)
+
+
+def sinkhorn(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    *,
+    blur: float = 0.05,
+    reach: float | None = None,
+    diameter: float | None = None,
+    scaling: float = 0.5,
+    cost: str = "sqeuclidean",
+    form: str = "log",
+    backend: str = "auto",
+    tol: float = 1e-4,
+    max_iter: int = 1000,
+    backward: str = "envelope",
+) -> SinkhornResult:
+    """Entropic optimal transport between two weighted point clouds.
+
+    Args:
+        x: source points, ``(N, D)`` or batched ``(B, N, D)``.
+        y: target points, ``(M, D)`` or ``(B, M, D)``.
+        a, b: non-negative weights ``(N,)``/``(M,)`` or ``(B, N)``/``(B, M)``; default
+            uniform 1/N and 1/M. Balanced OT needs equal total masses.
+        blur: the final length scale, in the points' units; eps = blur ** p.
+        reach: unbalanced OT with KL marginal penalties of strength rho = reach ** p;
+            ``None`` (default) for balanced OT.
+        diameter: the largest distance, which starts the eps-scaling; default: the diagonal
+            of the bounding box of both clouds.
+        scaling: eps is multiplied by ``scaling ** p`` at each annealing step, in (0, 1).
+        cost: ``"sqeuclidean"`` (|x - y|^2 / 2, p = 2) or ``"euclidean"`` (|x - y|, p = 1).
+        form: ``"log"`` (log-sum-exp, stable at any eps) or ``"scaling"`` (u = a / K v, faster
+            per iteration, but exp(-C/eps) underflows at small eps: it then raises
+            ``FloatingPointError`` naming the log form rather than switching silently).
+        backend: ``"auto"``, ``"keops"``, ``"tensorized"`` or ``"blocked"`` (see
+            :mod:`otreg.reductions`).
+        tol: stop when the relative L1 marginal error at the final eps is <= tol.
+        max_iter: the most iterations in all, the eps-scaling ones included.
+        backward: ``"envelope"``: gradients of ``cost`` by the envelope theorem.
+
+    Returns:
+        :class:`SinkhornResult`. Warns :class:`~otreg.ConvergenceWarning` when ``tol`` is
+        not reached; ``result.converged`` says it too.
+    """
+    p = _validate("sinkhorn", x, y, a, b, blur=blur, reach=reach, diameter=diameter,
+                  scaling=scaling, cost=cost, form=form, backend=backend, tol=tol,
+                  max_iter=max_iter, backward=backward)
+    with torch.no_grad():
+        f, g, n_iter, err = _solve_pair(p, p.x.detach(), p.y.detach(), p.a.detach(),
+                                        p.b.detach())
+    value = _dual_value(p, p.x, p.y, p.a, p.b, f, g)
+    converged = _warn_if_unconverged("sinkhorn", "the solver", p, n_iter, err)
+    backend_used = R.resolve_backend(p.backend, p.x.shape[0] * p.x.shape[1] * p.y.shape[1],
+                                     p.x.device)
+    plan = TransportPlan(p.x.detach(), p.y.detach(), p.a.detach(), p.b.detach(), f, g, p.eps,
+                         p.cost, backend_used, p.batched)
+    return SinkhornResult(
+        f=_unbatch(f, p.batched), g=_unbatch(g, p.batched), cost=_unbatch(value, p.batched),
+        n_iter=n_iter, converged=converged, marginal_error=err, eps=p.eps,
+        backend=backend_used, form=p.form, plan=plan)

@@ -1,0 +1,162 @@
+"""otreg.sinkhorn against POT, closed forms, finite differences and an unrolled loop."""
+
+import math
+
+import numpy as np
+import ot
+import pytest
+import torch
+
+import otreg
+from otreg.costs import get_cost
+from tests.conftest import clouds
+
+TIGHT = dict(tol=1e-13, max_iter=20000)
+
+
+def cost_matrix(x, y, cost):
+    return get_cost(cost).dense(x[None], y[None])[0].numpy()
+
+
+@pytest.mark.parametrize("cost", ["sqeuclidean", "euclidean"])
+@pytest.mark.parametrize("blur", [0.3, 0.1])
+def test_plan_equals_pot_sinkhorn_log(cost, blur):
+    x, y, a, b = clouds()
+    res = otreg.sinkhorn(x, y, a, b, blur=blur, cost=cost, **TIGHT)
+    assert res.converged and res.marginal_error < 1e-12
+    P = ot.sinkhorn(a.numpy(), b.numpy(), cost_matrix(x, y, cost), reg=res.eps,
+                    method="sinkhorn_log", stopThr=1e-15, numItermax=200000)
+    ours = res.plan.dense().numpy()
+    assert np.abs(ours - P).max() < 1e-8 * P.max()
+    assert res.eps == pytest.approx(blur ** get_cost(cost).p)
+
+
+def test_unbalanced_plan_equals_pot():
+    x, y, a, b = clouds()
+    b = 2 * b  # unequal masses are allowed when unbalanced
+    reach, blur = 0.7, 0.2
+    res = otreg.sinkhorn(x, y, a, b, blur=blur, reach=reach, **TIGHT)
+    P = ot.unbalanced.sinkhorn_unbalanced(a.numpy(), b.numpy(), cost_matrix(x, y, "sqeuclidean"),
+                                          reg=blur**2, reg_m=reach**2, reg_type="kl",
+                                          method="sinkhorn_stabilized", stopThr=1e-15,
+                                          numItermax=200000)
+    ours = res.plan.dense().numpy()
+    assert np.abs(ours - P).max() < 1e-7 * P.max()
+
+
+def test_cost_tends_to_emd_as_blur_vanishes():
+    x, y, a, b = clouds(n=25, m=20, seed=3)
+    emd = ot.emd2(a.numpy(), b.numpy(), cost_matrix(x, y, "sqeuclidean"))
+    gaps = []
+    for blur in [0.1, 0.03, 0.01]:
+        res = otreg.sinkhorn(x, y, a, b, blur=blur, tol=1e-9, max_iter=50000)
+        gap = float(res.cost) - emd
+        # OT_eps = <pi, C> + eps KL(pi | a x b): between emd and emd + eps log(N M)
+        assert -1e-9 <= gap <= res.eps * math.log(25 * 20)
+        gaps.append(gap)
+    assert gaps[0] > gaps[1] > gaps[2]
+    assert gaps[2] < 2e-3 * emd
+
+
+def test_log_and_scaling_forms_agree_where_both_are_stable():
+    x, y, a, b = clouds()
+    r_log = otreg.sinkhorn(x, y, a, b, blur=0.5, form="log", **TIGHT)
+    r_sc = otreg.sinkhorn(x, y, a, b, blur=0.5, form="scaling", **TIGHT)
+    assert torch.allclose(r_log.cost, r_sc.cost, rtol=1e-12)
+    assert torch.allclose(r_log.f, r_sc.f, atol=1e-10)
+    assert r_sc.form == "scaling"
+
+
+def test_scaling_form_underflow_names_the_log_form():
+    x, y, _, _ = clouds(dtype=torch.float32, shift=3.0)
+    with pytest.raises(FloatingPointError, match="form='log'"):
+        otreg.sinkhorn(x, y, blur=0.01, form="scaling")
+
+
+@pytest.mark.parametrize("reach", [None, 0.5])
+@pytest.mark.parametrize("debias", [False, True])
+def test_gradients_match_finite_differences(reach, debias):
+    x, y, a, b = clouds(n=8, m=10)
+
+    def value(x, y, a, b):
+        if debias:
+            return otreg.sinkhorn_divergence(x, y, a, b, blur=0.3, reach=reach, **TIGHT)
+        return otreg.sinkhorn(x, y, a, b, blur=0.3, reach=reach, **TIGHT).cost
+
+    inputs = tuple(t.clone().requires_grad_() for t in (x, y, a, b))
+    if reach is None:  # balanced: keep masses equal by moving points only
+        assert torch.autograd.gradcheck(lambda x, y: value(x, y, a, b), inputs[:2],
+                                        eps=1e-6, atol=1e-7)
+    else:
+        assert torch.autograd.gradcheck(value, inputs, eps=1e-6, atol=1e-7)
+
+
+def test_weight_gradient_is_the_potential():
+    # d OT / d a = f up to the constant shift (balanced potentials are defined up to one).
+    x, y, a, b = clouds()
+    a = a.clone().requires_grad_()
+    res = otreg.sinkhorn(x, y, a, b, blur=0.2, **TIGHT)
+    (ga,) = torch.autograd.grad(res.cost, a)
+    diff = ga - res.f
+    assert float(diff.max() - diff.min()) < 1e-9
+
+
+def _unrolled_cost(x, y, a, b, eps, n_iter):
+    """Plain log-domain Sinkhorn, differentiated through every iteration."""
+    C = ((x[:, None] - y[None]) ** 2).sum(-1) / 2
+    g = torch.zeros_like(b)
+    for _ in range(n_iter):
+        f = -eps * torch.logsumexp(b.log() + (g - C) / eps, dim=1)
+        g = -eps * torch.logsumexp(a.log()[:, None] + (f[:, None] - C) / eps, dim=0)
+    return (a * f).sum() + (b * g).sum()
+
+
+def test_gradient_matches_an_unrolled_loop_at_convergence():
+    x, y, a, b = clouds(n=20, m=15)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (g_env,) = torch.autograd.grad(otreg.sinkhorn(x1, y, a, b, blur=0.3, **TIGHT).cost, x1)
+    (g_unr,) = torch.autograd.grad(_unrolled_cost(x2, y, a, b, 0.09, 300), x2)
+    assert torch.allclose(g_env, g_unr, rtol=1e-8, atol=1e-11)
+
+
+def test_gradient_is_plan_weighted_displacement():
+    # For C = |x - y|^2 / 2, grad_x OT = a * (x - T(x)) with T the barycentric map.
+    x, y, a, b = clouds()
+    x = x.clone().requires_grad_()
+    res = otreg.sinkhorn(x, y, a, b, blur=0.1, **TIGHT)
+    (gx,) = torch.autograd.grad(res.cost, x)
+    expected = a[:, None] * (x.detach() - res.plan.barycentric_map())
+    assert torch.allclose(gx, expected, atol=1e-12)
+
+
+def test_batch_equals_separate_problems():
+    x, y, a, b = clouds(batch=3)
+    res = otreg.sinkhorn(x, y, a, b, blur=0.2, **TIGHT)
+    assert res.cost.shape == (3,) and res.f.shape == (3, 30) and res.g.shape == (3, 40)
+    for k in range(3):
+        one = otreg.sinkhorn(x[k], y[k], a[k], b[k], blur=0.2, **TIGHT)
+        assert torch.allclose(res.cost[k], one.cost, rtol=1e-11)
+        assert torch.allclose(res.plan.dense()[k], one.plan.dense(), atol=1e-12)
+
+
+def test_float32_agrees_with_float64():
+    x, y, a, b = clouds()
+    r64 = otreg.sinkhorn(x, y, a, b, blur=0.1, tol=1e-6)
+    r32 = otreg.sinkhorn(x.float(), y.float(), a.float(), b.float(), blur=0.1, tol=1e-5)
+    assert r32.cost.dtype == torch.float32
+    assert abs(float(r32.cost) - float(r64.cost)) < 1e-5
+
+
+def test_non_convergence_warns_and_is_reported():
+    x, y, a, b = clouds()
+    with pytest.warns(otreg.ConvergenceWarning, match="max_iter"):
+        res = otreg.sinkhorn(x, y, a, b, blur=0.01, tol=1e-12, max_iter=20)
+    assert not res.converged and res.marginal_error > 1e-12 and res.n_iter == 20
+
+
+def test_result_reports_its_settings():
+    x, y, _, _ = clouds()
+    res = otreg.sinkhorn(x, y, blur=0.1, tol=1e-6)
+    assert res.backend == "tensorized" and res.form == "log" and res.converged
+    assert res.eps == pytest.approx(0.01) and res.n_iter > 1
+    assert res.f.requires_grad is False and res.cost.shape == ()
