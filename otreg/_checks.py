@@ -80,11 +80,12 @@ def as_weights(fn: str, name: str, w: object, points: torch.Tensor,
                         f"or None, got {_describe(w)}")
     if not w.is_floating_point():
         raise TypeError(f"{fn}: {name} has dtype {w.dtype}; weights must be floating point")
+    given = tuple(w.shape)
     if w.dim() == 1:
         w = w.unsqueeze(0)
     if w.dim() != 2 or w.shape[1] != N or w.shape[0] not in (1, B):
-        raise ValueError(f"{fn}: {name} has shape {tuple(w.shape)} but {points_name} has "
-                         f"{N} points (batch {B}); weights must be ({N},) or ({B}, {N})")
+        raise ValueError(f"{fn}: {name} has shape {given} but {points_name} has {N} points "
+                         f"(batch {B}); weights must be ({N},) or ({B}, {N})")
     check_same_device_dtype(fn, {points_name: points, name: w})
     _check_finite(fn, name, w)
     n_neg = int((w.detach() < 0).sum())

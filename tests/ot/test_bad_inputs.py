@@ -1,0 +1,94 @@
+"""Every bad input raises a clear error that names the argument."""
+
+import pytest
+import torch
+
+import otreg
+from tests.conftest import clouds
+
+x, y, a, b = clouds(n=5, m=6)
+
+
+def nan_at(t, idx=0):
+    t = t.clone()
+    t.view(-1)[idx] = float("nan")
+    return t
+
+
+CASES = [
+    # (description, args, kwargs, error, message fragment)
+    ("x not a tensor", (x.numpy(), y), {}, TypeError, "x must be a torch.Tensor"),
+    ("integer points", (x.long(), y), {}, TypeError, "floating point"),
+    ("1-D points", (x[:, 0], y), {}, ValueError, "x has shape"),
+    ("mismatched dims", (x, y[:, :1]), {}, ValueError, "dimension 2"),
+    ("NaN in x", (nan_at(x), y), {}, ValueError, "x has 1 NaN"),
+    ("Inf in y", (x, y.clone().fill_(float("inf"))), {}, ValueError, "y has 0 NaN and 12"),
+    ("empty x", (x[:0], y), {}, ValueError, "x is empty"),
+    ("empty y", (x, y[:0]), {}, ValueError, "y is empty"),
+    ("mixed dtypes", (x, y.float()), {}, TypeError, "y has dtype torch.float32"),
+    ("negative weights", (x, y, a - 0.5, b), {}, ValueError, "a has 5 negative entries"),
+    ("zero-mass weights", (x, y, torch.zeros_like(a), b), {}, ValueError, "a has zero total mass"),
+    ("NaN weights", (x, y, a, nan_at(b)), {}, ValueError, "b has 1 NaN"),
+    ("wrong weight length", (x, y, a[:3], b), {}, ValueError, "a has shape (3,)"),
+    ("weight dtype", (x, y, a.float(), b), {}, TypeError, "a has dtype torch.float32"),
+    ("unequal masses", (x, y, a, 2 * b), {}, ValueError, "balanced OT"),
+    ("blur zero", (x, y), {"blur": 0.0}, ValueError, "blur is 0.0"),
+    ("blur negative", (x, y), {"blur": -1}, ValueError, "blur is -1"),
+    ("blur NaN", (x, y), {"blur": float("nan")}, ValueError, "blur is nan"),
+    ("blur string", (x, y), {"blur": "0.1"}, TypeError, "blur must be a number"),
+    ("reach zero", (x, y), {"reach": 0}, ValueError, "reach is 0"),
+    ("scaling one", (x, y), {"scaling": 1.0}, ValueError, "scaling is 1.0"),
+    ("unknown cost", (x, y), {"cost": "cosine"}, ValueError, "cost is 'cosine'"),
+    ("unknown form", (x, y), {"form": "fast"}, ValueError, "form is 'fast'"),
+    ("unknown backend", (x, y), {"backend": "cuda"}, ValueError, "backend is 'cuda'"),
+    ("unknown backward", (x, y), {"backward": "magic"}, ValueError, "backward is 'magic'"),
+    ("max_iter zero", (x, y), {"max_iter": 0}, ValueError, "max_iter is 0"),
+    ("max_iter float", (x, y), {"max_iter": 10.0}, TypeError, "max_iter must be an integer"),
+    ("max_iter below schedule", (x, y), {"max_iter": 3, "blur": 0.01}, ValueError,
+     "schedule alone"),
+    ("negative tol", (x, y), {"tol": -1.0}, ValueError, "tol is -1.0"),
+    ("batched and not", (x[None], y), {}, ValueError, "batched"),
+    ("batch of unequal sizes", (torch.stack([x, x]), torch.stack([y, y, y])), {}, ValueError,
+     "batch size 2 but y has 3"),
+]
+
+
+@pytest.mark.parametrize("fn", [otreg.sinkhorn, otreg.sinkhorn_divergence])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_naming_the_argument(fn, case):
+    _, args, kwargs, error, fragment = case
+    with pytest.raises(error, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        fn(*args, **kwargs)
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(TypeError, match="unknown option.*blurr"):
+        otreg.sinkhorn_divergence(x, y, blurr=0.1)
+
+
+def test_inputs_are_not_modified():
+    xs, ys, as_, bs = (t.clone() for t in (x, y, a, b))
+    otreg.sinkhorn_divergence(x, y, a, b, blur=0.1)
+    for before, after in zip((xs, ys, as_, bs), (x, y, a, b)):
+        assert torch.equal(before, after)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+def test_mixed_devices():
+    with pytest.raises(ValueError, match="on cuda"):
+        otreg.sinkhorn(x, y.cuda())
+
+
+def test_mixed_devices_message_without_a_gpu():
+    from otreg._checks import check_same_device_dtype
+
+    meta = torch.empty(3, 2, dtype=torch.float64, device="meta")
+    with pytest.raises(ValueError, match="y is on meta but x is on cpu"):
+        check_same_device_dtype("sinkhorn", {"x": x, "y": meta})
+
+
+def test_sinkhorn_loss_rejects_bad_options_at_construction():
+    with pytest.raises(ValueError, match="SinkhornLoss: blur is -0.1"):
+        otreg.SinkhornLoss(blur=-0.1)
+    with pytest.raises(TypeError, match="loss\\(x, y\\) or loss\\(a, x, b, y\\)"):
+        otreg.SinkhornLoss()(x)

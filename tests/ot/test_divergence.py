@@ -1,0 +1,116 @@
+"""sinkhorn_divergence and SinkhornLoss against GeomLoss, POT and their defining properties."""
+
+import geomloss
+import numpy as np
+import ot
+import pytest
+import torch
+
+import otreg
+from otreg.costs import get_cost
+from tests.conftest import clouds
+
+TIGHT = dict(tol=1e-13, max_iter=50000)
+
+
+def geomloss_value_and_grad(x, y, a, b, **kw):
+    x = x.clone().requires_grad_()
+    value = geomloss.SamplesLoss("sinkhorn", p=2, backend="tensorized", **kw)(a, x, b, y)
+    (grad,) = torch.autograd.grad(value, x)
+    return value.detach(), grad
+
+
+def value_and_grad(x, y, a, b, **kw):
+    x = x.clone().requires_grad_()
+    value = otreg.sinkhorn_divergence(x, y, a, b, **kw)
+    (grad,) = torch.autograd.grad(value, x)
+    return value.detach(), grad
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_balanced_divergence_and_gradient_match_geomloss(seed):
+    # GeomLoss has no stopping rule: it converges with a large blur and scaling close to 1.
+    x, y, a, b = clouds(n=40, m=30, d=3, seed=seed)
+    v_ref, g_ref = geomloss_value_and_grad(x, y, a, b, blur=0.5, scaling=0.9995)
+    v, g = value_and_grad(x, y, a, b, blur=0.5, **TIGHT)
+    assert abs(float(v - v_ref)) < 1e-4 * float(v_ref)
+    assert float((g - g_ref).norm()) < 1e-4 * float(g_ref.norm())
+
+
+def test_unbalanced_divergence_value_matches_geomloss():
+    # Values agree. GeomLoss 0.3's unbalanced *gradient* is not the derivative of its value
+    # (it differs from its own finite differences); ours is checked against finite
+    # differences in test_sinkhorn.py.
+    x, y, a, b = clouds(n=40, m=30, d=3)
+    b = 1.5 * b
+    v_ref, _ = geomloss_value_and_grad(x, y, a, b, blur=0.5, reach=1.0, scaling=0.9995)
+    v, _ = value_and_grad(x, y, a, b, blur=0.5, reach=1.0, **TIGHT)
+    assert abs(float(v - v_ref)) < 1e-4 * float(v_ref)
+
+
+def test_divergence_of_a_measure_with_itself_is_zero():
+    x, _, a, _ = clouds()
+    assert abs(float(otreg.sinkhorn_divergence(x, x, a, a, blur=0.1, **TIGHT))) < 1e-12
+    d = otreg.sinkhorn_divergence(x, x, a, 2 * a, blur=0.1, reach=0.5, **TIGHT)
+    assert float(d) > 0  # unbalanced: different masses are far apart
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_divergence_is_non_negative(seed):
+    x, y, a, b = clouds(seed=seed, shift=0.05 * seed)
+    for reach in (None, 0.3):
+        assert float(otreg.sinkhorn_divergence(x, y, a, b, blur=0.2, reach=reach, **TIGHT)) >= 0
+
+
+def test_divergence_tends_to_the_ot_cost_as_blur_vanishes():
+    x, y, a, b = clouds(n=20, m=20, seed=5, shift=0.5)
+    emd = ot.emd2(a.numpy(), b.numpy(), get_cost("sqeuclidean").dense(x[None], y[None])[0].numpy())
+    errors = [abs(float(otreg.sinkhorn_divergence(x, y, a, b, blur=blur, tol=1e-8,
+                                                  max_iter=50000)) - emd)
+              for blur in (0.1, 0.03, 0.01)]
+    assert errors[0] > errors[2] and errors[2] < 2e-3 * emd
+
+
+def test_translation_closed_form():
+    # Between a cloud and its translate by t, the debiased divergence is |t|^2 / 2 exactly.
+    x, _, a, _ = clouds(n=25, d=3)
+    t = torch.tensor([0.3, -0.2, 0.1], dtype=x.dtype)
+    d = otreg.sinkhorn_divergence(x, x + t, a, a, blur=0.1, tol=1e-8, max_iter=10000)
+    assert float(d) == pytest.approx(float((t**2).sum() / 2), rel=1e-6)
+
+
+def test_sinkhorn_loss_matches_the_functions():
+    x, y, a, b = clouds()
+    loss = otreg.SinkhornLoss(blur=0.2, tol=1e-10)
+    assert torch.allclose(loss(a, x, b, y), otreg.sinkhorn_divergence(x, y, a, b, blur=0.2,
+                                                                      tol=1e-10))
+    assert torch.allclose(loss(x, y), otreg.sinkhorn_divergence(x, y, blur=0.2, tol=1e-10))
+    assert loss.last_result.converged and loss.last_result.backend == "tensorized"
+    plain = otreg.SinkhornLoss(blur=0.2, debias=False, tol=1e-10)
+    assert torch.allclose(plain(a, x, b, y), otreg.sinkhorn(x, y, a, b, blur=0.2, tol=1e-10).cost)
+    assert "blur=0.2" in repr(loss)
+
+
+def test_sinkhorn_loss_drives_gradient_descent_to_the_target():
+    x, y, _, _ = clouds(n=50, m=50, d=2, dtype=torch.float32)
+    x = x.clone().requires_grad_()
+    loss = otreg.SinkhornLoss(blur=0.1)
+    opt = torch.optim.SGD([x], lr=1.0)
+    first = None
+    for _ in range(100):
+        opt.zero_grad()
+        value = loss(x, y)
+        first = first if first is not None else float(value.detach())
+        # the gradient of the cost/2 convention is a_i (x_i - T(x_i)): step by N to follow T
+        (value * x.shape[0]).backward()
+        opt.step()
+    assert float(value.detach()) < 1e-3 * first
+
+
+def test_batched_divergence():
+    x, y, a, b = clouds(batch=2)
+    d = otreg.sinkhorn_divergence(x, y, a, b, blur=0.2, **TIGHT)
+    assert d.shape == (2,)
+    for k in range(2):
+        one = otreg.sinkhorn_divergence(x[k], y[k], a[k], b[k], blur=0.2, **TIGHT)
+        np.testing.assert_allclose(float(d[k]), float(one), rtol=1e-11)

@@ -1,0 +1,34 @@
+import math
+
+import pytest
+import torch
+
+from otreg.costs import diameter, epsilon_schedule, get_cost
+
+
+@pytest.mark.parametrize("p, diam, blur, scaling", [(2, 3.0, 0.01, 0.5), (1, 5.0, 0.1, 0.7),
+                                                     (2, 2.0, 0.05, 0.9)])
+def test_epsilon_schedule_follows_the_documented_rule(p, diam, blur, scaling):
+    eps = epsilon_schedule(p, diam, blur, scaling)
+    assert eps[0] == pytest.approx(diam**p) and eps[1] == pytest.approx(diam**p)
+    assert eps[-1] == pytest.approx(blur**p)
+    ratios = [b / a for a, b in zip(eps[1:-2], eps[2:-1])]
+    assert all(r == pytest.approx(scaling**p) for r in ratios)
+    assert eps[-2] > blur**p >= eps[-2] * scaling**p
+    assert len(eps) == 2 + math.ceil(p * math.log(blur / diam) / (p * math.log(scaling)))
+
+
+def test_costs_closed_forms():
+    x = torch.tensor([[[0.0, 0.0], [1.0, 1.0]]], dtype=torch.float64)
+    y = torch.tensor([[[3.0, 4.0]]], dtype=torch.float64)
+    assert torch.allclose(get_cost("sqeuclidean").dense(x, y)[0, :, 0],
+                          torch.tensor([12.5, 6.5], dtype=torch.float64))
+    assert torch.allclose(get_cost("euclidean").dense(x, y)[0, :, 0],
+                          torch.tensor([5.0, 13**0.5], dtype=torch.float64))
+    assert diameter(x, y) == pytest.approx(5.0)
+
+
+def test_euclidean_gradient_is_finite_at_zero_distance():
+    x = torch.zeros(1, 1, 3, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(get_cost("euclidean").dense(x, x.detach()).sum(), x)
+    assert torch.isfinite(g).all()

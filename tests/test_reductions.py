@@ -1,0 +1,155 @@
+"""Every backend of every reduction against a naive broadcast reference, with gradients."""
+
+import pytest
+import torch
+
+import otreg
+from otreg import reductions as R
+from otreg.costs import get_cost
+
+SQ = get_cost("sqeuclidean")
+
+
+def naive(kind, x, y, h, v, eps, cost):
+    """Reference by explicit broadcasting of x_i - y_j (no matrix-product expansion)."""
+    sq = ((x[:, :, None, :] - y[:, None, :, :]) ** 2).sum(-1)
+    C = sq / 2 if cost.p == 2 else torch.sqrt(sq + 1e-20)
+    s = h[:, None, :] - C / eps
+    if kind == "softmin":
+        return -eps * torch.logsumexp(s, dim=2)
+    if kind == "kernel_product":
+        return torch.einsum("bnm,bme->bne", torch.exp(-C / eps), v)
+    return torch.einsum("bnm,bme->bne", torch.softmax(s, dim=2), v)
+
+
+def call(kind, backend, x, y, h, v, eps, cost):
+    if kind == "softmin":
+        return R.softmin(x, y, h, eps, cost, backend)
+    if kind == "kernel_product":
+        return R.kernel_product(x, y, v, eps, cost, backend)
+    return R.softmax_average(x, y, h, v, eps, cost, backend)
+
+
+def data(dtype=torch.float64, B=2, N=37, M=29, D=3, E=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(B, N, D, generator=g, dtype=dtype).requires_grad_()
+    y = torch.rand(B, M, D, generator=g, dtype=dtype).requires_grad_()
+    h = torch.randn(B, M, generator=g, dtype=dtype).requires_grad_()
+    v = torch.randn(B, M, E, generator=g, dtype=dtype).requires_grad_()
+    return x, y, h, v
+
+
+def check_against_naive(kind, backend, cost, dtype=torch.float64, tol=1e-10):
+    x, y, h, v = data(dtype)
+    eps = 0.05
+    out = call(kind, backend, x, y, h, v, eps, cost)
+    ref = naive(kind, x, y, h, v, eps, cost)
+    assert out.shape == ref.shape
+    assert torch.allclose(out, ref, rtol=tol, atol=tol)
+    w = torch.randn_like(ref)
+    grads = torch.autograd.grad((out * w).sum(), (x, y, h, v), allow_unused=True)
+    refs = torch.autograd.grad((ref * w).sum(), (x, y, h, v), allow_unused=True)
+    for got, want in zip(grads, refs):
+        if want is None:
+            assert got is None or float(got.abs().max()) == 0
+        else:
+            assert torch.allclose(got, want, rtol=tol * 10, atol=tol * 10)
+
+
+KINDS = ["softmin", "kernel_product", "softmax_average"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cost", ["sqeuclidean", "euclidean"])
+def test_tensorized(kind, cost):
+    check_against_naive(kind, "tensorized", get_cost(cost))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocked_with_many_blocks(kind, monkeypatch):
+    monkeypatch.setattr(R, "BLOCK_ELEMENTS", 2 * 29 * 5)  # blocks of 5 rows
+    check_against_naive(kind, "blocked", SQ)
+
+
+def test_float32():
+    check_against_naive("softmin", "tensorized", SQ, dtype=torch.float32, tol=2e-5)
+
+
+@pytest.mark.keops
+@pytest.mark.parametrize("kind", KINDS)
+def test_keops(kind):
+    check_against_naive(kind, "keops", SQ)
+
+
+@pytest.mark.keops
+def test_keops_solver_matches_tensorized():
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(200, 3, generator=g, dtype=torch.float64)
+    y = torch.rand(150, 3, generator=g, dtype=torch.float64)
+    r_k = otreg.sinkhorn(x, y, blur=0.1, backend="keops", tol=1e-10)
+    r_t = otreg.sinkhorn(x, y, blur=0.1, backend="tensorized", tol=1e-10)
+    assert r_k.backend == "keops" and r_k.n_iter == r_t.n_iter
+    assert torch.allclose(r_k.cost, r_t.cost, rtol=1e-12)
+    assert torch.allclose(r_k.plan.barycentric_map(), r_t.plan.barycentric_map(), atol=1e-12)
+
+
+def test_solver_is_the_same_on_every_torch_backend(monkeypatch):
+    monkeypatch.setattr(R, "BLOCK_ELEMENTS", 200)
+    g = torch.Generator().manual_seed(2)
+    x = torch.rand(40, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.rand(50, 3, generator=g, dtype=torch.float64)
+    values, grads = [], []
+    for backend in ("tensorized", "blocked"):
+        d = otreg.sinkhorn_divergence(x, y, blur=0.1, tol=1e-10, backend=backend)
+        values.append(d)
+        grads.append(torch.autograd.grad(d, x)[0])
+    assert torch.allclose(values[0], values[1], rtol=1e-12)
+    assert torch.allclose(grads[0], grads[1], atol=1e-14)
+
+
+@pytest.fixture
+def broken_keops(monkeypatch):
+    """KeOps that fails to compile, as it does without a compiler."""
+
+    def fail(*args):
+        raise RuntimeError("[KeOps] Error: compilation failed (g++ not found)")
+
+    table = dict(R._IMPLEMENTATIONS)
+    for kind, (dense, _) in table.items():
+        table[kind] = (dense, fail)
+    monkeypatch.setattr(R, "_IMPLEMENTATIONS", table)
+    monkeypatch.setattr(R, "_keops_failure", None)
+    monkeypatch.setattr(R, "_keops_warned", False)
+    monkeypatch.setattr(R, "keops_status", lambda: (R._keops_failure is None,
+                                                    R._keops_failure or "ok"))
+    monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS", 0)
+
+
+def test_auto_falls_back_to_blocked_with_one_warning(broken_keops):
+    x, y, h, v = data()
+    with pytest.warns(RuntimeWarning, match="g\\+\\+ not found.*blocked.*pykeops.clean_pykeops"):
+        out = R.softmin(x, y, h, 0.05, SQ, "auto")
+    assert torch.allclose(out, naive("softmin", x, y, h, v, 0.05, SQ), atol=1e-10)
+    res = otreg.sinkhorn(x[0].detach(), y[0].detach(), blur=0.2)  # no second warning
+    assert res.backend == "blocked"
+
+
+def test_explicit_keops_raises_the_compile_error(broken_keops):
+    x, y, h, _ = data()
+    with pytest.raises(otreg.KeOpsUnavailable, match="g\\+\\+ not found.*python3-dev"):
+        R.softmin(x, y, h, 0.05, SQ, "keops")
+
+
+def test_auto_picks_by_size():
+    cpu = torch.device("cpu")
+    assert R.resolve_backend("auto", 1000, cpu) == "tensorized"
+    assert R.resolve_backend("auto", R.TENSORIZED_MAX_PAIRS + 1, cpu) in ("keops", "blocked")
+    assert R.resolve_backend("blocked", 10, cpu) == "blocked"
+
+
+def test_info_reports_versions_and_backends(capsys):
+    report = otreg.info(check_keops=False)
+    out = capsys.readouterr().out
+    assert report["otreg"] == otreg.__version__ and "torch" in report
+    assert report["backends"]["tensorized"] == "ok"
+    assert "backends:" in out and "keops" in out
