@@ -17,9 +17,10 @@ Backends (the solvers never know which one runs):
 - ``"tensorized"``: dense torch; fast for small problems, the reference for tests.
 - ``"blocked"``: dense torch on blocks of rows, each recomputed in the backward pass
   (``torch.utils.checkpoint``), so memory stays bounded without KeOps.
-- ``"auto"``: tensorized up to ``TENSORIZED_MAX_PAIRS`` pairs, else keops, else blocked.
-  If pykeops is missing or fails to compile, ``auto`` warns once, says how to fix it, and
-  uses the blocked path; an explicit ``backend="keops"`` raises that error instead.
+- ``"auto"``: tensorized up to ``TENSORIZED_MAX_PAIRS`` pairs; above, blocked on the CPU
+  (measured 5 to 8 times faster than pykeops' CPU backend here, see docs/benchmarks.md) and
+  keops on a GPU. If pykeops is missing or fails to compile, ``auto`` warns once, says how
+  to fix it, and uses the blocked path; an explicit ``backend="keops"`` raises that error.
 
 Every primitive supports autograd with respect to x, y, h and v.
 """
@@ -37,6 +38,7 @@ from .costs import Cost
 __all__ = [
     "BACKENDS",
     "TENSORIZED_MAX_PAIRS",
+    "KEOPS_ON_CPU",
     "BLOCK_ELEMENTS",
     "KeOpsUnavailable",
     "resolve_backend",
@@ -49,6 +51,8 @@ __all__ = [
 BACKENDS = ("auto", "keops", "tensorized", "blocked")
 #: ``auto`` uses the dense path up to this many pairs B * N * M (about 16 MB in float32).
 TENSORIZED_MAX_PAIRS = 4_000_000
+#: ``auto`` uses KeOps on the CPU too when this is True (it is slower there than blocked).
+KEOPS_ON_CPU = False
 #: The blocked path computes blocks of about this many pairs at a time.
 BLOCK_ELEMENTS = 2**22
 
@@ -86,26 +90,64 @@ def resolve_backend(backend: str, pairs: int, device: torch.device) -> str:
         return backend
     if pairs <= TENSORIZED_MAX_PAIRS:
         return "tensorized"
+    if device.type == "cpu" and not KEOPS_ON_CPU:
+        return "blocked"
     ok, _ = keops_status()
     return "keops" if ok else "blocked"
 
 
 # --------------------------------------------------------------------------- dense blocks
+def _exp_floor(dtype: torch.dtype) -> float:
+    """Arguments of exp are clamped here: below it the result is negligible (< 1e-34 relative)
+    and torch's CPU exp slows down 30 to 100 times (underflow handling)."""
+    return -700.0 if dtype == torch.float64 else -80.0
+
+
 def _dense_scores(x, y, h, eps, cost: Cost):
-    """h_j - C(x_i, y_j)/eps, (B, N, M)."""
-    return h.unsqueeze(1) - cost.dense(x, y) / eps
+    """``(s, r)`` with ``s + r = h_j - C(x_i, y_j)/eps``: s (B, N, M), r (B, N, 1) or 0.
+
+    For the squared distance, one matrix product gives s_ij = (<x_i, y_j> - |y_j|^2/2)/eps + h_j
+    and the row constant r_i = -|x_i|^2/(2 eps), which softmax and log-sum-exp need not see.
+    The clouds are first centred on y's centroid (the cost is translation invariant), which
+    keeps the rounding error of the expansion small.
+    """
+    if cost.p == 2:
+        c = y.detach().mean(1, keepdim=True)
+        x, y = x - c, y - c
+        col = (h - (y * y).sum(-1) / (2 * eps)).unsqueeze(1)
+        s = torch.baddbmm(col, x, y.transpose(1, 2), alpha=1.0 / eps)
+        return s, -(x * x).sum(-1, keepdim=True) / (2 * eps)
+    return h.unsqueeze(1) - cost.dense(x, y) / eps, 0.0
+
+
+def _exp_shifted(s: torch.Tensor):
+    """``(exp(s - m), m)`` with m the row maxima (B, N, 1), detached, 0 where a row is -inf."""
+    m = s.detach().amax(dim=2, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    floor = _exp_floor(s.dtype)
+    if s.requires_grad:
+        return torch.exp((s - m).clamp(min=floor)), m
+    return s.sub_(m).clamp_(min=floor).exp_(), m
 
 
 def _dense_softmin(x, y, h, eps, cost):
-    return -eps * torch.logsumexp(_dense_scores(x, y, h, eps, cost), dim=2)
+    s, r = _dense_scores(x, y, h, eps, cost)
+    z, m = _exp_shifted(s)
+    return -eps * (z.sum(2).log() + (m + r).squeeze(2))
 
 
 def _dense_kernel_product(x, y, v, eps, cost):
-    return torch.bmm(torch.exp(-cost.dense(x, y) / eps), v)
+    s, r = _dense_scores(x, y, torch.zeros_like(y[..., 0]), eps, cost)
+    floor = _exp_floor(s.dtype)
+    if s.requires_grad:
+        return torch.bmm(torch.exp((s + r).clamp(min=floor)), v)
+    return torch.bmm(s.add_(r).clamp_(min=floor).exp_(), v)
 
 
 def _dense_softmax_average(x, y, h, v, eps, cost):
-    return torch.bmm(torch.softmax(_dense_scores(x, y, h, eps, cost), dim=2), v)
+    s, _ = _dense_scores(x, y, h, eps, cost)  # a row constant does not change a softmax
+    z, _ = _exp_shifted(s)
+    return torch.bmm(z, v) / z.sum(2, keepdim=True)
 
 
 def _blocked(dense_fn: Callable, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
