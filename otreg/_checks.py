@@ -140,5 +140,6 @@ def check_int(fn: str, name: str, value: object, minimum: int) -> int:
 def check_choice(fn: str, name: str, value: object, choices: Sequence[str]) -> str:
     """One of a fixed set of names."""
     if value not in choices:
-        raise ValueError(f"{fn}: {name} is {value!r}; choose one of {', '.join(map(repr, choices))}")
+        names = ", ".join(map(repr, choices))
+        raise ValueError(f"{fn}: {name} is {value!r}; choose one of {names}")
     return value  # type: ignore[return-value]

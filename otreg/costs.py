@@ -68,7 +68,7 @@ def get_cost(name: str | Cost, fn: str = "otreg") -> Cost:
 
 
 def diameter(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Diagonal of the bounding box of both clouds (batched ``(B, N, D)``): the largest cost scale."""
+    """Diagonal of the bounding box of both clouds ``(B, N, D)``: the largest distance scale."""
     both = torch.cat([x.detach().reshape(-1, x.shape[-1]), y.detach().reshape(-1, y.shape[-1])])
     span = both.max(0).values - both.min(0).values
     return float(span.norm())

@@ -8,15 +8,16 @@ Three primitives serve every solver (all batched: x ``(B, N, D)``, y ``(B, M, D)
 
     \\mathrm{kernel\\_product}_i &= \\sum_j \\exp(-C(x_i, y_j)/\\varepsilon)\\, v_j
 
-    \\mathrm{softmax\\_average}_i &= \\sum_j \\mathrm{softmax}_j(h_j - C(x_i, y_j)/\\varepsilon)\\, v_j
+    \\mathrm{softmax\\_average}_i &= \\sum_j \\mathrm{softmax}_j(h_j - C(x_i, y_j)/\\varepsilon)
+        \\, v_j
 
 Backends (the solvers never know which one runs):
 
 - ``"keops"``: pykeops LazyTensors; compiled on first use of each formula, never stores N x M.
   This module is the only one that imports pykeops.
 - ``"tensorized"``: dense torch; fast for small problems, the reference for tests.
-- ``"blocked"``: dense torch on blocks of rows, each recomputed in the backward pass
-  (``torch.utils.checkpoint``), so memory stays bounded without KeOps.
+- ``"blocked"``: dense torch on blocks of rows with hand-written gradients that recompute
+  each block (:mod:`otreg._blocked`): memory O(block + N + M), no autograd graph.
 - ``"auto"``: tensorized up to ``TENSORIZED_MAX_PAIRS`` pairs; above, blocked on the CPU
   (measured 5 to 8 times faster than pykeops' CPU backend here, see docs/benchmarks.md) and
   keops on a GPU. If pykeops is missing or fails to compile, ``auto`` warns once, says how
@@ -28,11 +29,11 @@ Every primitive supports autograd with respect to x, y, h and v.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from . import _dense
+from ._blocked import blocked_reduction
 from .costs import Cost
 
 __all__ = [
@@ -96,79 +97,6 @@ def resolve_backend(backend: str, pairs: int, device: torch.device) -> str:
     return "keops" if ok else "blocked"
 
 
-# --------------------------------------------------------------------------- dense blocks
-def _exp_floor(dtype: torch.dtype) -> float:
-    """Arguments of exp are clamped here: below it the result is negligible (< 1e-34 relative)
-    and torch's CPU exp slows down 30 to 100 times (underflow handling)."""
-    return -700.0 if dtype == torch.float64 else -80.0
-
-
-def _dense_scores(x, y, h, eps, cost: Cost):
-    """``(s, r)`` with ``s + r = h_j - C(x_i, y_j)/eps``: s (B, N, M), r (B, N, 1) or 0.
-
-    For the squared distance, one matrix product gives s_ij = (<x_i, y_j> - |y_j|^2/2)/eps + h_j
-    and the row constant r_i = -|x_i|^2/(2 eps), which softmax and log-sum-exp need not see.
-    The clouds are first centred on y's centroid (the cost is translation invariant), which
-    keeps the rounding error of the expansion small.
-    """
-    if cost.p == 2:
-        c = y.detach().mean(1, keepdim=True)
-        x, y = x - c, y - c
-        col = (h - (y * y).sum(-1) / (2 * eps)).unsqueeze(1)
-        s = torch.baddbmm(col, x, y.transpose(1, 2), alpha=1.0 / eps)
-        return s, -(x * x).sum(-1, keepdim=True) / (2 * eps)
-    return h.unsqueeze(1) - cost.dense(x, y) / eps, 0.0
-
-
-def _exp_shifted(s: torch.Tensor):
-    """``(exp(s - m), m)`` with m the row maxima (B, N, 1), detached, 0 where a row is -inf."""
-    m = s.detach().amax(dim=2, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    floor = _exp_floor(s.dtype)
-    if s.requires_grad:
-        return torch.exp((s - m).clamp(min=floor)), m
-    return s.sub_(m).clamp_(min=floor).exp_(), m
-
-
-def _dense_softmin(x, y, h, eps, cost):
-    s, r = _dense_scores(x, y, h, eps, cost)
-    z, m = _exp_shifted(s)
-    return -eps * (z.sum(2).log() + (m + r).squeeze(2))
-
-
-def _dense_kernel_product(x, y, v, eps, cost):
-    s, r = _dense_scores(x, y, torch.zeros_like(y[..., 0]), eps, cost)
-    floor = _exp_floor(s.dtype)
-    if s.requires_grad:
-        return torch.bmm(torch.exp((s + r).clamp(min=floor)), v)
-    return torch.bmm(s.add_(r).clamp_(min=floor).exp_(), v)
-
-
-def _dense_softmax_average(x, y, h, v, eps, cost):
-    s, _ = _dense_scores(x, y, h, eps, cost)  # a row constant does not change a softmax
-    z, _ = _exp_shifted(s)
-    return torch.bmm(z, v) / z.sum(2, keepdim=True)
-
-
-def _blocked(dense_fn: Callable, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-    """Apply a dense reduction to blocks of rows of x, recomputing each block in backward."""
-    B, N = x.shape[0], x.shape[1]
-    M = rest[0].shape[1]
-    rows = max(1, BLOCK_ELEMENTS // max(1, B * M))
-    if rows >= N:
-        return dense_fn(x, *rest)
-    track = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, *rest) if isinstance(t, torch.Tensor))
-    out = []
-    for start in range(0, N, rows):
-        xb = x[:, start:start + rows]
-        if track:
-            out.append(checkpoint(dense_fn, xb, *rest, use_reentrant=False))
-        else:
-            out.append(dense_fn(xb, *rest))
-    return torch.cat(out, dim=1)
-
-
 # --------------------------------------------------------------------------- keops
 def _lazy(x, y, eps):
     """x_i, y_j and 1/eps as LazyTensors (eps a parameter: no recompilation per eps)."""
@@ -205,9 +133,9 @@ def _keops_softmax_average(x, y, h, v, eps, cost):
 
 
 _IMPLEMENTATIONS = {
-    "softmin": (_dense_softmin, _keops_softmin),
-    "kernel_product": (_dense_kernel_product, _keops_kernel_product),
-    "softmax_average": (_dense_softmax_average, _keops_softmax_average),
+    "softmin": (_dense.softmin, _keops_softmin),
+    "kernel_product": (_dense.kernel_product, _keops_kernel_product),
+    "softmax_average": (_dense.softmax_average, _keops_softmax_average),
 }
 
 
@@ -236,12 +164,14 @@ def _run(kind: str, backend: str, x: torch.Tensor, y: torch.Tensor, *rest, eps: 
             _keops_warned = True
             warnings.warn(f"otreg: {reason}; using the 'blocked' torch backend instead, "
                           f"which is slower. {_KEOPS_HELP}", RuntimeWarning, stacklevel=4)
-    return _blocked(lambda xb, *r: dense_fn(xb, *r, eps, cost), x, y, *rest)
+    return blocked_reduction(kind, x, y, *rest, eps=eps, cost=cost,
+                             block_elements=BLOCK_ELEMENTS)
 
 
 def softmin(x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, eps: float, cost: Cost,
             backend: str = "auto") -> torch.Tensor:
-    """``-eps log sum_j exp(h_j - C(x_i, y_j)/eps)``: x (B, N, D), y (B, M, D), h (B, M) -> (B, N)."""
+    """``-eps log sum_j exp(h_j - C(x_i, y_j)/eps)``: x (B, N, D), y (B, M, D), h (B, M) -> (B, N).
+    """
     return _run("softmin", backend, x, y, h, eps=eps, cost=cost)
 
 

@@ -154,3 +154,16 @@ def test_info_reports_versions_and_backends(capsys):
     assert report["otreg"] == otreg.__version__ and "torch" in report
     assert report["backends"]["tensorized"] == "ok"
     assert "backends:" in out and "keops" in out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cost", ["sqeuclidean", "euclidean"])
+def test_blocked_gradients_pass_gradcheck_including_second_order(kind, cost, monkeypatch):
+    monkeypatch.setattr(R, "BLOCK_ELEMENTS", 2 * 6 * 3)  # blocks of 3 rows
+    x, y, h, v = data(N=7, M=6, D=2)
+
+    def fn(x, y, h, v):
+        return call(kind, "blocked", x, y, h, v, 0.3, get_cost(cost))
+
+    assert torch.autograd.gradcheck(fn, (x, y, h, v))
+    assert torch.autograd.gradgradcheck(fn, (x, y, h, v))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .. import reductions as R
+from .plan import TransportPlan
 from .sinkhorn import (
     SinkhornResult,
     _dual_value,
@@ -27,7 +28,6 @@ from .sinkhorn import (
     _validate,
     _warn_if_unconverged,
 )
-from .plan import TransportPlan
 
 __all__ = ["sinkhorn_divergence", "SinkhornLoss"]
 

@@ -52,7 +52,8 @@ from .._checks import (
     check_positive,
     check_same_device_dtype,
 )
-from ..costs import Cost, diameter as _diameter, epsilon_schedule, get_cost
+from ..costs import Cost, epsilon_schedule, get_cost
+from ..costs import diameter as _diameter
 from .plan import TransportPlan
 
 __all__ = ["sinkhorn", "SinkhornResult", "FORMS", "BACKWARDS"]

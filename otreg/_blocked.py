@@ -1,0 +1,195 @@
+"""The ``blocked`` backend: dense torch on blocks of rows, with hand-written gradients.
+
+Forward and backward both sweep the rows of x in blocks of about ``block_elements`` pairs,
+reusing one or two block buffers, so memory stays O(block + N + M) and no autograd graph is
+built per block. The backward pass recomputes each block's scores and applies the gradient
+formulas below; with ``W_ij = d out / d C_ij`` (times the incoming gradient G):
+
+- softmin ``out_i = -eps log sum_j exp(h_j - C_ij/eps)``: W_ij = G_i P_ij,
+  d/dh_j = -eps sum_i G_i P_ij, with P the row softmax;
+- kernel product ``out_i = sum_j exp(-C_ij/eps) v_j``: W_ij = -K_ij <G_i, v_j> / eps,
+  d/dv_j = sum_i K_ij G_i;
+- softmax average ``out_i = sum_j P_ij v_j``: with S_ij = P_ij (<G_i, v_j> - <G_i, out_i>),
+  W_ij = -S_ij / eps, d/dh_j = sum_i S_ij, d/dv_j = sum_i P_ij G_i;
+
+then d/dx_i = sum_j W_ij dC/dx (x_i - y_j for |x - y|^2/2, (x_i - y_j)/C_ij for |x - y|) and
+d/dy_j likewise. A second derivative (``create_graph=True``) falls back to autograd through
+the dense formulas, block by block, which stores that graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _dense
+from .costs import _SQRT_FLOOR, Cost
+
+__all__ = ["blocked_reduction"]
+
+_DENSE = {"softmin": _dense.softmin, "kernel_product": _dense.kernel_product,
+          "softmax_average": _dense.softmax_average}
+
+
+class _Blocks:
+    """Centred clouds and block buffers for one reduction."""
+
+    def __init__(self, x, y, h, eps: float, cost: Cost, block_elements: int) -> None:
+        B, N, M = x.shape[0], x.shape[1], y.shape[1]
+        c = y.mean(1, keepdim=True)  # the cost is translation invariant; rounding is not
+        self.x, self.y = x - c, y - c
+        self.y_sq = (self.y * self.y).sum(-1)  # (B, M)
+        self.h, self.eps, self.p = h, eps, cost.p
+        self.rows = max(1, min(N, block_elements // max(1, B * M)))
+        self.buf = x.new_empty(B, self.rows, M)
+        self.buf_c = x.new_empty(B, self.rows, M) if cost.p == 1 else None
+
+    def slices(self):
+        N = self.x.shape[1]
+        for start in range(0, N, self.rows):
+            yield slice(start, min(N, start + self.rows))
+
+    def scores(self, sl: slice):
+        """``(s, r, C)``: s + r = h_j - C_ij/eps (s in the block buffer), r (B, n, 1) or 0,
+        and C for p = 1."""
+        xb = self.x[:, sl]
+        n = xb.shape[1]
+        eps, yt = self.eps, self.y.transpose(1, 2)
+        if self.p == 2:
+            col = -self.y_sq / (2 * eps)
+            if self.h is not None:
+                col = col + self.h
+            s = torch.baddbmm(col.unsqueeze(1), xb, yt, alpha=1.0 / eps, out=self.buf[:, :n])
+            return s, -(xb * xb).sum(-1, keepdim=True) / (2 * eps), None
+        sq = (xb * xb).sum(-1, keepdim=True) + self.y_sq.unsqueeze(1)
+        C = torch.baddbmm(sq, xb, yt, alpha=-2.0, out=self.buf_c[:, :n])
+        C.clamp_(min=0).add_(_SQRT_FLOOR).sqrt_()
+        s = torch.mul(C, -1.0 / eps, out=self.buf[:, :n])
+        if self.h is not None:
+            s.add_(self.h.unsqueeze(1))
+        return s, 0.0, C
+
+
+def _softmax_(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In place: s <- exp(s - m) (clamped), returns (s, m, row sums)."""
+    m = s.amax(dim=2, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s.sub_(m).clamp_(min=_dense.exp_floor(s.dtype)).exp_()
+    return s, m, s.sum(2, keepdim=True)
+
+
+def _forward(kind: str, blocks: _Blocks, v) -> torch.Tensor:
+    B, N = blocks.x.shape[0], blocks.x.shape[1]
+    out = blocks.x.new_empty((B, N) if kind == "softmin" else (B, N, v.shape[-1]))
+    for sl in blocks.slices():
+        s, r, _ = blocks.scores(sl)
+        if kind == "kernel_product":
+            s.add_(r).clamp_(min=_dense.exp_floor(s.dtype)).exp_()
+            torch.bmm(s, v, out=out[:, sl])
+            continue
+        z, m, total = _softmax_(s)
+        if kind == "softmin":
+            out[:, sl] = -blocks.eps * (total.log() + m + r).squeeze(2)
+        else:
+            torch.bmm(z, v, out=out[:, sl])
+            out[:, sl] /= total
+    return out
+
+
+def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
+    """Gradients with respect to (x, y, h, v), None where not needed."""
+    eps = blocks.eps
+    gx = torch.zeros_like(blocks.x) if needs[0] else None
+    gy = torch.zeros_like(blocks.y) if needs[1] else None
+    gh = torch.zeros_like(blocks.y_sq) if needs[2] else None
+    gv = torch.zeros_like(v) if needs[3] else None
+    for sl in blocks.slices():
+        G = grad_out[:, sl]
+        s, r, C = blocks.scores(sl)
+        if kind == "kernel_product":
+            K = s.add_(r).clamp_(min=_dense.exp_floor(s.dtype)).exp_()
+            if gv is not None:
+                gv.baddbmm_(K.transpose(1, 2), G)
+            W = K.mul_(torch.bmm(G, v.transpose(1, 2))).mul_(-1.0 / eps)
+        else:
+            P, _, total = _softmax_(s)
+            P.div_(total)
+            if kind == "softmin":
+                W = P.mul_(G.unsqueeze(2))
+                if gh is not None:
+                    gh.add_(W.sum(1), alpha=-eps)
+            else:
+                if gv is not None:
+                    gv.baddbmm_(P.transpose(1, 2), G)
+                GV = torch.bmm(G, v.transpose(1, 2))
+                S = GV.sub_((G * out[:, sl]).sum(-1, keepdim=True)).mul_(P)
+                if gh is not None:
+                    gh.add_(S.sum(1))
+                W = S.mul_(-1.0 / eps)
+        if gx is None and gy is None:
+            continue
+        if C is not None:
+            W.div_(C)
+        xb = blocks.x[:, sl]
+        if gx is not None:
+            gx[:, sl] = xb * W.sum(2, keepdim=True) - torch.bmm(W, blocks.y)
+        if gy is not None:
+            gy += blocks.y * W.sum(1).unsqueeze(-1) - torch.bmm(W.transpose(1, 2), xb)
+    return [gx, gy, gh, gv]
+
+
+class _BlockedReduction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kind, eps, cost, block_elements, x, y, h, v):
+        blocks = _Blocks(x, y, h, eps, cost, block_elements)
+        out = _forward(kind, blocks, v)
+        ctx.kind, ctx.eps, ctx.cost, ctx.block_elements = kind, eps, cost, block_elements
+        ctx.save_for_backward(x, y, h, v, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, y, h, v, out = ctx.saved_tensors
+        needs = ctx.needs_input_grad[4:]
+        if torch.is_grad_enabled():  # create_graph: differentiate the dense formulas
+            grads = _autograd_backward(ctx, x, y, h, v, grad_out, needs)
+        else:
+            blocks = _Blocks(x, y, h, ctx.eps, ctx.cost, ctx.block_elements)
+            grads = _backward(ctx.kind, blocks, v, out, grad_out.contiguous(), needs)
+        return (None, None, None, None, *grads)
+
+
+def _autograd_backward(ctx, x, y, h, v, grad_out, needs) -> list:
+    dense = _DENSE[ctx.kind]
+    rest = [t for t in (h, v) if t is not None]
+    inputs = [x, y, *rest]
+    rows = max(1, ctx.block_elements // max(1, x.shape[0] * y.shape[1]))
+    total = [None] * len(inputs)
+    for start in range(0, x.shape[1], rows):
+        sl = slice(start, start + rows)
+        out_b = dense(x[:, sl], y, *rest, ctx.eps, ctx.cost)
+        wanted = [t for t, need in zip(inputs, needs) if need]
+        got = iter(torch.autograd.grad(out_b, wanted, grad_out[:, sl], create_graph=True,
+                                       allow_unused=True))
+        for k, need in enumerate(needs[:len(inputs)]):
+            if need:
+                g = next(got)
+                if g is not None:
+                    total[k] = g if total[k] is None else total[k] + g
+    grads = total[:2] + [None, None]
+    for t, g in zip(rest, total[2:]):
+        grads[2 if t is h else 3] = g
+    return grads
+
+
+def blocked_reduction(kind: str, x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor,
+                      eps: float, cost: Cost, block_elements: int) -> torch.Tensor:
+    """``kind`` in softmin / kernel_product / softmax_average, computed block by block.
+
+    ``rest`` is ``(h,)``, ``(v,)`` or ``(h, v)`` as the kind needs.
+    """
+    h = rest[0] if kind in ("softmin", "softmax_average") else None
+    v = rest[-1] if kind in ("kernel_product", "softmax_average") else None
+    if v is not None:
+        v = v.contiguous()
+    return _BlockedReduction.apply(kind, eps, cost, block_elements, x.contiguous(),
+                                   y.contiguous(), h, v)

@@ -1,0 +1,69 @@
+"""Dense torch kernels on one block of pairs: scores, shifted exponentials, reductions.
+
+Used whole by the ``tensorized`` backend and block by block by the ``blocked`` one. Two
+tricks make them fast and safe on the CPU:
+
+- for the squared distance, one matrix product gives the scores (after centring the clouds,
+  which the cost does not see and the rounding does);
+- arguments of exp are clamped at -80 (float32) or -700 (float64): below that the result is
+  negligible, and torch's CPU exp runs 30 to 100 times slower on arguments that underflow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .costs import Cost
+
+
+def exp_floor(dtype: torch.dtype) -> float:
+    """Arguments of exp are clamped here: below it the result is negligible (< 1e-34 relative)
+    and torch's CPU exp slows down 30 to 100 times (underflow handling)."""
+    return -700.0 if dtype == torch.float64 else -80.0
+
+
+def scores(x, y, h, eps, cost: Cost):
+    """``(s, r)`` with ``s + r = h_j - C(x_i, y_j)/eps``: s (B, N, M), r (B, N, 1) or 0.
+
+    For the squared distance, one matrix product gives s_ij = (<x_i, y_j> - |y_j|^2/2)/eps + h_j
+    and the row constant r_i = -|x_i|^2/(2 eps), which softmax and log-sum-exp need not see.
+    The clouds are first centred on y's centroid (the cost is translation invariant), which
+    keeps the rounding error of the expansion small.
+    """
+    if cost.p == 2:
+        c = y.detach().mean(1, keepdim=True)
+        x, y = x - c, y - c
+        col = (h - (y * y).sum(-1) / (2 * eps)).unsqueeze(1)
+        s = torch.baddbmm(col, x, y.transpose(1, 2), alpha=1.0 / eps)
+        return s, -(x * x).sum(-1, keepdim=True) / (2 * eps)
+    return h.unsqueeze(1) - cost.dense(x, y) / eps, 0.0
+
+
+def exp_shifted(s: torch.Tensor):
+    """``(exp(s - m), m)`` with m the row maxima (B, N, 1), detached, 0 where a row is -inf."""
+    m = s.detach().amax(dim=2, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    floor = exp_floor(s.dtype)
+    if s.requires_grad:
+        return torch.exp((s - m).clamp(min=floor)), m
+    return s.sub_(m).clamp_(min=floor).exp_(), m
+
+
+def softmin(x, y, h, eps, cost):
+    s, r = scores(x, y, h, eps, cost)
+    z, m = exp_shifted(s)
+    return -eps * (z.sum(2).log() + (m + r).squeeze(2))
+
+
+def kernel_product(x, y, v, eps, cost):
+    s, r = scores(x, y, torch.zeros_like(y[..., 0]), eps, cost)
+    floor = exp_floor(s.dtype)
+    if s.requires_grad:
+        return torch.bmm(torch.exp((s + r).clamp(min=floor)), v)
+    return torch.bmm(s.add_(r).clamp_(min=floor).exp_(), v)
+
+
+def softmax_average(x, y, h, v, eps, cost):
+    s, _ = scores(x, y, h, eps, cost)  # a row constant does not change a softmax
+    z, _ = exp_shifted(s)
+    return torch.bmm(z, v) / z.sum(2, keepdim=True)
