@@ -41,12 +41,12 @@ def _divergence(fn: str, x, y, a, b, *, debias: bool = True, **options):
         if debias:
             f_aa, n_aa, err_aa = _solve_self(p, xd, ad)
             g_bb, n_bb, err_bb = _solve_self(p, yd, bd)
-    cross = _dual_value(p, p.x, p.y, p.a, p.b, f, g)
+    cross, f = _dual_value(p, p.x, p.y, p.a, p.b, g)
     value = cross
     converged = _warn_if_unconverged(fn, "OT(a, b)", p, n_iter, err)
     if debias:
-        value = value - 0.5 * (_dual_value(p, p.x, p.x, p.a, p.a, f_aa, f_aa)
-                               + _dual_value(p, p.y, p.y, p.b, p.b, g_bb, g_bb))
+        value = value - 0.5 * (_dual_value(p, p.x, p.x, p.a, p.a, f_aa)[0]
+                               + _dual_value(p, p.y, p.y, p.b, p.b, g_bb)[0])
         value = value + p.eps / 2 * (p.a.sum(1) - p.b.sum(1)) ** 2
         converged &= _warn_if_unconverged(fn, "OT(a, a)", p, n_aa, err_aa)
         converged &= _warn_if_unconverged(fn, "OT(b, b)", p, n_bb, err_bb)

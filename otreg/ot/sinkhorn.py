@@ -28,10 +28,10 @@ The loop runs without autograd. eps decreases from ``diameter ** p`` to ``blur *
 (one symmetric, averaged update per value, as in GeomLoss), then alternating updates continue
 at the final eps until the marginal error is below ``tol``.
 
-Gradients (envelope theorem): with the potentials detached, the dual objective evaluated
-once more, through one differentiable softmin, has gradient pi_ij grad C(x_i, y_j) with
-respect to the points and the exact partial derivatives with respect to the weights. No
-iteration is stored.
+Gradients (envelope theorem): with g detached, f = lambda softmin(g) is recomputed by one
+differentiable reduction and the dual objective evaluated at (f, g); its gradient is
+sum_j pi_ij grad C(x_i, y_j) for the points and the partial derivatives for the weights.
+No iteration is stored.
 """
 
 from __future__ import annotations
@@ -247,20 +247,26 @@ def _solve_self(p: _Problem, x, a):
     return f, n_iter, float(err.max())
 
 
-def _dual_value(p: _Problem, x, y, a, b, f, g) -> torch.Tensor:
-    """The dual objective at fixed (detached) potentials, (B,), differentiable in x, y, a, b.
+def _dual_value(p: _Problem, x, y, a, b, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """The semi-dual objective at a fixed (detached) g: ``(value (B,), f (B, N) detached)``.
 
-    Its gradient is the envelope-theorem gradient of OT_eps: pi_ij grad C for the points.
+    f = lambda softmin(g) is the exact maximiser of the dual over f for this g, computed by one
+    differentiable reduction that carries the dependence on x, y and b. By the envelope theorem
+    the gradient of the value is that of OT_eps at convergence: sum_j pi_ij grad C(x_i, y_j)
+    for the points, the potentials for the weights. Away from convergence it is the gradient
+    for the plan whose rows have the right marginal, which is more accurate than evaluating
+    the dual at both iterates.
     """
     eps = p.eps
     s = _softmin(p, eps, x, y, b.log(), g)  # (B, N), carries the x, y and b dependence
+    f = p.damping(eps) * s
     mass = (a * torch.exp((f - s) / eps)).sum(1)  # <a x b, exp((f + g - C)/eps)>
     if p.rho is None:
         value = (a * f).sum(1) + (b * g).sum(1)
     else:
         value = p.rho * ((a * -torch.expm1(-f / p.rho)).sum(1)
                          + (b * -torch.expm1(-g / p.rho)).sum(1))
-    return value - eps * (mass - a.sum(1) * b.sum(1))
+    return value - eps * (mass - a.sum(1) * b.sum(1)), f.detach()
 
 
 def _warn_if_unconverged(fn: str, what: str, p: _Problem, n_iter: int, err: float) -> bool:
@@ -327,7 +333,7 @@ def sinkhorn(
     with torch.no_grad():
         f, g, n_iter, err = _solve_pair(p, p.x.detach(), p.y.detach(), p.a.detach(),
                                         p.b.detach())
-    value = _dual_value(p, p.x, p.y, p.a, p.b, f, g)
+    value, f = _dual_value(p, p.x, p.y, p.a, p.b, g)
     converged = _warn_if_unconverged("sinkhorn", "the solver", p, n_iter, err)
     backend_used = R.resolve_backend(p.backend, p.x.shape[0] * p.x.shape[1] * p.y.shape[1],
                                      p.x.device)

@@ -1,0 +1,73 @@
+"""Shared by the benchmark scripts: fresh-process workers, peak RSS, tables, the record."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "docs" / "benchmarks.md"
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_worker(script: str, args: list[str], timeout: float) -> dict:
+    """Run ``python script --worker ARGS`` in a fresh process; return its JSON (or an error)."""
+    cmd = [sys.executable, script, "--worker", *args]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout:.0f} s"}
+    for line in reversed(proc.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """A markdown table; columns are (key, header, format)."""
+    head = "| " + " | ".join(h for _, h, _ in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [head, sep]
+    for row in rows:
+        cells = []
+        for key, _, fmt in columns:
+            value = row.get(key)
+            cells.append("" if value is None else (fmt.format(value) if fmt else str(value)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def record(title: str, command: str, body: str) -> None:
+    """Append a section to docs/benchmarks.md."""
+    stamp = datetime.date.today().isoformat()
+    text = (f"\n## {title} ({stamp})\n\nMachine: {machine()}\n\nCommand: `{command}`\n\n"
+            f"{body}\n")
+    RECORD.parent.mkdir(exist_ok=True)
+    with RECORD.open("a") as fh:
+        fh.write(text)

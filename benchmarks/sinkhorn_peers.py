@@ -1,0 +1,146 @@
+"""Sinkhorn divergence plus gradient: otreg vs GeomLoss (online, multiscale) vs POT.
+
+Two noisy spheres (radius 1 and 0.8, centres 0.3 apart, noise 0.02), N = M points, blur 0.01
+(eps = 1e-4), cost |x - y|^2 / 2. Each method runs in a fresh process (its own peak RSS) on
+the same float32 data; the relative error is against a float64 reference computed by otreg
+with a fine eps-schedule (scaling 0.99, then 20 iterations at the final eps).
+
+    python benchmarks/sinkhorn_peers.py                 # N in 1,000, 5,000, 20,000
+    python benchmarks/sinkhorn_peers.py --quick         # N = 1,000
+    python benchmarks/sinkhorn_peers.py --record        # append the table to docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+
+from _common import peak_rss_mb, record, run_worker, table
+
+BLUR = 0.01
+# name: (library, options); every method gets the same data.
+METHODS = {
+    "reference (otreg float64, scaling 0.99)": ("otreg", dict(scaling=0.99, extra=20,
+                                                              dtype="float64")),
+    "otreg, scaling 0.9 (blocked)": ("otreg", dict(scaling=0.9, extra=0)),
+    "otreg, scaling 0.9 (keops)": ("otreg", dict(scaling=0.9, extra=0, backend="keops")),
+    "otreg, scaling 0.7 + 20 its": ("otreg", dict(scaling=0.7, extra=20)),
+    "GeomLoss online (keops), scaling 0.9": ("geomloss", dict(backend="online")),
+    "GeomLoss multiscale, scaling 0.9": ("geomloss", dict(backend="multiscale")),
+    "POT empirical_sinkhorn_divergence (log, 1000 its)": ("pot", {}),
+}
+
+
+def data(n: int, dtype):
+    from otreg.datasets import noisy_sphere
+
+    x = noisy_sphere(n, seed=1, dtype=dtype)
+    y = noisy_sphere(n, radius=0.8, center=(0.3, 0.0, 0.0), seed=2, dtype=dtype)
+    return x, y
+
+
+def worker(method: str, n: int) -> dict:
+    import torch
+
+    lib, opts = METHODS[method]
+    dtype = torch.float64 if opts.get("dtype") == "float64" else torch.float32
+    x, y = data(n, dtype)
+    x.requires_grad_(True)
+    start = time.perf_counter()
+    info = {}
+    if lib == "otreg":
+        import otreg
+        from otreg.costs import diameter, epsilon_schedule
+        from otreg.ot.divergence import _divergence
+
+        steps = len(epsilon_schedule(2, diameter(x[None], y[None]), BLUR, opts["scaling"]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", otreg.ConvergenceWarning)
+            value, res = _divergence("bench", x, y, None, None, blur=BLUR,
+                                     scaling=opts["scaling"], backend=opts.get("backend", "auto"),
+                                     tol=0.0, max_iter=steps + opts["extra"])
+        info = {"iters": res.n_iter, "backend": res.backend}
+    elif lib == "geomloss":
+        import geomloss
+
+        loss = geomloss.SamplesLoss("sinkhorn", p=2, blur=BLUR, scaling=0.9,
+                                    backend=opts["backend"])
+        value = loss(x, y)
+    else:
+        import ot
+
+        # POT's sqeuclidean metric is |x - y|^2 (twice ours): reg = 2 eps gives the same plan,
+        # and its value <pi, M> is twice the linear part of ours (no entropy term).
+        value = ot.bregman.empirical_sinkhorn_divergence(
+            x, y, reg=2 * BLUR**2, metric="sqeuclidean", method="sinkhorn_log",
+            numIterMax=1000, stopThr=1e-9) / 2
+    (grad,) = torch.autograd.grad(value, x)
+    return {"seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
+            "value": float(value.detach()), "grad": grad.double().flatten().tolist()[:3000],
+            **info}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="*", default=[1000, 5000, 20000])
+    parser.add_argument("--quick", action="store_true", help="N = 1,000 only")
+    parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--pot-max", type=int, default=1000,
+                        help="skip POT (dense N x M) above this N")
+    parser.add_argument("--keops-max", type=int, default=5000,
+                        help="skip otreg's keops row above this N (slow on a CPU)")
+    parser.add_argument("--timeout", type=float, default=2400)
+    parser.add_argument("--record", action="store_true")
+    parser.add_argument("--worker", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]))))
+        return
+    import numpy as np
+
+    sizes = [1000] if args.quick else args.sizes
+    rows = []
+    for n in sizes:
+        ref = None
+        for method in args.methods:
+            if METHODS[method][0] == "pot" and n > args.pot_max:
+                rows.append({"n": n, "method": method, "error": f"skipped above N={args.pot_max}"
+                             " (autograd through dense iterations: 20 GB at N = 1,000)"})
+                continue
+            if "otreg" in method and "keops" in method and n > args.keops_max:
+                rows.append({"n": n, "method": method, "error": f"skipped above N={args.keops_max}"})
+                continue
+            out = run_worker(__file__, [method, str(n)], args.timeout)
+            print(n, method, {k: v for k, v in out.items() if k != "grad"}, file=sys.stderr,
+                  flush=True)
+            row = {"n": n, "method": method, **out}
+            if method.startswith("reference"):
+                ref = row
+            elif ref is not None and "value" in row:
+                row["value_err"] = abs(row["value"] / ref["value"] - 1)
+                g, gr = np.array(row["grad"]), np.array(ref["grad"])
+                row["grad_err"] = float(np.linalg.norm(g - gr) / np.linalg.norm(gr))
+            rows.append(row)
+        online = next((r for r in rows if r["n"] == n and "online" in r["method"]
+                       and "seconds" in r), None)
+        for r in rows:
+            if r["n"] == n and online and "seconds" in r:
+                r["speedup"] = online["seconds"] / r["seconds"]
+    text = table(rows, [("n", "N", "{:,}"), ("method", "method", ""),
+                        ("iters", "iterations", "{}"), ("seconds", "time (s)", "{:.1f}"),
+                        ("speedup", "GeomLoss online time / time", "{:.1f}"),
+                        ("peak_rss_mb", "peak RSS (MB)", "{:.0f}"),
+                        ("value", "divergence", "{:.6f}"),
+                        ("value_err", "value rel. err.", "{:.1e}"),
+                        ("grad_err", "grad rel. err.", "{:.1e}"), ("error", "note", "")])
+    print(text)
+    if args.record:
+        command = "python benchmarks/sinkhorn_peers.py " + " ".join(sys.argv[1:])
+        record("Sinkhorn divergence + gradient, noisy spheres, blur 0.01", command, text)
+
+
+if __name__ == "__main__":
+    main()
