@@ -221,7 +221,7 @@ def _solve_pair(p: _Problem, x, y, a, b):
         err = _residual(p, eps, b, g, sg)
         g = lam * sg
         n_iter += 1
-        if float(err.max()) <= p.tol:
+        if float(err.max()) < p.tol:
             break
     return f, g, n_iter, float(err.max())
 
@@ -242,7 +242,7 @@ def _solve_self(p: _Problem, x, a):
         err = _residual(p, eps, a, f, sf)
         f = (f + lam * sf) / 2
         n_iter += 1
-        if float(err.max()) <= p.tol:
+        if float(err.max()) < p.tol:
             break
     return f, n_iter, float(err.max())
 
@@ -270,10 +270,10 @@ def _dual_value(p: _Problem, x, y, a, b, g) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _warn_if_unconverged(fn: str, what: str, p: _Problem, n_iter: int, err: float) -> bool:
-    converged = err <= p.tol
+    converged = err < p.tol
     if not converged:
         warnings.warn(f"{fn}: {what} stopped after {n_iter} iterations with marginal error "
-                      f"{err:.3g} > tol={p.tol:g} at eps={p.eps:.3g}; raise max_iter, or "
+                      f"{err:.3g} >= tol={p.tol:g} at eps={p.eps:.3g}; raise max_iter, or "
                       "relax tol (a larger blur converges faster)", ConvergenceWarning,
                       stacklevel=3)
     return converged
@@ -319,7 +319,8 @@ def sinkhorn(
             ``FloatingPointError`` naming the log form rather than switching silently).
         backend: ``"auto"``, ``"keops"``, ``"tensorized"`` or ``"blocked"`` (see
             :mod:`otreg.reductions`).
-        tol: stop when the relative L1 marginal error at the final eps is <= tol.
+        tol: stop when the relative L1 marginal error at the final eps is < tol (tol=0 runs
+            exactly max_iter iterations).
         max_iter: the most iterations in all, the eps-scaling ones included.
         backward: ``"envelope"``: gradients of ``cost`` by the envelope theorem.
 
