@@ -3,6 +3,7 @@
 The public API is what this module exports; everything else is private.
 """
 
+from . import loops
 from ._checks import ConvergenceWarning
 from ._info import info
 from .ot import SinkhornLoss, SinkhornResult, TransportPlan, sinkhorn, sinkhorn_divergence
@@ -20,4 +21,5 @@ __all__ = [
     "ConvergenceWarning",
     "KeOpsUnavailable",
     "info",
+    "loops",
 ]

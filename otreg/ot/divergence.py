@@ -35,6 +35,10 @@ __all__ = ["sinkhorn_divergence", "SinkhornLoss"]
 def _divergence(fn: str, x, y, a, b, *, debias: bool = True, **options):
     """(value, cross SinkhornResult) for the debiased divergence or the plain OT cost."""
     p = _validate(fn, x, y, a, b, **options)
+    if options.get("backward", "envelope") != "envelope":
+        raise ValueError(f"{fn}: backward is {options['backward']!r}; the divergence's "
+                         "gradient is exact with 'envelope'. For differentiable potentials "
+                         "use otreg.sinkhorn(..., backward='implicit')")
     xd, yd, ad, bd = p.x.detach(), p.y.detach(), p.a.detach(), p.b.detach()
     with torch.no_grad():
         f, g, n_iter, err = _solve_pair(p, xd, yd, ad, bd)

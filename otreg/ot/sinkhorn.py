@@ -36,6 +36,7 @@ No iteration is stored.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ from .plan import TransportPlan
 __all__ = ["sinkhorn", "SinkhornResult", "FORMS", "BACKWARDS"]
 
 FORMS = ("log", "scaling")
-BACKWARDS = ("envelope",)
+BACKWARDS = ("envelope", "implicit", "unroll")
 
 
 @dataclass
@@ -269,6 +270,26 @@ def _dual_value(p: _Problem, x, y, a, b, g) -> tuple[torch.Tensor, torch.Tensor]
     return value - eps * (mass - a.sum(1) * b.sum(1)), f.detach()
 
 
+def _pair_step(p: _Problem):
+    """One alternating Sinkhorn update at the final eps, as a map (f, g) -> (f, g).
+
+    Balanced potentials are defined up to (f + c, g - c); the map fixes <a, f> = <b, g> so
+    that its fixed point is isolated and the implicit system I - J^T is invertible.
+    """
+    eps, lam = p.eps, p.damping(p.eps)
+
+    def step(state, x, y, a, b):
+        f, g = state
+        f = lam * _softmin(p, eps, x, y, b.log(), g)
+        g = lam * _softmin(p, eps, y, x, a.log(), f)
+        if p.rho is None:
+            shift = ((a * f).sum(1) - (b * g).sum(1)) / (2 * a.sum(1))
+            f, g = f - shift[:, None], g + shift[:, None]
+        return f, g
+
+    return step
+
+
 def _warn_if_unconverged(fn: str, what: str, p: _Problem, n_iter: int, err: float) -> bool:
     converged = err < p.tol
     if not converged:
@@ -299,6 +320,8 @@ def sinkhorn(
     tol: float = 1e-4,
     max_iter: int = 1000,
     backward: str = "envelope",
+    strategy: str = "store",
+    memory: int | str | None = None,
 ) -> SinkhornResult:
     """Entropic optimal transport between two weighted point clouds.
 
@@ -322,7 +345,14 @@ def sinkhorn(
         tol: stop when the relative L1 marginal error at the final eps is < tol (tol=0 runs
             exactly max_iter iterations).
         max_iter: the most iterations in all, the eps-scaling ones included.
-        backward: ``"envelope"``: gradients of ``cost`` by the envelope theorem.
+        backward: how gradients are obtained. ``"envelope"`` (default): of ``cost`` only, by
+            the envelope theorem, at the memory of one reduction; ``f``, ``g`` and ``plan``
+            are detached. ``"implicit"``: ``f`` and ``g`` themselves are differentiable
+            (implicit function theorem at the fixed point, solved matrix-free), and so are
+            the plan's products, e.g. for a loss on the plan. ``"unroll"``: autograd through
+            the iterations at the final eps (the annealing gives the warm start), run by
+            :func:`otreg.loops.iterate` with ``strategy`` and ``memory``.
+        strategy, memory: for ``backward="unroll"``: see :func:`otreg.loops.iterate`.
 
     Returns:
         :class:`SinkhornResult`. Warns :class:`~otreg.ConvergenceWarning` when ``tol`` is
@@ -331,15 +361,34 @@ def sinkhorn(
     p = _validate("sinkhorn", x, y, a, b, blur=blur, reach=reach, diameter=diameter,
                   scaling=scaling, cost=cost, form=form, backend=backend, tol=tol,
                   max_iter=max_iter, backward=backward)
+    if backward != "unroll" and (strategy != "store" or memory is not None):
+        raise ValueError("sinkhorn: strategy and memory apply to backward='unroll' only, not "
+                         f"backward={backward!r}")
     with torch.no_grad():
         f, g, n_iter, err = _solve_pair(p, p.x.detach(), p.y.detach(), p.a.detach(),
                                         p.b.detach())
-    value, f = _dual_value(p, p.x, p.y, p.a, p.b, g)
     converged = _warn_if_unconverged("sinkhorn", "the solver", p, n_iter, err)
+    params = (p.x, p.y, p.a, p.b)
+    if backward == "envelope":
+        value, f = _dual_value(p, *params, g)
+        params = tuple(t.detach() for t in params)
+    else:
+        from ..loops import iterate
+        from ..loops.fixed_point import implicit
+
+        step = _pair_step(p)
+        if backward == "implicit":
+            f, g = implicit(step, step((f, g), *params), params, tol=1e-10, max_iter=1000)
+        else:  # unroll the iterations at the final eps, from the annealed warm start
+            with torch.no_grad():
+                warm = _solve_pair(dataclasses.replace(p, max_iter=len(p.schedule), tol=0.0),
+                                   *(t.detach() for t in params))
+            f, g = iterate(step, warm[:2], max(1, n_iter - len(p.schedule)), params,
+                           strategy=strategy, memory=memory)
+        value, _ = _dual_value(p, *params, g)
     backend_used = R.resolve_backend(p.backend, p.x.shape[0] * p.x.shape[1] * p.y.shape[1],
                                      p.x.device)
-    plan = TransportPlan(p.x.detach(), p.y.detach(), p.a.detach(), p.b.detach(), f, g, p.eps,
-                         p.cost, backend_used, p.batched)
+    plan = TransportPlan(*params, f, g, p.eps, p.cost, backend_used, p.batched)
     return SinkhornResult(
         f=_unbatch(f, p.batched), g=_unbatch(g, p.batched), cost=_unbatch(value, p.batched),
         n_iter=n_iter, converged=converged, marginal_error=err, eps=p.eps,

@@ -1,0 +1,197 @@
+"""Implicit differentiation of a fixed point z* = step(z*, *params).
+
+Forward iterates without a graph. Backward needs u = (d z*/d params)^T g; differentiating
+z* = step(z*, p) gives (I - J) dz* = (d step/d p) dp with J = d step/d z at z*, so
+
+.. math::
+
+    (I - J^T)\\, u = g, \\qquad \\nabla_p = \\Big(\\frac{\\partial\\, \\mathrm{step}}
+        {\\partial p}\\Big)^T u,
+
+solved matrix-free: J^T u is one vector-Jacobian product through a single taped step. The
+solver is scipy's GMRES (``solver="gmres"``, the default) or the fixed-point iteration
+u <- g + J^T u (``solver="fixed_point"``, which converges when the forward map contracts).
+Memory: one step's graph, whatever the number of iterations.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .._checks import ConvergenceWarning, check_choice, check_int, check_positive
+from .iterate import _as_tuple, _Step, iterate
+
+__all__ = ["fixed_point", "implicit", "BACKWARDS", "SOLVERS"]
+
+BACKWARDS = ("implicit", "unroll")
+SOLVERS = ("gmres", "fixed_point")
+
+
+def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _unflat(v: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    out, k = [], 0
+    for t in like:
+        out.append(v[k:k + t.numel()].view_as(t))
+        k += t.numel()
+    return tuple(out)
+
+
+def _solve_adjoint(apply_jt: Callable, g: torch.Tensor, solver: str, tol: float,
+                   max_iter: int) -> tuple[torch.Tensor, float, int]:
+    """Solve (I - J^T) u = g; returns (u, relative residual, iterations)."""
+    gnorm = float(g.norm()) or 1.0
+    if solver == "fixed_point":
+        u, n = g.clone(), 0
+        for n in range(1, max_iter + 1):  # noqa: B007
+            u_new = g + apply_jt(u)
+            done = float((u_new - u).norm()) <= tol * gnorm
+            u = u_new
+            if done:
+                break
+    else:
+        import numpy as np
+        from scipy.sparse.linalg import LinearOperator, gmres
+
+        count = [0]
+
+        def matvec(v):
+            count[0] += 1
+            t = torch.as_tensor(np.asarray(v).reshape(-1), dtype=g.dtype, device=g.device)
+            return (t - apply_jt(t)).detach().cpu().double().numpy()
+
+        op = LinearOperator((g.numel(), g.numel()), matvec=matvec, dtype=np.float64)
+        sol, _ = gmres(op, g.detach().cpu().double().numpy(), rtol=tol, atol=0.0,
+                       restart=min(50, g.numel()), maxiter=max_iter)
+        u, n = torch.as_tensor(sol, dtype=g.dtype, device=g.device), count[0]
+    residual = float((u - apply_jt(u) - g).norm()) / gnorm
+    return u, residual, n
+
+
+class _Implicit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: _Step, opts: dict, report: dict, n_state: int, *tensors):
+        z, params = tensors[:n_state], tensors[n_state:]
+        ctx.run, ctx.opts, ctx.report, ctx.n_state = run, opts, report, n_state
+        ctx.save_for_backward(*z, *params)
+        return tuple(t.clone() for t in z)
+
+    @staticmethod
+    def backward(ctx, *grad_out):
+        saved = ctx.saved_tensors
+        z, params = saved[:ctx.n_state], saved[ctx.n_state:]
+        g = _flat([go if go is not None else torch.zeros_like(t) for go, t in zip(grad_out, z)])
+        with torch.enable_grad():
+            zz = tuple(t.detach().requires_grad_() for t in z)
+            out = ctx.run(zz, params)
+            flat_out = _flat(out)
+
+            def apply_jt(u: torch.Tensor) -> torch.Tensor:
+                grads = torch.autograd.grad(flat_out, zz, u, retain_graph=True,
+                                            allow_unused=True)
+                return _flat([gr if gr is not None else torch.zeros_like(t)
+                              for gr, t in zip(grads, zz)])
+
+            o = ctx.opts
+            u, residual, n = _solve_adjoint(apply_jt, g, o["solver"], o["tol"], o["max_iter"])
+            ctx.report.update(backward_residual=residual, backward_iterations=n)
+            if residual > 10 * o["tol"]:
+                warnings.warn(f"fixed_point: the adjoint solve stopped at relative residual "
+                              f"{residual:.3g} > {o['tol']:g} after {n} iterations; the "
+                              "gradient is approximate", ConvergenceWarning, stacklevel=2)
+            wanted = [p for p in params if p.requires_grad]
+            grads = iter(torch.autograd.grad(flat_out, wanted, u, allow_unused=True)
+                         if wanted else ())
+        gp = tuple(next(grads) if p.requires_grad else None for p in params)
+        return (None, None, None, None, *(None for _ in z), *gp)
+
+
+def implicit(step: Callable, z_star, params: Sequence[torch.Tensor] = (), *,
+             solver: str = "gmres", tol: float = 1e-8, max_iter: int = 1000,
+             report: dict | None = None):
+    """Attach implicit gradients to an already computed fixed point ``z_star`` of ``step``.
+
+    Returns z_star (same values) whose gradients with respect to ``params`` solve the adjoint
+    system of the module docstring.
+    """
+    z, single = _as_tuple("implicit", z_star)
+    run = _Step(step, tuple(params), False, single, z)
+    opts = {"solver": solver, "tol": tol, "max_iter": max_iter}
+    out = _Implicit.apply(run, opts, {} if report is None else report, len(z),
+                          *(t.detach() for t in z), *params)
+    return out[0] if single else tuple(out)
+
+
+def fixed_point(
+    step: Callable,
+    x0,
+    params: Sequence[torch.Tensor] | nn.Module = (),
+    *,
+    tol: float = 1e-6,
+    max_iter: int = 1000,
+    backward: str = "implicit",
+    solver: str = "gmres",
+    backward_tol: float | None = None,
+    backward_max_iter: int = 1000,
+    report: dict | None = None,
+):
+    """Find z* = step(z*, *params) by iteration, differentiably.
+
+    Args:
+        step: ``step(z, *params) -> z`` (a tensor or a tuple of tensors), a contraction near z*.
+        x0: the starting point.
+        params: tensors that receive gradients (an nn.Module is not supported here: pass
+            ``tuple(module.parameters())`` and use them in ``step``).
+        tol: stop when |z_{k+1} - z_k| <= tol |z_{k+1}| (all tensors flattened together).
+        max_iter: the most forward iterations; warns ``ConvergenceWarning`` at the cap.
+        backward: ``"implicit"`` (solve the adjoint system: memory of one step) or
+            ``"unroll"`` (autograd through the same number of iterations, for comparison).
+        solver: ``"gmres"`` or ``"fixed_point"`` for the adjoint system.
+        backward_tol: relative residual of the adjoint solve (default: ``tol``).
+        backward_max_iter: the most adjoint iterations.
+        report: a dict filled with ``n_iter``, ``converged``, ``residual`` and, after
+            backward, ``backward_residual`` and ``backward_iterations``.
+
+    Returns:
+        z*, with the structure of x0.
+    """
+    fn = "fixed_point"
+    if not callable(step):
+        raise TypeError(f"{fn}: step must be callable, got {type(step).__name__}")
+    if isinstance(params, nn.Module):
+        raise TypeError(f"{fn}: pass tuple(module.parameters()) as params and use them in step")
+    z, single = _as_tuple(fn, x0)
+    tol = check_positive(fn, "tol", tol)
+    max_iter = check_int(fn, "max_iter", max_iter, 1)
+    check_choice(fn, "backward", backward, BACKWARDS)
+    check_choice(fn, "solver", solver, SOLVERS)
+    backward_tol = tol if backward_tol is None else check_positive(fn, "backward_tol",
+                                                                     backward_tol)
+    backward_max_iter = check_int(fn, "backward_max_iter", backward_max_iter, 1)
+    params = tuple(params)
+    run = _Step(step, params, False, single, z)
+    report = {} if report is None else report
+    with torch.no_grad():
+        current, change, n = tuple(t.detach() for t in z), float("inf"), 0
+        for n in range(1, max_iter + 1):  # noqa: B007
+            nxt = run(current)
+            change = float(_flat(nxt).sub(_flat(current)).norm()) / max(
+                float(_flat(nxt).norm()), 1e-30)
+            current = nxt
+            if change <= tol:
+                break
+    report.update(n_iter=n, converged=change <= tol, residual=change)
+    if change > tol:
+        warnings.warn(f"{fn}: stopped after {n} iterations with relative change {change:.3g} "
+                      f"> tol={tol:g}; raise max_iter or check that step contracts",
+                      ConvergenceWarning, stacklevel=2)
+    if backward == "unroll":
+        return iterate(step, x0, n, params, strategy="store")
+    return implicit(step, current[0] if single else current, params, solver=solver,
+                    tol=backward_tol, max_iter=backward_max_iter, report=report)

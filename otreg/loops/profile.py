@@ -1,0 +1,141 @@
+"""Memory and time of each loop strategy on one problem: the trade-off table.
+
+Peak memory is measured, not estimated: on a GPU ``torch.cuda.max_memory_allocated``; on a
+Linux CPU the growth of the process's peak resident set (VmHWM, reset through
+``/proc/self/clear_refs`` after returning freed memory with ``malloc_trim``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from .iterate import STRATEGIES, iterate
+
+__all__ = ["profile", "ProfileResult", "measure_peak"]
+
+
+def _vm_hwm_bytes() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _vm_rss_bytes() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def measure_peak(fn: Callable[[], object], device: torch.device) -> tuple[object, float, int | None]:
+    """Run fn(); return (its result, seconds, peak bytes above the starting level or None)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out, time.perf_counter() - start, torch.cuda.max_memory_allocated(device) - base
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+    base = _vm_rss_bytes()
+    start = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - start
+    peak = _vm_hwm_bytes()
+    return out, seconds, (None if peak is None or base is None else max(0, peak - base))
+
+
+class ProfileResult(list):
+    """Rows (dicts) of :func:`profile`; ``str()`` renders the table."""
+
+    def __str__(self) -> str:
+        head = (f"{'strategy':<12} {'peak memory':>12} {'time (s)':>9} {'recomputed':>10} "
+                f"{'max |grad - store|':>19}")
+        lines = [head, "-" * len(head)]
+        for r in self:
+            mem = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:,.1f} MiB"
+            diff = "" if r["grad_diff"] is None else f"{r['grad_diff']:.2e}"
+            rec = "" if r.get("recomputations") is None else str(r["recomputations"])
+            lines.append(f"{r['strategy']:<12} {mem:>12} {r['seconds']:>9.3f} {rec:>10} "
+                         f"{diff:>19}")
+        return "\n".join(lines)
+
+
+def profile(
+    step: Callable,
+    x0,
+    n_steps: int,
+    params: Sequence[torch.Tensor] = (),
+    *,
+    strategies: Sequence[str] = ("store", "checkpoint", "offload"),
+    loss: Callable | None = None,
+    memory: int | str | None = None,
+    snapshots: int | None = None,
+    inverse: Callable | None = None,
+) -> ProfileResult:
+    """Run forward and backward of the loop once per strategy; measure memory and time.
+
+    Args:
+        step, x0, n_steps, params, memory, snapshots, inverse: as in
+            :func:`otreg.loops.iterate` (``inverse`` is needed for ``"reversible"``).
+        strategies: which to run; ``"store"`` first gives the reference gradients.
+        loss: scalar function of the final state (default: the sum of its entries).
+
+    Returns:
+        :class:`ProfileResult`: per strategy ``peak_bytes``, ``seconds`` (forward +
+        backward), ``recomputations``, ``drift`` (reversible) and ``grad_diff`` (largest
+        absolute difference from the ``"store"`` gradients).
+    """
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise ValueError(f"profile: unknown strategy {s!r}; choose from {STRATEGIES}")
+    params = tuple(params)
+    state = (x0,) if isinstance(x0, torch.Tensor) else tuple(x0)
+    leaves = [t for t in (*state, *params) if t.requires_grad]
+    if not leaves:
+        raise ValueError("profile: nothing requires grad; set requires_grad on x0 or params")
+    loss = loss or (lambda y: sum(t.sum() for t in ((y,) if isinstance(y, torch.Tensor) else y)))
+    device = state[0].device
+    rows, reference = ProfileResult(), None
+    for strategy in strategies:
+        report: dict = {}
+        kwargs = {}
+        if strategy == "checkpoint":
+            kwargs = {"memory": memory, "snapshots": snapshots}
+        if strategy == "reversible":
+            kwargs = {"inverse": inverse}
+
+        def run():
+            out = iterate(step, x0, n_steps, params, strategy=strategy, report=report, **kwargs)
+            return torch.autograd.grad(loss(out), leaves)
+
+        grads, seconds, peak = measure_peak(run, device)
+        if reference is None and strategy == "store":
+            reference = grads
+        diff = None
+        if reference is not None:
+            diff = max(float((g - r).abs().max()) for g, r in zip(grads, reference))
+        rows.append({"strategy": strategy, "peak_bytes": peak, "seconds": seconds,
+                     "recomputations": report.get("recomputations"),
+                     "drift": report.get("drift"), "snapshots": report.get("snapshots"),
+                     "grad_diff": diff})
+    return rows

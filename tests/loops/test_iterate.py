@@ -1,0 +1,138 @@
+"""Every strategy of otreg.loops.iterate gives the gradients of plain autograd."""
+
+import pytest
+import torch
+from torch import nn
+
+from otreg.loops import iterate, min_recomputations, profile
+
+D = torch.float64
+
+
+def make(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(4, 6, generator=g, dtype=D, requires_grad=True)
+    W = (0.3 * torch.randn(6, 6, generator=g, dtype=D)).requires_grad_()
+    return x0, W
+
+
+def noisy_step(x, W):
+    return torch.tanh(x @ W) + 0.05 * torch.randn_like(x)  # random: RNG must be replayed
+
+
+def grads(strategy, n=40, step=noisy_step, **kw):
+    x0, W = make()
+    torch.manual_seed(123)
+    report = {}
+    y = iterate(step, x0, n, (W,), strategy=strategy, report=report, **kw)
+    return torch.autograd.grad((y**2).sum(), (x0, W)), report
+
+
+def close(g1, g2, rtol):
+    return all(torch.allclose(a, b, rtol=rtol, atol=rtol * float(b.abs().max()))
+               for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("snapshots", [1, 2, 3, 7, 40, 100])
+def test_checkpoint_equals_store_and_counts_recomputations(snapshots):
+    ref, _ = grads("store")
+    got, report = grads("checkpoint", snapshots=snapshots)
+    assert close(got, ref, 1e-10)
+    s = min(snapshots, 40)
+    assert report["untaped_evaluations"] == min_recomputations(40, s) + 1
+    assert report["max_stored"] <= s
+
+
+def test_checkpoint_memory_budget_in_bytes():
+    ref, _ = grads("store")
+    state = 4 * 6 * 8  # bytes of one float64 (4, 6) state
+    got, report = grads("checkpoint", memory=f"{3 * state}B")
+    assert report["snapshots"] == 3 and close(got, ref, 1e-10)
+    got, report = grads("checkpoint", memory=str(3 * state / 1000) + "KB")
+    assert report["snapshots"] == 3
+
+
+def test_offload_equals_store():
+    ref, _ = grads("store")
+    got, _ = grads("offload")
+    assert close(got, ref, 1e-10)
+
+
+def test_reversible_rebuilds_states_and_reports_drift():
+    def step(state, W):  # additive coupling: exactly invertible
+        a, b = state
+        a = a + torch.tanh(b @ W)
+        return a, b + torch.sin(a @ W)
+
+    def inverse(state, W):
+        a, b = state
+        b = b - torch.sin(a @ W)
+        return a - torch.tanh(b @ W), b
+
+    x0, W = make()
+    b0 = x0.detach().flip(0).clone().requires_grad_()
+    out = {}
+    for strategy in ("store", "reversible"):
+        report = {}
+        kw = {"inverse": inverse} if strategy == "reversible" else {}
+        a, b = iterate(step, (x0, b0), 30, (W,), strategy=strategy, report=report, **kw)
+        out[strategy] = torch.autograd.grad((a * b).sum(), (x0, b0, W)), report
+    drift = out["reversible"][1]["drift"]
+    assert 0 <= drift < 1e-10
+    assert close(out["reversible"][0], out["store"][0], 1e-8)
+
+
+def test_module_parameters_receive_gradients():
+    torch.manual_seed(0)
+    net = nn.Linear(6, 6).double()
+    x0 = torch.randn(3, 6, dtype=D)
+    y_ref = x0
+    for _ in range(20):
+        y_ref = torch.tanh(net(y_ref))
+    ref = torch.autograd.grad(y_ref.sum(), list(net.parameters()))
+    y = iterate(lambda x: torch.tanh(net(x)), x0, 20, net, strategy="checkpoint", snapshots=3)
+    got = torch.autograd.grad(y.sum(), list(net.parameters()))
+    assert close(got, ref, 1e-10)
+
+
+def test_rng_is_not_disturbed_by_backward():
+    _, _ = grads("checkpoint", snapshots=2)
+    state = torch.get_rng_state()
+    x0, W = make()
+    torch.set_rng_state(state)
+    y = iterate(noisy_step, x0, 10, (W,), strategy="checkpoint", snapshots=2)
+    after_forward = torch.get_rng_state()
+    y.sum().backward()
+    assert torch.equal(torch.get_rng_state(), after_forward)
+
+
+def test_profile_table():
+    x0, W = make()
+    rows = profile(lambda x, W: torch.tanh(x @ W), x0, 20, (W,), snapshots=3,
+                   strategies=("store", "checkpoint", "offload"))
+    assert [r["strategy"] for r in rows] == ["store", "checkpoint", "offload"]
+    assert all(r["grad_diff"] < 1e-12 and r["seconds"] > 0 for r in rows)
+    assert rows[1]["recomputations"] == min_recomputations(20, 3) + 1 - 20
+    assert "checkpoint" in str(rows)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(n_steps=0), ValueError, "n_steps is 0"),
+    (dict(strategy="revolve"), ValueError, "strategy is 'revolve'"),
+    (dict(strategy="checkpoint", memory="1B"), ValueError, "smaller than one state"),
+    (dict(strategy="checkpoint", memory="lots"), ValueError, "memory is 'lots'"),
+    (dict(strategy="checkpoint", memory="1MB", snapshots=2), ValueError, "not both"),
+    (dict(strategy="store", snapshots=2), ValueError, "checkpoint' only"),
+    (dict(strategy="reversible"), ValueError, "needs inverse="),
+    (dict(step=lambda x, W: x[:2]), ValueError, "step changed the state from"),
+    (dict(step=3), TypeError, "step must be callable"),
+])
+def test_bad_arguments(kwargs, error, match):
+    x0, W = make()
+    args = dict(step=lambda x, W: x @ W, n_steps=5, strategy="store")
+    args.update(kwargs)
+    step = args.pop("step")
+    n = args.pop("n_steps")
+    with pytest.raises(error, match=match):
+        y = iterate(step, x0, n, (W,), **args)
+        y.sum().backward()
