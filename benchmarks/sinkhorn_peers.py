@@ -111,7 +111,8 @@ def main() -> None:
                              " (autograd through dense iterations: 20 GB at N = 1,000)"})
                 continue
             if "otreg" in method and "keops" in method and n > args.keops_max:
-                rows.append({"n": n, "method": method, "error": f"skipped above N={args.keops_max}"})
+                rows.append({"n": n, "method": method,
+                             "error": f"skipped above N={args.keops_max}"})
                 continue
             out = run_worker(__file__, [method, str(n)], args.timeout)
             print(n, method, {k: v for k, v in out.items() if k != "grad"}, file=sys.stderr,

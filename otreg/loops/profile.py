@@ -40,7 +40,8 @@ def _vm_rss_bytes() -> int | None:
     return None
 
 
-def measure_peak(fn: Callable[[], object], device: torch.device) -> tuple[object, float, int | None]:
+def measure_peak(fn: Callable[[], object],
+                 device: torch.device) -> tuple[object, float, int | None]:
     """Run fn(); return (its result, seconds, peak bytes above the starting level or None)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -124,7 +125,7 @@ def profile(
         if strategy == "reversible":
             kwargs = {"inverse": inverse}
 
-        def run():
+        def run(strategy=strategy, report=report, kwargs=kwargs):
             out = iterate(step, x0, n_steps, params, strategy=strategy, report=report, **kwargs)
             return torch.autograd.grad(loss(out), leaves)
 

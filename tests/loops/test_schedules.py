@@ -1,6 +1,6 @@
 """Binomial checkpointing schedules against Griewank-Walther's formula and a brute-force DP."""
 
-from functools import lru_cache
+from functools import cache
 from math import comb
 
 import pytest
@@ -8,7 +8,7 @@ import pytest
 from otreg.loops import binomial_schedule, min_recomputations
 
 
-@lru_cache(maxsize=None)
+@cache
 def brute_force(n, s):
     """Fewest untaped steps, by exhaustive recursion over every split (independent of ours)."""
     if n == 1:
