@@ -3,11 +3,13 @@
 The public API is what this module exports; everything else is private.
 """
 
-from . import loops
+from . import datasets, loops
 from ._checks import ConvergenceWarning
 from ._info import info
+from .io import load_shape, save_shape
 from .ot import SinkhornLoss, SinkhornResult, TransportPlan, sinkhorn, sinkhorn_divergence
 from .reductions import KeOpsUnavailable
+from .shapes import Shape
 
 __version__ = "0.1.0"
 
@@ -22,4 +24,8 @@ __all__ = [
     "KeOpsUnavailable",
     "info",
     "loops",
+    "Shape",
+    "load_shape",
+    "save_shape",
+    "datasets",
 ]

@@ -1,18 +1,34 @@
-"""Data to try otreg on: synthetic point clouds with known geometry.
+"""Data to try otreg on.
 
-(Real brain surfaces shipped by installed packages, and synthetic subjects with ground-truth
-deformations, join this module with the shapes layer.)
+- Real brain data shipped inside installed packages, offline: nilearn's fsaverage5 surfaces
+  (10,242 vertices a hemisphere) and its MNI152 grey/white-matter probability maps
+  (``pip install otreg[data]``). Nothing is downloaded and no file is copied into otreg.
+- ``synthetic_subjects``: subjects made by applying known smooth random diffeomorphisms and
+  rigid motions to a real surface, with ground-truth correspondences, written as mesh and
+  NIfTI files for batch runs.
+- ``circles``, ``noisy_sphere``: synthetic point clouds.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
-from ._checks import check_int, check_positive
+from ._checks import check_choice, check_int, check_positive
+from ._deform import KernelFlow, RigidMotion, random_flow, random_rigid
+from .shapes import Shape
 
-__all__ = ["circles", "noisy_sphere"]
+__all__ = ["circles", "noisy_sphere", "fsaverage5", "mni152", "mni152_surface",
+           "synthetic_subjects", "SyntheticSubject", "nilearn_data_dir"]
+
+FSAVERAGE5_SURFACES = ("pial", "white", "inflated", "sphere")
+_FS_FILES = {"pial": "pial_{hemi}.gii.gz", "white": "white_{hemi}.gii.gz",
+             "inflated": "infl_{hemi}.gii.gz", "sphere": "sphere_{hemi}.gii.gz"}
 
 
 def circles(n: int = 10_000, shift: float = 1.0, dtype: torch.dtype = torch.float32
@@ -45,3 +61,182 @@ def noisy_sphere(n: int, radius: float = 1.0, center: tuple[float, float, float]
     p = radius * p / p.norm(dim=1, keepdim=True)
     p = p + noise * torch.randn(n, 3, generator=g, dtype=torch.float64)
     return (p + torch.tensor(center, dtype=torch.float64)).to(dtype)
+
+
+# --------------------------------------------------------------------------- nilearn data
+def nilearn_data_dir() -> Path:
+    """The data folder inside the installed nilearn wheel."""
+    try:
+        import nilearn
+    except ImportError as err:
+        raise ImportError("the real brain data ships with nilearn: pip install 'otreg[data]'"
+                          ) from err
+    return Path(nilearn.__file__).parent / "datasets" / "data"
+
+
+def fsaverage5(surface: str = "pial", hemi: str = "left", dtype: torch.dtype = torch.float32
+               ) -> Shape:
+    """An fsaverage5 hemisphere (10,242 vertices, 20,480 triangles), MNI-like space, mm."""
+    from .io import load_shape
+
+    check_choice("fsaverage5", "surface", surface, FSAVERAGE5_SURFACES)
+    check_choice("fsaverage5", "hemi", hemi, ("left", "right"))
+    path = nilearn_data_dir() / "fsaverage5" / _FS_FILES[surface].format(hemi=hemi)
+    return load_shape(path, dtype=dtype)
+
+
+def mni152(tissue: str = "wm") -> Path:
+    """Path of nilearn's MNI152 (2009a) grey- or white-matter probability map (uint8, 0-255)."""
+    check_choice("mni152", "tissue", tissue, ("gm", "wm"))
+    return nilearn_data_dir() / f"mni_icbm152_{tissue}_tal_nlin_sym_09a_converted.nii.gz"
+
+
+def mni152_surface(tissue: str = "wm", threshold: float = 0.5, largest: bool = True,
+                   dtype: torch.dtype = torch.float32) -> Shape:
+    """The boundary of the MNI152 tissue map thresholded at ``threshold`` (a probability).
+
+    ``largest`` keeps the largest connected component: a closed surface.
+    """
+    from .io import load_shape
+
+    threshold = check_positive("mni152_surface", "threshold", threshold)
+    if threshold >= 1:
+        raise ValueError(f"mni152_surface: threshold is {threshold}; it is a probability in "
+                         "(0, 1)")
+    shape = load_shape(mni152(tissue), level=threshold * 255, dtype=dtype)  # stored as 0-255
+    if largest:
+        source = shape.source
+        shape = shape.components()[0]
+        shape.source = source
+    return shape
+
+
+# --------------------------------------------------------------------------- synthetic
+@dataclass
+class SyntheticSubject:
+    """One synthetic subject: ``shape`` = rigid(flow(base)), vertex k <-> base vertex k."""
+
+    name: str
+    shape: Shape
+    flow: KernelFlow
+    rigid: RigidMotion
+    files: dict[str, Path]
+
+    def transform(self, points: torch.Tensor) -> torch.Tensor:
+        """The ground-truth map from the base's space to this subject's."""
+        return self.rigid(self.flow(points))
+
+    def inverse_transform(self, points: torch.Tensor) -> torch.Tensor:
+        return self.flow.inverse(self.rigid.inverse(points))
+
+
+def synthetic_subjects(base: Shape | None = None, n: int = 4, *, sigma: float = 25.0,
+                       magnitude: float = 6.0, n_controls: int = 40, max_angle: float = 10.0,
+                       max_shift: float = 10.0, seed: int = 0, out_dir: str | Path | None = None,
+                       volume: str | None = None) -> list[SyntheticSubject]:
+    """Subjects made from a real surface by known smooth diffeomorphisms and rigid motions.
+
+    Args:
+        base: the surface to deform (default: fsaverage5 left pial).
+        n: number of subjects.
+        sigma: width (mm) of the Gaussian kernels of the velocity field.
+        magnitude: peak velocity (mm): about the largest non-rigid displacement.
+        n_controls: kernels in the velocity field, centred on base vertices.
+        max_angle, max_shift: rigid motion bounds (degrees, mm).
+        seed: random seed (subjects are reproducible).
+        out_dir: if given, each subject is written there: ``NAME.vtk`` (the surface),
+            ``NAME_truth.npz`` (base vertices, subject vertices, rigid motion, flow) and
+            ``NAME_truth.json`` (the parameters); plus ``base.vtk``.
+        volume: ``"wm"`` or ``"gm"``: also write ``NAME.nii.gz``, the MNI152 tissue map
+            resampled through the subject's inverse transform (same ground truth).
+
+    Returns:
+        One :class:`SyntheticSubject` per subject.
+    """
+    fn = "synthetic_subjects"
+    base = fsaverage5("pial", "left") if base is None else base
+    if not isinstance(base, Shape):
+        raise TypeError(f"{fn}: base must be a Shape, got {type(base).__name__}")
+    n = check_int(fn, "n", n, 1)
+    sigma = check_positive(fn, "sigma", sigma)
+    magnitude = check_positive(fn, "magnitude", magnitude, allow_zero=True)
+    max_angle = check_positive(fn, "max_angle", max_angle, allow_zero=True)
+    max_shift = check_positive(fn, "max_shift", max_shift, allow_zero=True)
+    if volume is not None:
+        check_choice(fn, "volume", volume, ("wm", "gm"))
+    rng = np.random.default_rng(seed)
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        from .io import save_shape
+
+        out.mkdir(parents=True, exist_ok=True)
+        save_shape(base.with_points(base.points), out / "base.vtk")
+    subjects = []
+    center = base.points.detach().double().mean(0)
+    for k in range(n):
+        name = f"subject_{k:03d}"
+        flow = random_flow(base.points, sigma, magnitude, n_controls, rng)
+        rigid = random_rigid(center, max_angle, max_shift, rng)
+        moved = rigid(flow(base.points.double())).to(base.points.dtype)
+        shape = base.with_points(moved)
+        files: dict[str, Path] = {}
+        if out is not None:
+            files = _write_subject(out, name, base, shape, flow, rigid, volume)
+            shape.source = str(files["surface"])
+        subjects.append(SyntheticSubject(name, shape, flow, rigid, files))
+    return subjects
+
+
+def _write_subject(out: Path, name: str, base: Shape, shape: Shape, flow: KernelFlow,
+                   rigid: RigidMotion, volume: str | None) -> dict[str, Path]:
+    from .io import save_shape
+    from .io._files import atomic_write
+
+    files = {"surface": save_shape(shape, out / f"{name}.vtk")}
+    truth = {"base_points": base.points.detach().double().numpy(),
+             "points": shape.points.detach().double().numpy(),
+             "rotation": rigid.rotation.numpy(), "translation": rigid.translation.numpy(),
+             "center": rigid.center.numpy(), "controls": flow.controls.numpy(),
+             "momenta": flow.momenta.numpy(), "sigma": np.array(flow.sigma)}
+    files["truth"] = out / f"{name}_truth.npz"
+    atomic_write(files["truth"], lambda p: np.savez(p, **truth))
+    meta = {"name": name, "sigma_mm": flow.sigma, "rotation_degrees": rigid.angle_degrees,
+            "translation_mm": rigid.translation.tolist(), "n_controls": len(flow.controls),
+            "max_displacement_mm": float((shape.points.double() - rigid(
+                base.points.double())).norm(dim=1).max()),
+            "files": {"surface": files["surface"].name, "truth": files["truth"].name}}
+    if volume is not None:
+        files["volume"] = out / f"{name}.nii.gz"
+        _write_warped_volume(mni152(volume), files["volume"], flow, rigid)
+        meta["files"]["volume"] = files["volume"].name
+    files["meta"] = out / f"{name}_truth.json"
+    atomic_write(files["meta"], lambda p: p.write_text(json.dumps(meta, indent=2)))
+    return files
+
+
+def _write_warped_volume(src: Path, dst: Path, flow: KernelFlow, rigid: RigidMotion,
+                         stride: int = 4) -> None:
+    """Resample ``src`` at T^-1(world grid): the volume moves with the surface."""
+    import nibabel as nib
+    from scipy.ndimage import map_coordinates, zoom
+
+    from .io._files import atomic_write
+
+    img = nib.load(str(src))
+    data = np.asanyarray(img.dataobj)
+    shape = data.shape
+    # The inverse map is smooth: evaluate it on a coarse grid, interpolate to every voxel.
+    axes = [np.arange(0, s, stride, dtype=np.float64) for s in shape]
+    grid = np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)
+    world = nib.affines.apply_affine(img.affine, grid)
+    back = flow.inverse(rigid.inverse(torch.as_tensor(world))).numpy()
+    vox = nib.affines.apply_affine(np.linalg.inv(img.affine), back)
+    coarse = vox.reshape(*[len(a) for a in axes], 3) - grid.reshape(*[len(a) for a in axes], 3)
+    factors = [s / len(a) for s, a in zip(shape, axes)]
+    disp = np.stack([zoom(coarse[..., d], factors, order=1)[:shape[0], :shape[1], :shape[2]]
+                     for d in range(3)])
+    ident = np.stack(np.meshgrid(*[np.arange(s) for s in shape], indexing="ij"))
+    warped = map_coordinates(data.astype(np.float32), ident + disp, order=1, mode="constant")
+    out = nib.Nifti1Image(np.clip(np.rint(warped), 0, 255).astype(data.dtype), img.affine,
+                          img.header)
+    atomic_write(dst, lambda p: nib.save(out, str(p)))

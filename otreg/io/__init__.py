@@ -1,0 +1,129 @@
+"""Read and write shapes: ``load_shape`` and ``save_shape``.
+
+Every point comes out in world millimetres (scanner RAS for MRI data):
+
+- NIfTI ``.nii``/``.nii.gz`` and ``.mgz`` (nibabel): a label value, a binary mask, or a
+  probability map with ``level=`` -> marching cubes (scikit-image) -> vertices mapped through
+  the image's affine; triangles oriented with outward normals, also under a flipped axis.
+- meshes ``.vtk .vtp .ply .stl .obj`` (pyvista; non-triangle faces are triangulated),
+  GIFTI ``.gii``/``.gii.gz``, FreeSurfer surfaces (``lh.pial`` style, recognised by their
+  magic number; shifted from tkr-RAS to scanner RAS by the c_ras of their volume info),
+  point clouds ``.csv`` (x, y, z columns) and ``.npy`` ((N, 3) arrays).
+
+``save_shape`` writes the same mesh and point formats atomically (a temporary file renamed
+into place) and refuses to write over the file a shape was read from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..shapes import Shape
+from . import _files, _volume
+
+__all__ = ["load_shape", "save_shape", "VOLUME_EXTS", "MESH_EXTS"]
+
+VOLUME_EXTS = (".nii", ".nii.gz", ".mgz")
+MESH_EXTS = (*_files.PYVISTA_EXTS, ".gii", ".gii.gz", ".csv", ".npy")
+
+
+def _ext(path: Path) -> str:
+    name = path.name.lower()
+    for ext in (".nii.gz", ".gii.gz"):
+        if name.endswith(ext):
+            return ext
+    return path.suffix.lower()
+
+
+def load_shape(path: str | Path, label: int | float | None = None, *,
+               level: float | None = None, smooth: int = 0,
+               decimate: int | None = None, dtype: torch.dtype = torch.float32) -> Shape:
+    """Read a surface or point cloud, in world mm.
+
+    Args:
+        path: a volume (.nii, .nii.gz, .mgz), a mesh (.vtk, .vtp, .ply, .stl, .obj, .gii,
+            FreeSurfer surface) or a point cloud (.csv, .npy).
+        label: for volumes, the segmentation value whose boundary to extract.
+        level: for volumes, a threshold of a probability map (voxels >= level are inside).
+            Without label and level, a volume must be a 0/1 mask.
+        smooth: Taubin smoothing iterations applied afterwards (0: none).
+        decimate: a target number of vertices (None: keep all).
+        dtype: floating dtype of the points.
+
+    Returns:
+        :class:`~otreg.shapes.Shape` with ``source`` set to the file.
+    """
+    fn = "load_shape"
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"{fn}: path must be a str or Path, got {type(path).__name__}")
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{fn}: {path} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{fn}: {path} is a folder; give a file")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{fn}: {path} is empty (0 bytes)")
+    ext = _ext(path)
+    if ext in VOLUME_EXTS:
+        shape = _volume.volume_to_shape(path, fn, label=label, level=level, dtype=dtype)
+    else:
+        if label is not None or level is not None:
+            raise ValueError(f"{fn}: label= and level= apply to volumes "
+                             f"({', '.join(VOLUME_EXTS)}), not to {path.name}")
+        if ext in _files.PYVISTA_EXTS:
+            shape = _files.read_pyvista(path, fn, dtype)
+        elif ext in (".gii", ".gii.gz"):
+            shape = _files.read_gifti(path, fn, dtype)
+        elif ext in (".csv", ".npy"):
+            shape = _files.read_points(path, fn, dtype)
+        elif _files.is_freesurfer_surface(path):
+            shape = _files.read_freesurfer(path, fn, dtype)
+        else:
+            raise ValueError(f"{fn}: {path.name} has an unknown format; otreg reads volumes "
+                             f"({', '.join(VOLUME_EXTS)}), meshes ({', '.join(MESH_EXTS)}) and "
+                             "FreeSurfer surfaces (lh.pial, rh.white, ...)")
+    if smooth:
+        shape = shape.smooth(n_iter=smooth)
+    if decimate is not None:
+        shape = shape.decimate(decimate)
+    shape.source = str(path)
+    return shape
+
+
+def save_shape(shape: Shape, path: str | Path) -> Path:
+    """Write a shape atomically; the format follows the extension.
+
+    Meshes: .vtk .vtp .ply .stl .obj (pyvista), .gii (GIFTI), ``lh.*``/``rh.*`` or
+    ``.surf`` (FreeSurfer, coordinates as scanner RAS); point clouds: .csv, .npy.
+    Refuses to overwrite ``shape.source`` (the file it was read from).
+    """
+    fn = "save_shape"
+    if not isinstance(shape, Shape):
+        raise TypeError(f"{fn}: shape must be an otreg Shape, got {type(shape).__name__}")
+    path = Path(path)
+    if shape.source is not None and path.exists() and path.resolve() == Path(
+            shape.source).resolve():
+        raise ValueError(f"{fn}: {path} is the file this shape was read from; otreg never "
+                         "overwrites an input: choose another path")
+    ext = _ext(path)
+    if ext in _files.PYVISTA_EXTS:
+        fmt = "pyvista"
+    elif ext == ".gii":
+        fmt = "gifti"
+    elif ext in (".csv", ".npy"):
+        fmt = ext[1:]
+    elif ext == ".surf" or path.name.startswith(("lh.", "rh.")):
+        fmt = "freesurfer"
+    else:
+        raise ValueError(f"{fn}: cannot write {path.name}: use one of "
+                         f"{', '.join(_files.PYVISTA_EXTS)}, .gii, .csv, .npy, or a FreeSurfer "
+                         "name (lh.NAME, rh.NAME, *.surf)")
+    if fmt in ("pyvista", "gifti", "freesurfer") and fmt != "pyvista" and shape.faces is None:
+        raise ValueError(f"{fn}: {path.name} is a surface format but the shape has no "
+                         "triangles; save point clouds as .csv, .npy or .vtk")
+    if fmt in ("gifti", "freesurfer") and shape.dim != 3:
+        raise ValueError(f"{fn}: {path.name} needs 3-D points, the shape's are {shape.dim}-D")
+    _files.write_shape(shape, path, fmt)
+    return path

@@ -1,0 +1,145 @@
+"""Meshes and point clouds: pyvista formats, GIFTI, FreeSurfer surfaces, CSV, NumPy."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..shapes import Shape
+
+PYVISTA_EXTS = (".vtk", ".vtp", ".ply", ".stl", ".obj")
+FREESURFER_MAGIC = b"\xff\xff\xfe"
+
+
+def is_freesurfer_surface(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(3) == FREESURFER_MAGIC
+
+
+def read_pyvista(path: Path, fn: str, dtype) -> Shape:
+    import pyvista as pv
+
+    try:
+        mesh = pv.read(str(path))
+    except Exception as err:
+        raise ValueError(f"{fn}: {path} could not be read as a mesh ({type(err).__name__}: "
+                         f"{err})") from err
+    if mesh.n_points == 0:
+        raise ValueError(f"{fn}: {path} has no points")
+    return Shape.from_pyvista(mesh, dtype=dtype, source=str(path))
+
+
+def read_gifti(path: Path, fn: str, dtype) -> Shape:
+    import nibabel as nib
+
+    try:
+        raw = path.read_bytes()
+        if path.name.endswith(".gz"):
+            raw = gzip.decompress(raw)
+        img = nib.GiftiImage.from_bytes(raw)
+    except Exception as err:
+        raise ValueError(f"{fn}: {path} could not be read as GIFTI ({type(err).__name__}: "
+                         f"{err})") from err
+    points = img.agg_data("pointset")
+    faces = img.agg_data("triangle")
+    if points is None or len(np.shape(points)) != 2:
+        raise ValueError(f"{fn}: {path} holds no surface (no NIFTI_INTENT_POINTSET array)")
+    faces = None if faces is None else np.asarray(faces, dtype=np.int64)
+    return Shape(torch.as_tensor(np.asarray(points, dtype=np.float64), dtype=dtype),
+                 None if faces is None else torch.as_tensor(faces), source=str(path))
+
+
+def read_freesurfer(path: Path, fn: str, dtype) -> Shape:
+    """A FreeSurfer surface, moved from tkr-RAS to scanner RAS by its volume info's c_ras."""
+    import nibabel.freesurfer as fs
+
+    try:
+        coords, faces, meta = fs.read_geometry(str(path), read_metadata=True)
+    except Exception as err:
+        raise ValueError(f"{fn}: {path} could not be read as a FreeSurfer surface "
+                         f"({type(err).__name__}: {err})") from err
+    cras = meta.get("cras") if meta else None
+    if cras is None:
+        warnings.warn(f"{fn}: {path} carries no volume info: its coordinates are left in "
+                      "FreeSurfer's tkr-RAS frame, which may be shifted from scanner RAS (the "
+                      "frame of the subject's NIfTI volumes)", UserWarning, stacklevel=3)
+    else:
+        coords = coords + np.asarray(cras, dtype=np.float64)
+    return Shape(torch.as_tensor(coords, dtype=dtype), torch.as_tensor(faces.astype(np.int64)),
+                 source=str(path))
+
+
+def read_points(path: Path, fn: str, dtype) -> Shape:
+    try:
+        if path.suffix == ".npy":
+            pts = np.load(path, allow_pickle=False)
+        else:
+            with open(path) as fh:
+                first = fh.readline()
+            skip = 1 if any(c.isalpha() for c in first) else 0
+            pts = np.loadtxt(path, delimiter=",", skiprows=skip, ndmin=2)
+    except Exception as err:
+        raise ValueError(f"{fn}: {path} could not be read as a point cloud "
+                         f"({type(err).__name__}: {err})") from err
+    if pts.ndim != 2 or pts.shape[0] == 0:
+        raise ValueError(f"{fn}: {path} holds an array of shape {pts.shape}; a point cloud "
+                         "is (N, D) with N >= 1")
+    return Shape(torch.as_tensor(pts.astype(np.float64), dtype=dtype), source=str(path))
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temporary file in the same folder, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    suffix = "".join(path.suffixes[-2:]) if path.name.endswith(".gz") else path.suffix
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp" + suffix, dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        write(tmp_path)
+        os.replace(tmp_path, path)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def write_shape(shape: Shape, path: Path, fmt: str) -> None:
+    pts = shape.points.detach().cpu().double().numpy()
+    faces = None if shape.faces is None else shape.faces.cpu().numpy()
+
+    def write(tmp: Path) -> None:
+        if fmt == "pyvista":
+            shape.to_pyvista().save(str(tmp))
+        elif fmt == "gifti":
+            import nibabel as nib
+
+            arrays = [nib.gifti.GiftiDataArray(pts.astype(np.float32),
+                                               intent="NIFTI_INTENT_POINTSET")]
+            if faces is not None:
+                arrays.append(nib.gifti.GiftiDataArray(faces.astype(np.int32),
+                                                       intent="NIFTI_INTENT_TRIANGLE"))
+            nib.save(nib.GiftiImage(darrays=arrays), str(tmp))
+        elif fmt == "freesurfer":
+            import nibabel.freesurfer as fs
+
+            # Coordinates are scanner RAS: record c_ras = 0 so that readers add nothing.
+            info = {"head": np.array([2, 0, 20], dtype=np.int32), "valid": "1  # volume info valid",
+                    "filename": "otreg", "volume": np.array([256, 256, 256]),
+                    "voxelsize": np.ones(3), "xras": np.array([-1.0, 0, 0]),
+                    "yras": np.array([0, 0, -1.0]), "zras": np.array([0, 1.0, 0]),
+                    "cras": np.zeros(3)}
+            fs.write_geometry(str(tmp), pts, faces.astype(np.int32), volume_info=info)
+        elif fmt == "npy":
+            with open(tmp, "wb") as fh:
+                np.save(fh, pts)
+        else:  # csv
+            header = ",".join("xyz"[k] if k < 3 else f"x{k}" for k in range(pts.shape[1]))
+            np.savetxt(tmp, pts, delimiter=",", header=header, comments="")
+
+    atomic_write(path, write)

@@ -1,0 +1,280 @@
+"""``Shape``: a point cloud or triangle surface in world coordinates (mm), as torch tensors.
+
+Geometry that registration differentiates (triangle areas, centres, normals) is computed in
+torch, so it follows deformed points through autograd. Mesh processing that VTK already does
+well (decimation, Taubin smoothing, connected components) goes through pyvista, imported on
+use (``pip install otreg[mesh]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+__all__ = ["Shape"]
+
+
+def _as_tensor(x, dtype=None) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x if dtype is None else x.to(dtype)
+    return torch.as_tensor(np.asarray(x), dtype=dtype)
+
+
+@dataclass
+class Shape:
+    """Points ``(N, 3)`` in mm, optional triangles ``(F, 3)``, weights ``(N,)`` and data.
+
+    Attributes:
+        points: vertex positions, float tensor ``(N, D)`` (D = 3 for surfaces), world mm.
+        faces: vertex indices of triangles, int64 ``(F, 3)``, counter-clockwise seen from
+            outside (normals point outwards), or None for a point cloud.
+        weights: optional non-negative point masses ``(N,)``.
+        data: per-point arrays (e.g. curvature, labels), each with N rows.
+        unit: the length unit of ``points`` (``"mm"``).
+        source: the file the shape was read from, if any (never overwritten by save_shape).
+    """
+
+    points: torch.Tensor
+    faces: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    data: dict[str, torch.Tensor] = field(default_factory=dict)
+    unit: str = "mm"
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        fn = "Shape"
+        pts = _as_tensor(self.points)
+        if not pts.is_floating_point():
+            pts = pts.to(torch.get_default_dtype())
+        if pts.dim() != 2 or pts.shape[1] < 1:
+            raise ValueError(f"{fn}: points has shape {tuple(pts.shape)}; it must be (N, D)")
+        if pts.shape[0] == 0:
+            raise ValueError(f"{fn}: points is empty; a shape needs at least one point")
+        bad = ~torch.isfinite(pts.detach())
+        if bool(bad.any()):
+            rows = int(bad.any(1).sum())
+            raise ValueError(f"{fn}: points has {rows} rows with NaN or infinite coordinates; "
+                             "all coordinates must be finite")
+        self.points = pts
+        if self.faces is not None:
+            faces = _as_tensor(self.faces)
+            if faces.is_floating_point() or faces.dtype == torch.bool:
+                raise TypeError(f"{fn}: faces has dtype {faces.dtype}; it must be integer")
+            faces = faces.long()
+            if faces.dim() != 2 or faces.shape[1] != 3:
+                raise ValueError(f"{fn}: faces has shape {tuple(faces.shape)}; triangles are "
+                                 "(F, 3)")
+            if faces.numel() and (int(faces.min()) < 0 or int(faces.max()) >= pts.shape[0]):
+                raise ValueError(f"{fn}: faces index vertices {int(faces.min())} to "
+                                 f"{int(faces.max())} but there are {pts.shape[0]} points")
+            self.faces = faces.to(pts.device)
+        if self.weights is not None:
+            w = _as_tensor(self.weights, pts.dtype).to(pts.device)
+            if w.shape != (pts.shape[0],):
+                raise ValueError(f"{fn}: weights has shape {tuple(w.shape)}; it must be "
+                                 f"({pts.shape[0]},)")
+            if bool((w < 0).any()) or not bool(torch.isfinite(w).all()):
+                raise ValueError(f"{fn}: weights must be finite and >= 0")
+            self.weights = w
+        for key, value in list(self.data.items()):
+            value = _as_tensor(value).to(pts.device)
+            if value.shape[0] != pts.shape[0]:
+                raise ValueError(f"{fn}: data[{key!r}] has {value.shape[0]} rows but there "
+                                 f"are {pts.shape[0]} points")
+            self.data[key] = value
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def n_points(self) -> int:
+        return int(self.points.shape[0])
+
+    @property
+    def n_faces(self) -> int:
+        return 0 if self.faces is None else int(self.faces.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.points.shape[1])
+
+    def __repr__(self) -> str:
+        lo, hi = self.points.detach().min(0).values, self.points.detach().max(0).values
+        box = ", ".join(f"{a:.1f}..{b:.1f}" for a, b in zip(lo.tolist(), hi.tolist()))
+        src = f", source={self.source!r}" if self.source else ""
+        return (f"Shape({self.n_points:,} points, {self.n_faces:,} triangles, "
+                f"{self.points.dtype}, {self.unit}, box [{box}]{src})")
+
+    def to(self, *args, **kwargs) -> Shape:
+        """A copy with points (and weights, data) moved or cast like ``Tensor.to``."""
+        points = self.points.to(*args, **kwargs)
+        weights = None if self.weights is None else self.weights.to(*args, **kwargs)
+        faces = None if self.faces is None else self.faces.to(points.device)
+        data = {k: v.to(points.device) for k, v in self.data.items()}
+        return replace(self, points=points, faces=faces, weights=weights, data=data)
+
+    def with_points(self, points: torch.Tensor) -> Shape:
+        """The same connectivity and data on new point positions (e.g. deformed ones)."""
+        if tuple(points.shape) != tuple(self.points.shape):
+            raise ValueError(f"Shape.with_points: points has shape {tuple(points.shape)}; "
+                             f"this shape has {tuple(self.points.shape)}")
+        return replace(self, points=points, source=None)
+
+    def _need_faces(self, what: str) -> torch.Tensor:
+        if self.faces is None or self.n_faces == 0:
+            raise ValueError(f"Shape.{what}: this shape has no triangles; {what} needs a "
+                             "surface (load a mesh, or a segmentation through marching cubes)")
+        if self.dim != 3:
+            raise ValueError(f"Shape.{what}: needs 3-D points, these are {self.dim}-D")
+        return self.faces
+
+    # ------------------------------------------------------------------ geometry (torch)
+    def _corners(self, what: str):
+        f = self._need_faces(what)
+        p = self.points
+        return p[f[:, 0]], p[f[:, 1]], p[f[:, 2]]
+
+    @property
+    def face_centers(self) -> torch.Tensor:
+        """Triangle centres ``(F, 3)``, mm."""
+        a, b, c = self._corners("face_centers")
+        return (a + b + c) / 3
+
+    @property
+    def face_normals(self) -> torch.Tensor:
+        """Area-weighted triangle normals ``(F, 3)``: unit direction times area (mm^2)."""
+        a, b, c = self._corners("face_normals")
+        return torch.linalg.cross(b - a, c - a, dim=1) / 2
+
+    @property
+    def face_areas(self) -> torch.Tensor:
+        """Triangle areas ``(F,)``, mm^2."""
+        return self.face_normals.norm(dim=1)
+
+    @property
+    def point_normals(self) -> torch.Tensor:
+        """Unit vertex normals ``(N, 3)``: the area-weighted mean of adjacent triangles'."""
+        fn = self.face_normals
+        acc = torch.zeros_like(self.points)
+        for k in range(3):
+            acc = acc.index_add(0, self.faces[:, k], fn)
+        return acc / acc.norm(dim=1, keepdim=True).clamp_min(1e-30)
+
+    @property
+    def point_areas(self) -> torch.Tensor:
+        """A third of the area of the triangles around each vertex ``(N,)``, mm^2."""
+        areas = self.face_areas / 3
+        acc = torch.zeros(self.n_points, dtype=areas.dtype, device=areas.device)
+        for k in range(3):
+            acc = acc.index_add(0, self.faces[:, k], areas)
+        return acc
+
+    @property
+    def area(self) -> torch.Tensor:
+        """Total surface area, mm^2."""
+        return self.face_areas.sum()
+
+    @property
+    def volume(self) -> torch.Tensor:
+        """Signed enclosed volume (mm^3; > 0 when normals point outwards, closed surfaces)."""
+        a, b, c = self._corners("volume")
+        return (a * torch.linalg.cross(b, c, dim=1)).sum() / 6
+
+    def measure(self, kind: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """The measure registration compares: ``(positions (M, D), weights (M,))``.
+
+        ``"faces"``: Dirac masses at triangle centres weighted by area (mm^2);
+        ``"points"``: at the vertices, with ``weights`` if set, else point areas for a
+        surface, else 1 each; ``"auto"``: faces for surfaces, points for clouds.
+        """
+        if kind not in ("auto", "faces", "points"):
+            raise ValueError(f"Shape.measure: kind is {kind!r}; choose 'auto', 'faces' or "
+                             "'points'")
+        if kind == "faces" or (kind == "auto" and self.n_faces > 0):
+            return self.face_centers, self.face_areas
+        if self.weights is not None:
+            return self.points, self.weights
+        if self.n_faces > 0:
+            return self.points, self.point_areas
+        return self.points, torch.ones(self.n_points, dtype=self.points.dtype,
+                                       device=self.points.device)
+
+    # ------------------------------------------------------------------ pyvista
+    def to_pyvista(self):
+        """A ``pyvista.PolyData`` (points in mm, triangles, data arrays)."""
+        pv = _pyvista()
+        pts = self.points.detach().cpu().double().numpy()
+        if self.faces is None or self.n_faces == 0:
+            mesh = pv.PolyData(pts)
+        else:
+            f = self.faces.cpu().numpy()
+            cells = np.hstack([np.full((f.shape[0], 1), 3), f]).ravel()
+            mesh = pv.PolyData(pts, cells)
+        for key, value in self.data.items():
+            mesh.point_data[key] = value.detach().cpu().numpy()
+        if self.weights is not None:
+            mesh.point_data["weights"] = self.weights.detach().cpu().numpy()
+        return mesh
+
+    @classmethod
+    def from_pyvista(cls, mesh, dtype: torch.dtype = torch.float32, source: str | None = None
+                     ) -> Shape:
+        """From any pyvista/VTK dataset: its surface, triangulated."""
+        pv = _pyvista()
+        if not isinstance(mesh, pv.PolyData):
+            try:
+                mesh = mesh.extract_surface(algorithm="dataset_surface")
+            except TypeError:  # older pyvista
+                mesh = mesh.extract_surface()
+        if mesh.n_cells and not mesh.is_all_triangles:
+            mesh = mesh.triangulate()
+        pts = torch.as_tensor(np.asarray(mesh.points, dtype=np.float64), dtype=dtype)
+        faces = None
+        if mesh.n_cells and mesh.faces.size:
+            faces = torch.as_tensor(mesh.faces.reshape(-1, 4)[:, 1:].astype(np.int64))
+        data = {k: torch.as_tensor(np.asarray(mesh.point_data[k]))
+                for k in mesh.point_data.keys()
+                if k not in ("weights", "Normals", "RegionId") and not k.startswith("vtk")
+                and np.asarray(mesh.point_data[k]).dtype.kind in "fiub"}
+        weights = mesh.point_data["weights"] if "weights" in mesh.point_data else None
+        return cls(pts, faces, weights=weights, data=data, source=source)
+
+    def decimate(self, target_points: int) -> Shape:
+        """A coarser surface of about ``target_points`` vertices (VTK quadric decimation)."""
+        self._need_faces("decimate")
+        if not isinstance(target_points, int) or target_points < 4:
+            raise ValueError(f"Shape.decimate: target_points is {target_points!r}; it must be "
+                             "an integer >= 4")
+        if target_points >= self.n_points:
+            return self
+        mesh = self.to_pyvista()
+        reduction = 1.0 - target_points / self.n_points
+        out = mesh.decimate(reduction)
+        return Shape.from_pyvista(out, dtype=self.points.dtype).to(self.points.device)
+
+    def smooth(self, n_iter: int = 20, pass_band: float = 0.1) -> Shape:
+        """Taubin smoothing (shrinks far less than Laplacian smoothing), VTK's filter."""
+        self._need_faces("smooth")
+        out = self.to_pyvista().smooth_taubin(n_iter=n_iter, pass_band=pass_band)
+        return self.with_points(torch.as_tensor(np.asarray(out.points), dtype=self.points.dtype,
+                                                device=self.points.device))
+
+    def components(self) -> list[Shape]:
+        """Connected components, largest first (by vertex count)."""
+        self._need_faces("components")
+        mesh = self.to_pyvista()
+        labelled = mesh.connectivity("all")
+        ids = np.asarray(labelled.point_data["RegionId"])
+        parts = []
+        for region in np.unique(ids):
+            part = labelled.extract_points(ids == region, adjacent_cells=False)
+            parts.append(Shape.from_pyvista(part, dtype=self.points.dtype))
+        return sorted(parts, key=lambda s: -s.n_points)
+
+
+def _pyvista():
+    try:
+        import pyvista
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("this needs pyvista: pip install 'otreg[mesh]'") from err
+    return pyvista

@@ -1,0 +1,229 @@
+"""load_shape / save_shape: world coordinates, round trips, bad files."""
+
+import gzip
+import math
+import os
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from otreg import Shape
+from otreg.io import load_shape, save_shape
+
+pytest.importorskip("pyvista")
+pytest.importorskip("skimage")
+
+
+def ball_volume(path, affine, radius_vox=(10, 8, 6), label=3, shape=(40, 36, 30), dtype=np.int16):
+    """An ellipsoid of label `label` in voxel space, saved with `affine`."""
+    idx = np.stack(np.meshgrid(*[np.arange(s) for s in shape], indexing="ij"), -1)
+    centre = (np.array(shape) - 1) / 2
+    inside = (((idx - centre) / np.array(radius_vox)) ** 2).sum(-1) <= 1
+    data = np.where(inside, label, 0).astype(dtype)
+    data[0, 0, 0] = 7  # another label elsewhere
+    nib.save(nib.Nifti1Image(data, affine), str(path))
+    return centre
+
+
+def oblique_affine(flip=False):
+    """Anisotropic voxels (1 x 1.5 x 2 mm), rotated 30 degrees about z, shifted, maybe flipped."""
+    c, s = math.cos(math.pi / 6), math.sin(math.pi / 6)
+    rot = np.array([[c, -s, 0], [s, c, 0], [0, 0, 1.0]])
+    scale = np.diag([-1.0 if flip else 1.0, 1.5, 2.0])
+    A = np.eye(4)
+    A[:3, :3] = rot @ scale
+    A[:3, 3] = [-20.0, 35.0, 10.0]
+    return A
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_nifti_surface_lands_in_world_mm_with_outward_normals(tmp_path, flip):
+    A = oblique_affine(flip)
+    radii = np.array([10, 8, 6])
+    centre = ball_volume(tmp_path / "seg.nii.gz", A, tuple(radii))
+    shape = load_shape(tmp_path / "seg.nii.gz", label=3, dtype=torch.float64)
+    assert shape.source.endswith("seg.nii.gz") and shape.unit == "mm"
+    # centre of the surface = the affine applied to the voxel centre (nibabel's own map)
+    world_centre = nib.affines.apply_affine(A, centre)
+    assert np.allclose(shape.points.mean(0).numpy(), world_centre, atol=0.3)
+    # volume and area of the analytic ellipsoid in mm (semi-axes scaled by the voxel sizes)
+    semi = radii * np.array([1.0, 1.5, 2.0])
+    vol = 4 / 3 * math.pi * semi.prod()
+    p = 1.6075
+    area = 4 * math.pi * (((semi[0] * semi[1]) ** p + (semi[0] * semi[2]) ** p
+                           + (semi[1] * semi[2]) ** p) / 3) ** (1 / p)
+    assert float(shape.volume) == pytest.approx(vol, rel=0.06)  # > 0: normals point out
+    # a binary mask's staircase adds about 10% of area; Taubin smoothing removes most of it
+    assert float(shape.area) == pytest.approx(area, rel=0.15)
+    smooth = load_shape(tmp_path / "seg.nii.gz", label=3, smooth=30, dtype=torch.float64)
+    assert float(smooth.area) == pytest.approx(area, rel=0.05)
+    assert float(smooth.volume) == pytest.approx(vol, rel=0.06)
+    # every vertex lies on the ellipsoid surface, within a voxel, in world mm
+    vox = nib.affines.apply_affine(np.linalg.inv(A), shape.points.numpy())
+    r = np.sqrt((((vox - centre) / radii) ** 2).sum(1))
+    assert np.abs(r - 1).max() < 0.2
+
+
+def test_probability_map_with_level_and_binary_mask(tmp_path):
+    A = np.diag([2.0, 2.0, 2.0, 1.0])
+    ball_volume(tmp_path / "seg.nii", A, label=1, dtype=np.uint8)
+    data = nib.load(str(tmp_path / "seg.nii")).get_fdata()
+    data[0, 0, 0] = 0
+    nib.save(nib.Nifti1Image(data.astype(np.uint8), A), str(tmp_path / "mask.nii"))
+    nib.save(nib.Nifti1Image((data * 0.9).astype(np.float32), A), str(tmp_path / "prob.nii.gz"))
+    m = load_shape(tmp_path / "mask.nii")
+    p = load_shape(tmp_path / "prob.nii.gz", level=0.5)
+    assert torch.allclose(m.points, p.points) and m.n_faces == p.n_faces > 100
+
+
+def test_mgz_is_read_through_its_affine(tmp_path):
+    A = oblique_affine()
+    ball_volume(tmp_path / "seg.nii.gz", A)
+    img = nib.load(str(tmp_path / "seg.nii.gz"))
+    nib.save(nib.MGHImage(np.asanyarray(img.dataobj).astype(np.int32), A), str(tmp_path / "a.mgz"))
+    a = load_shape(tmp_path / "seg.nii.gz", label=3)
+    b = load_shape(tmp_path / "a.mgz", label=3)
+    assert torch.allclose(a.points, b.points, atol=1e-4)
+
+
+def tetra():
+    pts = torch.tensor([[0.0, 0, 0], [10, 0, 0], [0, 10, 0], [0, 0, 10]], dtype=torch.float64)
+    faces = torch.tensor([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]])
+    return Shape(pts, faces)
+
+
+@pytest.mark.parametrize("name", ["s.vtk", "s.vtp", "s.ply", "s.stl", "s.obj", "s.gii",
+                                  "lh.test", "s.csv", "s.npy"])
+def test_round_trips_keep_points_faces_and_units(tmp_path, name):
+    shape = tetra()
+    assert float(shape.volume) > 0
+    path = save_shape(shape, tmp_path / name)
+    assert path.exists()
+    back = load_shape(path, dtype=torch.float64)
+    assert back.unit == "mm"
+    if name.endswith((".csv", ".npy")):
+        assert torch.allclose(back.points, shape.points) and back.faces is None
+        return
+    if name.endswith(".stl"):  # STL stores triangles, not shared vertices: compare geometry
+        assert back.n_faces == 4 and float(back.volume) == pytest.approx(float(shape.volume))
+        return
+    assert torch.allclose(back.points, shape.points, atol=1e-5)
+    assert torch.equal(back.faces, shape.faces)
+
+
+def test_freesurfer_surface_is_moved_by_c_ras(tmp_path):
+    shape = tetra()
+    info = {"head": np.array([2, 0, 20], dtype=np.int32), "valid": "1  # volume info valid",
+            "filename": "orig.mgz", "volume": np.array([256, 256, 256]),
+            "voxelsize": np.ones(3), "xras": np.array([-1.0, 0, 0]),
+            "yras": np.array([0, 0, -1.0]), "zras": np.array([0, 1.0, 0]),
+            "cras": np.array([5.0, -3.0, 12.0])}
+    nib.freesurfer.write_geometry(str(tmp_path / "lh.pial"), shape.points.numpy(),
+                                  shape.faces.numpy().astype(np.int32), volume_info=info)
+    back = load_shape(tmp_path / "lh.pial", dtype=torch.float64)
+    assert torch.allclose(back.points, shape.points + torch.tensor([5.0, -3.0, 12.0],
+                                                                   dtype=torch.float64))
+    nib.freesurfer.write_geometry(str(tmp_path / "rh.white"), shape.points.numpy(),
+                                  shape.faces.numpy().astype(np.int32))
+    with pytest.warns(UserWarning, match="tkr-RAS"):
+        load_shape(tmp_path / "rh.white")
+
+
+def test_quads_are_triangulated(tmp_path):
+    import pyvista as pv
+
+    pv.Cube().save(str(tmp_path / "cube.vtk"))
+    cube = load_shape(tmp_path / "cube.vtk")
+    assert cube.n_faces == 12 and float(cube.area) == pytest.approx(6.0, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- bad files
+def no_leftovers(folder):
+    return not [p for p in os.listdir(folder) if ".tmp" in p]
+
+
+def test_missing_file():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_shape("/nonexistent/lh.pial")
+
+
+def test_empty_file(tmp_path):
+    (tmp_path / "x.nii.gz").write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        load_shape(tmp_path / "x.nii.gz")
+
+
+def test_truncated_gzip(tmp_path):
+    ball_volume(tmp_path / "seg.nii.gz", np.eye(4))
+    raw = (tmp_path / "seg.nii.gz").read_bytes()
+    (tmp_path / "cut.nii.gz").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ValueError, match="could not be read"):
+        load_shape(tmp_path / "cut.nii.gz", label=3)
+    (tmp_path / "cut.gii.gz").write_bytes(gzip.compress(b"<?xml")[:10])
+    with pytest.raises(ValueError, match="could not be read as GIFTI"):
+        load_shape(tmp_path / "cut.gii.gz")
+
+
+def test_wrong_extension(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="unknown format"):
+        load_shape(tmp_path / "notes.txt")
+    with pytest.raises(ValueError, match="cannot write s.docx"):
+        save_shape(tetra(), tmp_path / "s.docx")
+
+
+def test_4d_volume(tmp_path):
+    nib.save(nib.Nifti1Image(np.zeros((4, 4, 4, 3), np.int16), np.eye(4)), str(tmp_path / "f.nii"))
+    with pytest.raises(ValueError, match="needs a 3-D volume"):
+        load_shape(tmp_path / "f.nii", label=1)
+
+
+def test_absent_label_lists_the_present_ones(tmp_path):
+    ball_volume(tmp_path / "seg.nii.gz", np.eye(4))
+    with pytest.raises(ValueError, match="label 17 is absent.*labels present: 0, 3, 7"):
+        load_shape(tmp_path / "seg.nii.gz", label=17)
+    with pytest.raises(ValueError, match="give label= for a segmentation"):
+        load_shape(tmp_path / "seg.nii.gz")
+
+
+def test_faces_needed_but_missing(tmp_path):
+    cloud = Shape(torch.rand(10, 3))
+    with pytest.raises(ValueError, match="no triangles"):
+        cloud.face_areas
+    with pytest.raises(ValueError, match="surface format but the shape has no triangles"):
+        save_shape(cloud, tmp_path / "c.gii")
+    assert no_leftovers(tmp_path)
+
+
+def test_nan_coordinates(tmp_path):
+    np.save(tmp_path / "p.npy", np.array([[0.0, 1, 2], [np.nan, 0, 0]]))
+    with pytest.raises(ValueError, match="1 rows with NaN"):
+        load_shape(tmp_path / "p.npy")
+
+
+def test_save_never_overwrites_the_input_and_leaves_no_partial_file(tmp_path):
+    save_shape(tetra(), tmp_path / "a.vtk")
+    shape = load_shape(tmp_path / "a.vtk")
+    before = (tmp_path / "a.vtk").read_bytes()
+    with pytest.raises(ValueError, match="never overwrites an input"):
+        save_shape(shape, tmp_path / "a.vtk")
+    assert (tmp_path / "a.vtk").read_bytes() == before
+
+    class Boom(Exception):
+        pass
+
+    def explode(*args, **kwargs):
+        raise Boom
+
+    import otreg.io._files as files
+
+    original = files.np.savetxt
+    files.np.savetxt = explode
+    try:
+        with pytest.raises(Boom):
+            save_shape(shape, tmp_path / "b.csv")
+    finally:
+        files.np.savetxt = original
+    assert not (tmp_path / "b.csv").exists() and no_leftovers(tmp_path)

@@ -1,0 +1,67 @@
+"""Shape geometry against closed forms, and pyvista-backed processing."""
+
+import math
+
+import pytest
+import torch
+
+from otreg import Shape
+
+
+def tetra(offset=0.0):
+    pts = torch.tensor([[0.0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]], dtype=torch.float64)
+    faces = torch.tensor([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]])
+    return Shape(pts + offset, faces)
+
+
+def test_geometry_closed_forms():
+    t = tetra()
+    assert float(t.volume) == pytest.approx(1 / 6)
+    assert float(t.area) == pytest.approx(1.5 + math.sqrt(3) / 2)
+    assert torch.allclose(t.point_areas.sum(), t.area)
+    pos, w = t.measure()
+    assert pos.shape == (4, 3) and torch.allclose(w.sum(), t.area)
+    assert torch.allclose(pos, t.face_centers)
+    n = t.point_normals
+    assert torch.allclose(n.norm(dim=1), torch.ones(4, dtype=n.dtype))
+    assert float((n[1] * torch.tensor([1.0, 0.2, 0.2], dtype=n.dtype)).sum()) > 0  # outward
+    pts, w = Shape(torch.rand(5, 3)).measure()
+    assert torch.equal(w, torch.ones(5))
+
+
+def test_area_is_differentiable():
+    t = tetra()
+    p = t.points.clone().requires_grad_()
+    (g,) = torch.autograd.grad(t.with_points(p).area, p)
+    assert torch.isfinite(g).all() and float(g.abs().sum()) > 0
+
+
+def test_decimate_smooth_components():
+    pv = pytest.importorskip("pyvista")
+    sphere = Shape.from_pyvista(pv.Sphere(radius=10.0, theta_resolution=60, phi_resolution=60))
+    small = sphere.decimate(500)
+    assert 400 <= small.n_points <= 600
+    assert float(small.area) == pytest.approx(float(sphere.area), rel=0.05)
+    smooth = sphere.smooth(10)
+    assert smooth.n_points == sphere.n_points
+    assert float(smooth.volume) == pytest.approx(float(sphere.volume), rel=0.02)
+    two = Shape(torch.cat([tetra().points, tetra(5.0).points]),
+                torch.cat([tetra().faces, tetra().faces + 4]))
+    parts = two.components()
+    assert len(parts) == 2 and all(p.n_points == 4 for p in parts)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(points=torch.zeros(0, 3)), ValueError, "points is empty"),
+    (dict(points=torch.zeros(3)), ValueError, "must be \\(N, D\\)"),
+    (dict(points=torch.tensor([[0.0, float("nan"), 0]])), ValueError, "1 rows with NaN"),
+    (dict(points=torch.zeros(3, 3), faces=torch.tensor([[0, 1, 5]])), ValueError,
+     "index vertices 0 to 5 but there are 3"),
+    (dict(points=torch.zeros(3, 3), faces=torch.tensor([[0.0, 1, 2]])), TypeError,
+     "must be integer"),
+    (dict(points=torch.zeros(3, 3), weights=-torch.ones(3)), ValueError, "finite and >= 0"),
+    (dict(points=torch.zeros(3, 3), data={"curv": torch.zeros(2)}), ValueError, "has 2 rows"),
+])
+def test_bad_shapes(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Shape(**kwargs)
