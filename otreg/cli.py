@@ -32,20 +32,29 @@ def info(no_keops: bool) -> None:
 @main.command()
 @click.argument("source", type=click.Path(dir_okay=False))
 @click.argument("target", type=click.Path(dir_okay=False))
-@click.option("--blur", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="Blur in mm (eps = blur^2).")
+@click.option("--blur", default=2.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Blur in mm (eps = blur^2).")
+@click.option("--scaling", default=0.7, show_default=True,
+              type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
+              help="eps-scaling factor per annealing step.")
+@click.option("--tol", default=1e-3, show_default=True, type=click.FloatRange(min=0),
+              help="Marginal-error tolerance at the final blur.")
+@click.option("--max-iter", default=100, show_default=True, type=click.IntRange(min=1),
+              help="Most Sinkhorn iterations (the annealing ones included).")
 @click.option("--reach", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Unbalanced OT reach in mm (default: balanced).")
 @click.option("--label", default=None, type=float, help="Segmentation label for volumes.")
 @click.option("--level", default=None, type=float, help="Threshold for probability maps.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON line.")
-def distance(source: str, target: str, blur: float, reach: float | None, label: float | None,
-             level: float | None, as_json: bool) -> None:
+def distance(source: str, target: str, blur: float, scaling: float, tol: float, max_iter: int,
+             reach: float | None, label: float | None, level: float | None,
+             as_json: bool) -> None:
     """Sinkhorn divergence between two shapes' measures (area-weighted, normalised).
 
     SOURCE and TARGET are meshes, point clouds or volumes (with --label or --level).
     """
-    from . import load_shape, sinkhorn_divergence
+    from . import ConvergenceWarning, load_shape
+    from .ot.divergence import _divergence
 
     try:
         shapes = [load_shape(p, label=label, level=level) for p in (source, target)]
@@ -53,16 +62,28 @@ def distance(source: str, target: str, blur: float, reach: float | None, label: 
         raise click.ClickException(str(err)) from err
     (x, a), (y, b) = (s.measure() for s in shapes)
     start = time.perf_counter()
-    value = sinkhorn_divergence(x, y, a / a.sum(), b / b.sum(), blur=blur, reach=reach)
-    out = {"source": source, "target": target, "divergence_mm2": float(value),
-           "sqrt_2d_mm": math.sqrt(max(0.0, 2 * float(value))), "blur_mm": blur,
-           "seconds": time.perf_counter() - start}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # reported below instead
+        try:
+            value, res = _divergence("otreg distance", x, y, a / a.sum(), b / b.sum(),
+                                     blur=blur, reach=reach, scaling=scaling, tol=tol,
+                                     max_iter=max_iter)
+        except (ValueError, TypeError) as err:
+            raise click.ClickException(str(err)) from err
+    value = float(value.detach())
+    out = {"source": source, "target": target, "divergence_mm2": value,
+           "sqrt_2d_mm": math.sqrt(max(0.0, 2 * value)), "blur_mm": blur,
+           "iterations": res.n_iter, "converged": res.converged,
+           "marginal_error": res.marginal_error, "seconds": time.perf_counter() - start}
     if as_json:
         click.echo(json.dumps(out))
         return
-    click.echo(f"Sinkhorn divergence {out['divergence_mm2']:.4f} mm^2 "
-               f"(sqrt(2 S) = {out['sqrt_2d_mm']:.3f} mm, a W2-like distance), "
-               f"blur {blur} mm, {out['seconds']:.1f} s")
+    click.echo(f"Sinkhorn divergence {value:.4f} mm^2 (sqrt(2 S) = {out['sqrt_2d_mm']:.3f} mm, "
+               f"a W2-like distance), blur {blur} mm, {res.n_iter} iterations, "
+               f"{out['seconds']:.1f} s")
+    if not res.converged:
+        click.echo(f"warning: marginal error {res.marginal_error:.2e} >= tol {tol:g}: raise "
+                   "--max-iter or --blur for a converged value", err=True)
 
 
 @main.command()

@@ -1,0 +1,51 @@
+"""The otreg command line."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from otreg import Shape, save_shape
+from otreg.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_info():
+    result = run("info", "--no-keops")
+    assert result.exit_code == 0 and "backends:" in result.output and "tensorized" in result.output
+
+
+def test_demo_fixed_iterations_json():
+    result = run("demo", "--n", "300", "--iters", "20", "--json")
+    assert result.exit_code == 0
+    out = json.loads(result.output.strip().splitlines()[-1])
+    assert out["iterations"] == 20 and out["grad_norm"] > 0 and out["ot_value"] > 0
+
+
+@pytest.fixture
+def two_meshes(tmp_path):
+    pts = torch.tensor([[0.0, 0, 0], [10, 0, 0], [0, 10, 0], [0, 0, 10]])
+    faces = torch.tensor([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]])
+    a = save_shape(Shape(pts, faces), tmp_path / "a.vtk")
+    b = save_shape(Shape(pts + torch.tensor([3.0, 0, 0]), faces), tmp_path / "b.ply")
+    return str(a), str(b)
+
+
+def test_distance_between_a_mesh_and_its_translate(two_meshes):
+    result = run("distance", *two_meshes, "--blur", "0.5", "--tol", "1e-4", "--max-iter",
+                 "2000", "--json")
+    assert result.exit_code == 0
+    out = json.loads(result.output)
+    assert out["converged"]
+    assert out["sqrt_2d_mm"] == pytest.approx(3.0, rel=1e-3)  # a translation by 3 mm
+
+
+def test_distance_reports_bad_files(two_meshes, tmp_path):
+    result = CliRunner().invoke(main, ["distance", two_meshes[0], str(tmp_path / "none.vtk")])
+    assert result.exit_code != 0 and "does not exist" in result.output
+    result = CliRunner().invoke(main, ["distance", *two_meshes, "--blur", "-1"])
+    assert result.exit_code != 0 and "--blur" in result.output
