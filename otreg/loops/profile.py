@@ -20,20 +20,11 @@ from .iterate import STRATEGIES, iterate
 __all__ = ["profile", "ProfileResult", "measure_peak"]
 
 
-def _vm_hwm_bytes() -> int | None:
+def _proc_status_bytes(key: str) -> int | None:
+    """A memory line of /proc/self/status (``VmRSS``, ``VmHWM``: the peak) in bytes."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _vm_rss_bytes() -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -57,11 +48,11 @@ def measure_peak(fn: Callable[[], object],
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
             pass
-    base = _vm_rss_bytes()
+    base = _proc_status_bytes("VmRSS")
     start = time.perf_counter()
     out = fn()
     seconds = time.perf_counter() - start
-    peak = _vm_hwm_bytes()
+    peak = _proc_status_bytes("VmHWM")
     return out, seconds, (None if peak is None or base is None else max(0, peak - base))
 
 
