@@ -3,11 +3,12 @@
 The public API is what this module exports; everything else is private.
 """
 
-from . import datasets, loops
+from . import datasets, loops, registration
 from ._checks import ConvergenceWarning
 from ._info import info
 from .io import load_shape, save_shape
 from .ot import SinkhornLoss, SinkhornResult, TransportPlan, sinkhorn, sinkhorn_divergence
+from .registration import Registration, register
 from .reductions import KeOpsUnavailable
 from .shapes import Shape
 
@@ -28,4 +29,7 @@ __all__ = [
     "load_shape",
     "save_shape",
     "datasets",
+    "register",
+    "Registration",
+    "registration",
 ]

@@ -1,0 +1,259 @@
+"""Deformations: ``Rigid``, ``Similarity``, ``Affine`` and ``LDDMM`` (geodesic shooting).
+
+Each is an ``nn.Module`` whose parameters an optimiser fits, and whose ``forward(points)``
+maps ``(N, 3)`` points (mm) to their deformed positions.
+
+LDDMM (Miller, Trouvé, Younes): control points q (N, 3) with momenta p (N, 3) evolve by
+Hamilton's equations for H(q, p) = 1/2 sum_ij p_i . k(q_i, q_j) p_j,
+
+.. math::
+
+    \\dot q_i = \\sum_j k(q_i, q_j)\\, p_j, \\qquad
+    \\dot p_i = \\sum_j (p_i \\cdot p_j)\\, k'(q_i, q_j)\\, (q_i - q_j),
+
+with k'(x, y) = sum_s w_s / sigma_s^2 exp(-|x - y|^2 / (2 sigma_s^2)), and any other point x
+follows the velocity field: x' = sum_j k(x, q_j) p_j. Time runs from 0 to 1 in ``n_steps``
+steps (Euler, RK4 or a leapfrog-type splitting). Every kernel sum is a lazy reduction; the
+time loop is differentiated through :func:`otreg.loops.iterate` with the chosen strategy and
+memory budget. The deformation energy is H(q_0, p_0) (constant along the geodesic).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .._checks import check_choice, check_int
+from ..loops import iterate
+from .kernels import GaussianKernel
+
+__all__ = ["Rigid", "Similarity", "Affine", "LDDMM", "rotation_matrix", "INTEGRATORS"]
+
+INTEGRATORS = ("euler", "rk4", "leapfrog")
+
+
+def rotation_matrix(w: torch.Tensor) -> torch.Tensor:
+    """Rotation of axis-angle vector w (3,) (radians), Rodrigues' formula, differentiable."""
+    theta = torch.sqrt((w * w).sum() + 1e-24)
+    k = w / theta
+    K = torch.zeros(3, 3, dtype=w.dtype, device=w.device)
+    K = K.index_put((torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([1, 2, 0, 2, 0, 1])),
+                    torch.stack([-k[2], k[1], k[2], -k[0], -k[1], k[0]]))
+    eye = torch.eye(3, dtype=w.dtype, device=w.device)
+    return eye + torch.sin(theta) * K + (1 - torch.cos(theta)) * (K @ K)
+
+
+class _Linear(nn.Module):
+    """x -> A (x - c) + c + t, with A built from the parameters."""
+
+    def __init__(self, center: torch.Tensor) -> None:
+        super().__init__()
+        center = torch.as_tensor(center).detach()
+        self.register_buffer("center", center.clone())
+        self.translation = nn.Parameter(torch.zeros(3, dtype=center.dtype))
+
+    def matrix(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, points: torch.Tensor) -> torch.Tensor:
+        A, c = self.matrix().to(points.dtype), self.center.to(points.dtype)
+        return (points - c) @ A.T + c + self.translation.to(points.dtype)
+
+    def inverse(self, points: torch.Tensor) -> torch.Tensor:
+        A, c = self.matrix().to(points.dtype), self.center.to(points.dtype)
+        return (points - c - self.translation.to(points.dtype)) @ torch.linalg.inv(A).T + c
+
+    def set_from(self, A: torch.Tensor, t: torch.Tensor) -> None:
+        """Set the parameters from a matrix A and a translation t (about ``center``)."""
+        raise NotImplementedError
+
+
+class Rigid(_Linear):
+    """Rotation about ``center`` (axis-angle parameter, radians) and translation (mm)."""
+
+    def __init__(self, center: torch.Tensor) -> None:
+        super().__init__(center)
+        self.rotation = nn.Parameter(torch.zeros(3, dtype=self.center.dtype))
+
+    def matrix(self) -> torch.Tensor:
+        return rotation_matrix(self.rotation)
+
+    def set_from(self, A: torch.Tensor, t: torch.Tensor) -> None:
+        with torch.no_grad():
+            R = A.to(self.center.dtype)
+            angle = math.acos(max(-1.0, min(1.0, (float(torch.trace(R)) - 1) / 2)))
+            axis = torch.stack([R[2, 1] - R[1, 2], R[0, 2] - R[2, 0], R[1, 0] - R[0, 1]])
+            n = float(axis.norm())
+            self.rotation.copy_(axis / n * angle if n > 1e-12 else torch.zeros(3))
+            self.translation.copy_(t.to(self.center.dtype))
+
+
+class Similarity(Rigid):
+    """Rigid motion and an isotropic scale (log-parametrised)."""
+
+    def __init__(self, center: torch.Tensor) -> None:
+        super().__init__(center)
+        self.log_scale = nn.Parameter(torch.zeros((), dtype=self.center.dtype))
+
+    def matrix(self) -> torch.Tensor:
+        return torch.exp(self.log_scale) * rotation_matrix(self.rotation)
+
+    def set_from(self, A: torch.Tensor, t: torch.Tensor) -> None:
+        scale = float(torch.linalg.det(A)) ** (1 / 3)
+        super().set_from(A / scale, t)
+        with torch.no_grad():
+            self.log_scale.fill_(math.log(scale))
+
+
+class Affine(_Linear):
+    """Any invertible linear map about ``center`` and a translation."""
+
+    def __init__(self, center: torch.Tensor) -> None:
+        super().__init__(center)
+        self.linear = nn.Parameter(torch.eye(3, dtype=self.center.dtype))
+
+    def matrix(self) -> torch.Tensor:
+        return self.linear
+
+    def set_from(self, A: torch.Tensor, t: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.linear.copy_(A.to(self.center.dtype))
+            self.translation.copy_(t.to(self.center.dtype))
+
+
+class LDDMM(nn.Module):
+    """Geodesic shooting from control points with momenta (the parameter).
+
+    Args:
+        control_points: q_0, ``(N, 3)`` mm (e.g. the source vertices or a decimated subset).
+        sigma: kernel width(s) in mm (a sum of Gaussians if several).
+        kernel_weights: weight of each width (default 1 each).
+        n_steps: time steps from t = 0 to 1.
+        integrator: ``"euler"``, ``"rk4"`` or ``"leapfrog"``.
+        strategy, memory: how the time loop is differentiated (:func:`otreg.loops.iterate`).
+        backend: reduction backend.
+    """
+
+    def __init__(self, control_points: torch.Tensor, sigma: float | Sequence[float] = 20.0,
+                 kernel_weights: Sequence[float] | None = None, n_steps: int = 10,
+                 integrator: str = "rk4", strategy: str = "store",
+                 memory: int | str | None = None, backend: str = "auto") -> None:
+        super().__init__()
+        fn = "LDDMM"
+        q = torch.as_tensor(control_points).detach()
+        if q.dim() != 2 or q.shape[0] == 0:
+            raise ValueError(f"{fn}: control_points has shape {tuple(q.shape)}; it must be "
+                             "(N, D) with N >= 1")
+        self.kernel = GaussianKernel(sigma, kernel_weights, backend, fn)
+        self.n_steps = check_int(fn, "n_steps", n_steps, 1)
+        self.integrator = check_choice(fn, "integrator", integrator, INTEGRATORS)
+        self.strategy, self.memory = strategy, memory
+        self.register_buffer("control_points", q.clone())
+        self.momenta = nn.Parameter(torch.zeros_like(q))
+
+    def extra_repr(self) -> str:
+        return (f"{self.control_points.shape[0]} control points, {self.kernel}, "
+                f"n_steps={self.n_steps}, integrator={self.integrator!r}")
+
+    # ---------------------------------------------------------------- dynamics
+    def _velocities(self, q, p, x):
+        """(dq, dp, dx) at (q, p, x); x may have 0 rows."""
+        D = q.shape[1]
+        c = q.detach().mean(0)  # the kernels are translation invariant; rounding is not
+        qc = q - c
+        both = torch.cat([p, (qc[:, :, None] * p[:, None, :]).reshape(-1, D * D)], 1)
+        kp = self.kernel(qc, qc, p)
+        kqp = self.kernel.scaled(qc, qc, both)
+        kpp, kqpp = kqp[:, :D], kqp[:, D:].reshape(-1, D, D)
+        # dp_i = sum_j (p_i . p_j) k'_ij (q_i - q_j)
+        dp = qc * (p * kpp).sum(1, keepdim=True) - torch.einsum("nab,nb->na", kqpp, p)
+        dx = self.kernel(x - c, qc, p) if x.shape[0] else x
+        return kp, dp, dx
+
+    def _step(self, state, *_params):
+        q, p, x = state
+        h = 1.0 / self.n_steps
+        f = self._velocities
+        if self.integrator == "euler":
+            dq, dp, dx = f(q, p, x)
+            return q + h * dq, p + h * dp, x + h * dx
+        if self.integrator == "leapfrog":
+            _, dp, _ = f(q, p, x[:0])
+            p_half = p + h / 2 * dp
+            dq, _, dx = f(q, p_half, x)
+            q_new, x_new = q + h * dq, x + h * dx
+            _, dp, _ = f(q_new, p_half, x[:0])
+            return q_new, p_half + h / 2 * dp, x_new
+        k1 = f(q, p, x)
+        k2 = f(*(s + h / 2 * d for s, d in zip(state, k1)))
+        k3 = f(*(s + h / 2 * d for s, d in zip(state, k2)))
+        k4 = f(*(s + h * d for s, d in zip(state, k3)))
+        return tuple(s + h / 6 * (a + 2 * b + 2 * c + d)
+                     for s, a, b, c, d in zip(state, k1, k2, k3, k4))
+
+    def shoot(self, points: torch.Tensor | None = None, report: dict | None = None):
+        """Integrate from t = 0 to 1: ``(q_1, p_1, points_1)``."""
+        q0 = self.control_points.to(self.momenta.dtype)
+        x0 = q0[:0] if points is None else points.to(q0.dtype)
+        if x0.shape[1] != q0.shape[1]:
+            raise ValueError(f"LDDMM: points are {x0.shape[1]}-D but the control points "
+                             f"{q0.shape[1]}-D")
+        kwargs = {}
+        if self.strategy == "checkpoint":
+            kwargs = {"memory": self.memory}
+        return iterate(self._step, (q0, self.momenta, x0), self.n_steps, (self.momenta,),
+                       strategy=self.strategy, report=report, **kwargs)
+
+    def forward(self, points: torch.Tensor) -> torch.Tensor:
+        """Deformed positions of ``points`` (N, 3) at t = 1."""
+        return self.shoot(points)[2].to(points.dtype)
+
+    def trajectory(self, points: torch.Tensor) -> list[torch.Tensor]:
+        """Positions of ``points`` at every time step (n_steps + 1 tensors), no gradient."""
+        with torch.no_grad():
+            state = (self.control_points.to(self.momenta.dtype), self.momenta.detach(),
+                     points.to(self.momenta.dtype))
+            out = [state[2]]
+            for _ in range(self.n_steps):
+                state = self._step(state)
+                out.append(state[2])
+        return out
+
+    def hamiltonian(self, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """H(q, p) = 1/2 sum_ij p_i . k(q_i, q_j) p_j, in mm^2."""
+        c = q.detach().mean(0)
+        return 0.5 * (p * self.kernel(q - c, q - c, p)).sum()
+
+    def energy(self) -> torch.Tensor:
+        """The deformation energy H(q_0, p_0) (half the squared geodesic length)."""
+        return self.hamiltonian(self.control_points.to(self.momenta.dtype), self.momenta)
+
+
+def fit_linear(kind: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
+               center: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted least-squares (A, t) with y ~ A (x - center) + center + t.
+
+    ``kind``: ``"rigid"`` (Kabsch), ``"similarity"`` (Umeyama) or ``"affine"``.
+    """
+    x, y, w = x.detach().double(), y.detach().double(), w.detach().double()
+    w = w / w.sum()
+    c = center.detach().double()
+    mx, my = (w[:, None] * x).sum(0), (w[:, None] * y).sum(0)
+    xc, yc = x - mx, y - my
+    if kind == "affine":
+        cov_xx = (w[:, None, None] * xc[:, :, None] * xc[:, None, :]).sum(0)
+        cov_yx = (w[:, None, None] * yc[:, :, None] * xc[:, None, :]).sum(0)
+        A = cov_yx @ torch.linalg.inv(cov_xx)
+    else:
+        cov = (w[:, None, None] * yc[:, :, None] * xc[:, None, :]).sum(0)
+        U, S, Vt = torch.linalg.svd(cov)
+        d = torch.ones(3, dtype=x.dtype)
+        d[2] = torch.sign(torch.linalg.det(U @ Vt))
+        A = U @ torch.diag(d) @ Vt
+        if kind == "similarity":
+            A = A * (S * d).sum() / (w * (xc * xc).sum(1)).sum()
+    t = my - c - A @ (mx - c)
+    return A, t

@@ -1,0 +1,110 @@
+"""LDDMM shooting against Hamiltonian mechanics and finite differences; linear models."""
+
+import math
+
+import pytest
+import torch
+
+from otreg.registration import LDDMM, Affine, Rigid, Similarity
+from otreg.registration.deformations import fit_linear, rotation_matrix
+
+D = torch.float64
+
+
+def model(integrator="rk4", n_steps=20, sigma=15.0, seed=0, n=40):
+    g = torch.Generator().manual_seed(seed)
+    q = 20 * torch.randn(n, 3, generator=g, dtype=D)
+    m = LDDMM(q, sigma=sigma, n_steps=n_steps, integrator=integrator).double()
+    with torch.no_grad():
+        m.momenta.copy_(2 * torch.randn(n, 3, generator=g, dtype=D))
+    return m
+
+
+@pytest.mark.parametrize("integrator, rtol", [("rk4", 1e-6), ("leapfrog", 1e-3),
+                                              ("euler", 5e-2)])
+def test_shooting_conserves_the_hamiltonian(integrator, rtol):
+    m = model(integrator)
+    q1, p1, _ = m.shoot()
+    h0, h1 = float(m.energy()), float(m.hamiltonian(q1, p1))
+    assert abs(h1 - h0) <= rtol * h0
+
+
+def test_momentum_equation_is_minus_dH_dq():
+    m = model()
+    q = m.control_points.clone().requires_grad_()
+    (g,) = torch.autograd.grad(m.hamiltonian(q, m.momenta.detach()), q)
+    _, dp, _ = m._velocities(m.control_points, m.momenta.detach(), q[:0])
+    assert torch.allclose(dp, -g, atol=1e-12)
+
+
+def test_multiscale_kernel_conserves_too():
+    g = torch.Generator().manual_seed(1)
+    q = 20 * torch.randn(30, 3, generator=g, dtype=D)
+    m = LDDMM(q, sigma=(10.0, 30.0), kernel_weights=(1.0, 0.5), n_steps=20).double()
+    with torch.no_grad():
+        m.momenta.copy_(torch.randn(30, 3, generator=g, dtype=D))
+    q1, p1, _ = m.shoot()
+    assert float(m.hamiltonian(q1, p1)) == pytest.approx(float(m.energy()), rel=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["store", "checkpoint"])
+def test_gradient_through_shooting_matches_finite_differences(strategy):
+    m = model(n_steps=8, n=15)
+    m.strategy = strategy
+    x = 20 * torch.randn(10, 3, generator=torch.Generator().manual_seed(2), dtype=D)
+
+    def loss():
+        return (m(x) ** 2).sum() + m.energy()
+
+    (grad,) = torch.autograd.grad(loss(), m.momenta)
+    v = torch.randn_like(grad)
+    h = 1e-6
+    with torch.no_grad():
+        m.momenta.add_(h * v)
+        up = float(loss())
+        m.momenta.sub_(2 * h * v)
+        down = float(loss())
+        m.momenta.add_(h * v)
+    assert float((grad * v).sum()) == pytest.approx((up - down) / (2 * h), rel=1e-6)
+
+
+def test_zero_momenta_is_the_identity_and_flow_is_invertible_in_practice():
+    m = model()
+    x = 10 * torch.randn(20, 3, dtype=D)
+    with torch.no_grad():
+        m.momenta.zero_()
+        assert torch.equal(m(x), x)
+
+
+def test_linear_models_and_fits():
+    w = torch.tensor([0.1, -0.2, 0.3], dtype=D)
+    R = rotation_matrix(w)
+    assert torch.allclose(R @ R.T, torch.eye(3, dtype=D), atol=1e-14)
+    assert float(torch.linalg.det(R)) == pytest.approx(1.0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, generator=g, dtype=D)
+    center = x.mean(0)
+    t = torch.tensor([1.0, 2.0, -3.0], dtype=D)
+    for kind, cls, A in [("rigid", Rigid, R), ("similarity", Similarity, 1.3 * R),
+                         ("affine", Affine, R @ torch.diag(torch.tensor([1.0, 2.0, 0.5],
+                                                                        dtype=D)))]:
+        y = (x - center) @ A.T + center + t
+        A_fit, t_fit = fit_linear(kind, x, y, torch.ones(50, dtype=D), center)
+        assert torch.allclose(A_fit, A, atol=1e-10) and torch.allclose(t_fit, t, atol=1e-10)
+        m = cls(center).double()
+        m.set_from(A_fit, t_fit)
+        assert torch.allclose(m(x), y, atol=1e-10)
+        assert torch.allclose(m.inverse(m(x)), x, atol=1e-10)
+    assert math.isclose(float(Rigid(center).double().matrix().trace()), 3.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sigma=-1.0), "sigma is -1.0"),
+    (dict(sigma=[]), "sigma is empty"),
+    (dict(n_steps=0), "n_steps is 0"),
+    (dict(integrator="verlet"), "integrator is 'verlet'"),
+    (dict(sigma=(1.0, 2.0), kernel_weights=(1.0,)), "1 weights for 2 widths"),
+])
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LDDMM(torch.zeros(5, 3), **kwargs)
