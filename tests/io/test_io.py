@@ -191,7 +191,7 @@ def test_absent_label_lists_the_present_ones(tmp_path):
 def test_faces_needed_but_missing(tmp_path):
     cloud = Shape(torch.rand(10, 3))
     with pytest.raises(ValueError, match="no triangles"):
-        cloud.face_areas
+        _ = cloud.face_areas
     with pytest.raises(ValueError, match="surface format but the shape has no triangles"):
         save_shape(cloud, tmp_path / "c.gii")
     assert no_leftovers(tmp_path)
