@@ -8,8 +8,8 @@ from ._checks import ConvergenceWarning
 from ._info import info
 from .io import load_shape, save_shape
 from .ot import SinkhornLoss, SinkhornResult, TransportPlan, sinkhorn, sinkhorn_divergence
-from .registration import Registration, register
 from .reductions import KeOpsUnavailable
+from .registration import Registration, register
 from .shapes import Shape
 
 __version__ = "0.1.0"
