@@ -41,8 +41,9 @@ class Attachment:
         return f"{self.name}({opts})"
 
 
-def _normalised_measure(shape: Shape):
-    x, a = shape.measure()
+def _normalised_measure(shape: Shape, kind: str = "points"):
+    """Vertices weighted by their areas (half as many Diracs as triangles: 4x fewer pairs)."""
+    x, a = shape.measure(kind)
     return x, a / a.sum()
 
 
@@ -110,7 +111,7 @@ def _chamfer(warped: Shape, target: Shape) -> torch.Tensor:
 
 
 def make_attachment(name: str, *, blur: float = 2.0, reach: float | None = None,
-                    scaling: float = 0.7, sinkhorn_tol: float = 1e-3, sinkhorn_max_iter: int = 50,
+                    scaling: float = 0.5, sinkhorn_tol: float = 1e-3, sinkhorn_max_iter: int = 30,
                     sigma: float = 10.0, fn: str = "register") -> Attachment:
     """Build a data term by name (see the module docstring for the meanings and units)."""
     if name == "sinkhorn":

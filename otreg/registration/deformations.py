@@ -165,8 +165,8 @@ class LDDMM(nn.Module):
         c = q.detach().mean(0)  # the kernels are translation invariant; rounding is not
         qc = q - c
         both = torch.cat([p, (qc[:, :, None] * p[:, None, :]).reshape(-1, D * D)], 1)
-        kp = self.kernel(qc, qc, p)
-        kqp = self.kernel.scaled(qc, qc, both)
+        kboth, kqp = self.kernel.with_derivative(qc, qc, both)
+        kp = kboth[:, :D]
         kpp, kqpp = kqp[:, :D], kqp[:, D:].reshape(-1, D, D)
         # dp_i = sum_j (p_i . p_j) k'_ij (q_i - q_j)
         dp = qc * (p * kpp).sum(1, keepdim=True) - torch.einsum("nab,nb->na", kqpp, p)

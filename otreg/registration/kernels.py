@@ -47,11 +47,14 @@ class GaussianKernel:
             out = w * term if out is None else out + w * term
         return out
 
-    def scaled(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``sum_j k'(x_i, y_j) v_j`` with k' = sum_s w_s / sigma_s^2 exp(...): for gradients."""
-        out = None
+    def with_derivative(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum_j k(x_i, y_j) v_j, sum_j k'(x_i, y_j) v_j)`` with one reduction per width;
+        k' = sum_s w_s / sigma_s^2 exp(-|x - y|^2 / (2 sigma_s^2)) (for gradients of k)."""
+        out = deriv = None
         for s, w in zip(self.sigmas, self.weights):
             term = R.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]
-            term = (w / (s * s)) * term
-            out = term if out is None else out + term
-        return out
+            out = w * term if out is None else out + w * term
+            d = (w / (s * s)) * term
+            deriv = d if deriv is None else deriv + d
+        return out, deriv
