@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_install.sh test
-"${PYTHON:-python3}" -m pytest "$@"
+"${PYTHON:-python3}" -m pytest --durations=15 "$@"
