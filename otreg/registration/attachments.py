@@ -12,12 +12,13 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from .._checks import check_positive
+from .._checks import ConvergenceWarning, check_positive
 from ..ot.divergence import sinkhorn_divergence
 from ..shapes import Shape
 from .kernels import GaussianKernel
@@ -51,10 +52,6 @@ def _sinkhorn(blur: float, reach: float | None, scaling: float, tol: float, max_
     def term(warped: Shape, target: Shape) -> torch.Tensor:
         x, a = _normalised_measure(warped)
         y, b = _normalised_measure(target)
-        import warnings
-
-        from .._checks import ConvergenceWarning
-
         with warnings.catch_warnings():  # an early stop is fine inside an optimiser
             warnings.simplefilter("ignore", ConvergenceWarning)
             return sinkhorn_divergence(x, y, a, b.to(x.dtype), blur=blur, reach=reach,
