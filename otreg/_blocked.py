@@ -69,12 +69,32 @@ class _Blocks:
         return s, 0.0, C
 
 
+# Products of the exponentials with gradients and coordinates must stay normal numbers:
+# a matrix product over denormals runs 100 times slower on x86 (measured: 80 ms instead of
+# 0.6 ms for a (1400, 3000) @ (3000, 3) product), and flushing them to zero
+# (torch.set_flush_denormal) reaches the calling thread only, not torch's worker threads.
+# So exp(s - max) is clamped at e^-50 (float32) or e^-600 (float64), negligible next to the
+# row's largest term 1 (a million such terms add 2e-16 relative), and gradient weights are
+# scaled to at most 1 with the negligible ones (below _TINY) set to 0.
+_PRODUCT_FLOOR = {torch.float32: -50.0, torch.float64: -600.0}
+_TINY = {torch.float32: 1e-12, torch.float64: 1e-30}
+
+
 def _softmax_(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """In place: s <- exp(s - m) (clamped), returns (s, m, row sums)."""
     m = s.amax(dim=2, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    s.sub_(m).clamp_(min=_dense.exp_floor(s.dtype)).exp_()
+    floor = _PRODUCT_FLOOR.get(s.dtype, _dense.exp_floor(s.dtype))
+    s.sub_(m).clamp_(min=floor).exp_()
     return s, m, s.sum(2, keepdim=True)
+
+
+def _scaled(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(u / scale, scale)`` with max |u / scale| = 1 and the entries below _TINY set to 0
+    (their products with the exponentials would be denormal)."""
+    scale = u.abs().amax().clamp_min(torch.finfo(u.dtype).tiny)
+    us = u / scale
+    return us.masked_fill_(us.abs() < _TINY.get(u.dtype, 0.0), 0.0), scale
 
 
 def _forward(kind: str, blocks: _Blocks, v) -> torch.Tensor:
@@ -110,21 +130,22 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
             if gv is not None:
                 gv.baddbmm_(K.transpose(1, 2), G)
             W = K.mul_(torch.bmm(G, v.transpose(1, 2))).mul_(-1.0 / eps)
+        elif kind == "softmin":  # W = P G = z (G / total), scaled to stay normal
+            z, _, total = _softmax_(s)
+            u, scale = _scaled(G.unsqueeze(2) / total)
+            W = z.mul_(u)
+            if gh is not None:
+                gh.add_(W.sum(1), alpha=-eps * float(scale))
         else:
             P, _, total = _softmax_(s)
             P.div_(total)
-            if kind == "softmin":
-                W = P.mul_(G.unsqueeze(2))
-                if gh is not None:
-                    gh.add_(W.sum(1), alpha=-eps)
-            else:
-                if gv is not None:
-                    gv.baddbmm_(P.transpose(1, 2), G)
-                GV = torch.bmm(G, v.transpose(1, 2))
-                S = GV.sub_((G * out[:, sl]).sum(-1, keepdim=True)).mul_(P)
-                if gh is not None:
-                    gh.add_(S.sum(1))
-                W = S.mul_(-1.0 / eps)
+            if gv is not None:
+                gv.baddbmm_(P.transpose(1, 2), G)
+            GV = torch.bmm(G, v.transpose(1, 2))
+            S = GV.sub_((G * out[:, sl]).sum(-1, keepdim=True)).mul_(P)
+            if gh is not None:
+                gh.add_(S.sum(1))
+            W = S.mul_(-1.0 / eps)
         if gx is None and gy is None:
             continue
         if C is not None:
@@ -132,8 +153,11 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
         xb = blocks.x[:, sl]
         if gx is not None:
             gx[:, sl] = xb * W.sum(2, keepdim=True) - torch.bmm(W, blocks.y)
+            if kind == "softmin":
+                gx[:, sl] *= scale
         if gy is not None:
-            gy += blocks.y * W.sum(1).unsqueeze(-1) - torch.bmm(W.transpose(1, 2), xb)
+            dy = blocks.y * W.sum(1).unsqueeze(-1) - torch.bmm(W.transpose(1, 2), xb)
+            gy.add_(dy, alpha=float(scale) if kind == "softmin" else 1.0)
     return [gx, gy, gh, gv]
 
 
