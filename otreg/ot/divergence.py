@@ -32,20 +32,37 @@ from .sinkhorn import (
 __all__ = ["sinkhorn_divergence", "SinkhornLoss"]
 
 
-def _divergence(fn: str, x, y, a, b, *, debias: bool = True, **options):
-    """(value, cross SinkhornResult) for the debiased divergence or the plain OT cost."""
+def _fits(t, like) -> bool:
+    return t is not None and t.shape == like.shape and t.dtype == like.dtype and \
+        t.device == like.device
+
+
+def _divergence(fn: str, x, y, a, b, *, debias: bool = True, warm: dict | None = None,
+                **options):
+    """(value, cross SinkhornResult) for the debiased divergence or the plain OT cost.
+
+    ``warm``: a dict of the potentials of a previous call (``f``, ``g``, ``f_aa``, ``g_bb``),
+    used as warm starts where their shapes fit (skipping the eps-scaling) and updated.
+    """
     p = _validate(fn, x, y, a, b, **options)
     if options.get("backward", "envelope") != "envelope":
         raise ValueError(f"{fn}: backward is {options['backward']!r}; the divergence's "
                          "gradient is exact with 'envelope'. For differentiable potentials "
                          "use otreg.sinkhorn(..., backward='implicit')")
     xd, yd, ad, bd = p.x.detach(), p.y.detach(), p.a.detach(), p.b.detach()
+    w = {} if warm is None else warm
     with torch.no_grad():
-        f, g, n_iter, err = _solve_pair(p, xd, yd, ad, bd)
+        init = (w["f"], w["g"]) if _fits(w.get("f"), ad) and _fits(w.get("g"), bd) else None
+        f, g, n_iter, err = _solve_pair(p, xd, yd, ad, bd, init)
         if debias:
-            f_aa, n_aa, err_aa = _solve_self(p, xd, ad)
-            g_bb, n_bb, err_bb = _solve_self(p, yd, bd)
+            f_aa, n_aa, err_aa = _solve_self(p, xd, ad, w["f_aa"] if _fits(
+                w.get("f_aa"), ad) else None)
+            g_bb, n_bb, err_bb = _solve_self(p, yd, bd, w["g_bb"] if _fits(
+                w.get("g_bb"), bd) else None)
+            w.update(f_aa=f_aa, g_bb=g_bb)
+        w.update(g=g)
     cross, f = _dual_value(p, p.x, p.y, p.a, p.b, g)
+    w["f"] = f
     value = cross
     converged = _warn_if_unconverged(fn, "OT(a, b)", p, n_iter, err)
     if debias:
@@ -97,14 +114,23 @@ class SinkhornLoss(nn.Module):
     Args:
         blur, reach: as in :func:`otreg.sinkhorn`.
         debias: subtract the self-transport terms (a divergence: 0 for equal inputs).
+        warm_start: start each call's solves from the previous call's potentials (when the
+            sizes match), at the final eps without the eps-scaling. In an optimisation loop
+            the points move little between calls and a few iterations then reach ``tol``:
+            several times faster. Call :meth:`reset` when the problem changes.
         **options: the other keyword options of :func:`otreg.sinkhorn`.
     """
 
     def __init__(self, blur: float = 0.05, reach: float | None = None, debias: bool = True,
-                 **options) -> None:
+                 warm_start: bool = False, **options) -> None:
         super().__init__()
         if not isinstance(debias, bool):
             raise TypeError(f"SinkhornLoss: debias must be True or False, got {debias!r}")
+        if not isinstance(warm_start, bool):
+            raise TypeError(f"SinkhornLoss: warm_start must be True or False, got "
+                            f"{warm_start!r}")
+        self.warm_start = warm_start
+        self._warm: dict = {}
         self.options = dict(blur=blur, reach=reach, **options)
         self.debias = debias
         # Validate the options now, on a tiny problem, rather than at the first call.
@@ -114,7 +140,11 @@ class SinkhornLoss(nn.Module):
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-        return f"{opts}, debias={self.debias}"
+        return f"{opts}, debias={self.debias}, warm_start={self.warm_start}"
+
+    def reset(self) -> None:
+        """Forget the potentials kept for warm starts."""
+        self._warm = {}
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         if len(args) == 2:
@@ -124,6 +154,7 @@ class SinkhornLoss(nn.Module):
         else:
             raise TypeError(f"SinkhornLoss: call it as loss(x, y) or loss(a, x, b, y), got "
                             f"{len(args)} arguments")
-        value, self.last_result = _divergence("SinkhornLoss", x, y, a, b,
-                                              debias=self.debias, **self.options)
+        warm = self._warm if self.warm_start else None
+        value, self.last_result = _divergence("SinkhornLoss", x, y, a, b, debias=self.debias,
+                                              warm=warm, **self.options)
         return value

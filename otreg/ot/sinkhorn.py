@@ -199,21 +199,28 @@ def _residual(p: _Problem, eps: float, w: torch.Tensor, pot: torch.Tensor,
     return err / w.sum(1)
 
 
-def _solve_pair(p: _Problem, x, y, a, b):
-    """Potentials (f, g) for OT(a, b) between x and y, without autograd."""
+def _solve_pair(p: _Problem, x, y, a, b, init=None):
+    """Potentials (f, g) for OT(a, b) between x and y, without autograd.
+
+    ``init``: potentials (f, g) (B, N), (B, M) to start from at the final eps, skipping the
+    annealing (a warm start from a nearby problem).
+    """
     a_log, b_log = a.log(), b.log()
-    eps0 = p.schedule[0]
-    lam = p.damping(eps0)
-    zeros_a, zeros_b = torch.zeros_like(a), torch.zeros_like(b)
-    f = lam * _softmin(p, eps0, x, y, b_log, zeros_b)
-    g = lam * _softmin(p, eps0, y, x, a_log, zeros_a)
     n_iter = 0
-    for eps in p.schedule:  # annealing: symmetric, averaged updates
-        lam = p.damping(eps)
-        ft = lam * _softmin(p, eps, x, y, b_log, g)
-        gt = lam * _softmin(p, eps, y, x, a_log, f)
-        f, g = (f + ft) / 2, (g + gt) / 2
-        n_iter += 1
+    if init is not None:
+        f, g = init
+    else:
+        eps0 = p.schedule[0]
+        lam = p.damping(eps0)
+        zeros_a, zeros_b = torch.zeros_like(a), torch.zeros_like(b)
+        f = lam * _softmin(p, eps0, x, y, b_log, zeros_b)
+        g = lam * _softmin(p, eps0, y, x, a_log, zeros_a)
+        for eps in p.schedule:  # annealing: symmetric, averaged updates
+            lam = p.damping(eps)
+            ft = lam * _softmin(p, eps, x, y, b_log, g)
+            gt = lam * _softmin(p, eps, y, x, a_log, f)
+            f, g = (f + ft) / 2, (g + gt) / 2
+            n_iter += 1
     eps, lam = p.eps, p.damping(p.eps)
     err = torch.full((x.shape[0],), math.inf, dtype=x.dtype, device=x.device)
     while n_iter < p.max_iter:  # alternating updates at the final eps
@@ -227,15 +234,19 @@ def _solve_pair(p: _Problem, x, y, a, b):
     return f, g, n_iter, float(err.max())
 
 
-def _solve_self(p: _Problem, x, a):
-    """The symmetric potential f = f_aa of OT(a, a), without autograd."""
+def _solve_self(p: _Problem, x, a, init=None):
+    """The symmetric potential f = f_aa of OT(a, a), without autograd (``init``: a warm
+    start at the final eps, as in :func:`_solve_pair`)."""
     a_log = a.log()
-    eps0 = p.schedule[0]
-    f = p.damping(eps0) * _softmin(p, eps0, x, x, a_log, torch.zeros_like(a))
     n_iter = 0
-    for eps in p.schedule:
-        f = (f + p.damping(eps) * _softmin(p, eps, x, x, a_log, f)) / 2
-        n_iter += 1
+    if init is not None:
+        f = init
+    else:
+        eps0 = p.schedule[0]
+        f = p.damping(eps0) * _softmin(p, eps0, x, x, a_log, torch.zeros_like(a))
+        for eps in p.schedule:
+            f = (f + p.damping(eps) * _softmin(p, eps, x, x, a_log, f)) / 2
+            n_iter += 1
     eps, lam = p.eps, p.damping(p.eps)
     err = torch.full((x.shape[0],), math.inf, dtype=x.dtype, device=x.device)
     while n_iter < p.max_iter:
@@ -300,6 +311,31 @@ def _warn_if_unconverged(fn: str, what: str, p: _Problem, n_iter: int, err: floa
     return converged
 
 
+def _check_init(fn: str, init, p: _Problem):
+    """Validate warm-start potentials (f, g); return them batched and detached, or None."""
+    if init is None:
+        return None
+    if not (isinstance(init, (tuple, list)) and len(init) == 2):
+        raise TypeError(f"{fn}: init must be a pair of potentials (f, g), got "
+                        f"{type(init).__name__}")
+    out = []
+    for name, t, like in (("f", init[0], p.a), ("g", init[1], p.b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: init's {name} must be a tensor, got {type(t).__name__}")
+        t = t.detach()
+        t = t if p.batched else t.unsqueeze(0)
+        if t.shape != like.shape:
+            raise ValueError(f"{fn}: init's {name} has shape {tuple(t.shape[1 - p.batched:])}"
+                             f" but the weights have {tuple(like.shape[1 - p.batched:])}")
+        if t.dtype != like.dtype or t.device != like.device:
+            raise TypeError(f"{fn}: init's {name} is {t.dtype} on {t.device} but the points "
+                            f"are {like.dtype} on {like.device}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{fn}: init's {name} has NaN or infinite values")
+        out.append(t)
+    return tuple(out)
+
+
 def _unbatch(t: torch.Tensor, batched: bool) -> torch.Tensor:
     return t if batched else t.squeeze(0)
 
@@ -322,6 +358,7 @@ def sinkhorn(
     backward: str = "envelope",
     strategy: str = "store",
     memory: int | str | None = None,
+    init: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> SinkhornResult:
     """Entropic optimal transport between two weighted point clouds.
 
@@ -353,6 +390,9 @@ def sinkhorn(
             the iterations at the final eps (the annealing gives the warm start), run by
             :func:`otreg.loops.iterate` with ``strategy`` and ``memory``.
         strategy, memory: for ``backward="unroll"``: see :func:`otreg.loops.iterate`.
+        init: potentials ``(f, g)`` of a nearby problem (e.g. ``(res.f, res.g)`` of the
+            previous step of an optimisation), shaped like a and b: the solver starts from
+            them at the final eps, without the eps-scaling (a warm start).
 
     Returns:
         :class:`SinkhornResult`. Warns :class:`~otreg.ConvergenceWarning` when ``tol`` is
@@ -364,9 +404,10 @@ def sinkhorn(
     if backward != "unroll" and (strategy != "store" or memory is not None):
         raise ValueError("sinkhorn: strategy and memory apply to backward='unroll' only, not "
                          f"backward={backward!r}")
+    init = _check_init("sinkhorn", init, p)
     with torch.no_grad():
         f, g, n_iter, err = _solve_pair(p, p.x.detach(), p.y.detach(), p.a.detach(),
-                                        p.b.detach())
+                                        p.b.detach(), init)
     converged = _warn_if_unconverged("sinkhorn", "the solver", p, n_iter, err)
     params = (p.x, p.y, p.a, p.b)
     if backward == "envelope":

@@ -114,3 +114,23 @@ def test_batched_divergence():
     for k in range(2):
         one = otreg.sinkhorn_divergence(x[k], y[k], a[k], b[k], blur=0.2, **TIGHT)
         np.testing.assert_allclose(float(d[k]), float(one), rtol=1e-11)
+
+
+def test_sinkhorn_loss_warm_start_gives_the_same_values_faster():
+    x, y, a, b = clouds(n=50, m=40, d=3, seed=4)
+    cold = otreg.SinkhornLoss(blur=0.1, tol=1e-9)
+    warm = otreg.SinkhornLoss(blur=0.1, tol=1e-9, warm_start=True)
+    gen = torch.Generator().manual_seed(1)
+    total_cold = total_warm = 0
+    for _ in range(3):
+        x = x + 0.01 * torch.randn(x.shape, generator=gen, dtype=x.dtype)
+        vc, vw = cold(a, x, b, y), warm(a, x, b, y)
+        assert float(vw) == pytest.approx(float(vc), rel=1e-7)
+        total_cold += cold.last_result.n_iter
+        total_warm += warm.last_result.n_iter
+    assert total_warm < total_cold
+    warm.reset()
+    warm(a, x, b, y)
+    assert warm.last_result.n_iter == cold.last_result.n_iter  # cold again after reset
+    with pytest.raises(TypeError, match="warm_start must be True or False"):
+        otreg.SinkhornLoss(warm_start=1)

@@ -160,3 +160,31 @@ def test_result_reports_its_settings():
     assert res.backend == "tensorized" and res.form == "log" and res.converged
     assert res.eps == pytest.approx(0.01) and res.n_iter > 1
     assert res.f.requires_grad is False and res.cost.shape == ()
+
+
+def test_warm_start_reaches_the_same_solution_in_fewer_iterations():
+    x, y, a, b = clouds(n=60, m=50, seed=3)
+    first = otreg.sinkhorn(x, y, a, b, blur=0.1, tol=1e-9)
+    moved = x + 0.01 * torch.randn(x.shape, generator=torch.Generator().manual_seed(0),
+                                   dtype=x.dtype)
+    cold = otreg.sinkhorn(moved, y, a, b, blur=0.1, tol=1e-9)
+    warm = otreg.sinkhorn(moved, y, a, b, blur=0.1, tol=1e-9, init=(first.f, first.g))
+    assert warm.converged and warm.n_iter < cold.n_iter
+    assert float(warm.cost) == pytest.approx(float(cold.cost), rel=1e-8)
+    # balanced potentials are defined up to a constant: compare the plans' action
+    v = torch.ones(len(y), 1, dtype=x.dtype)
+    assert torch.allclose(warm.plan.apply(v), cold.plan.apply(v), atol=1e-8)
+
+
+def test_bad_warm_start_raises_naming_it():
+    x, y, a, b = clouds(n=6, m=5)
+    f, g = torch.zeros(6, dtype=x.dtype), torch.zeros(5, dtype=x.dtype)
+    with pytest.raises(ValueError, match="init's g has shape \\(4,\\) but the weights have "
+                                         "\\(5,\\)"):
+        otreg.sinkhorn(x, y, a, b, init=(f, g[:4]))
+    with pytest.raises(TypeError, match="init must be a pair"):
+        otreg.sinkhorn(x, y, a, b, init=f)
+    with pytest.raises(TypeError, match="init's f is torch.float32"):
+        otreg.sinkhorn(x, y, a, b, init=(f.float(), g))
+    with pytest.raises(ValueError, match="init's f has NaN"):
+        otreg.sinkhorn(x, y, a, b, init=(f / 0 * 0, g))
