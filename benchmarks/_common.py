@@ -20,10 +20,14 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_worker(script: str, args: list[str], timeout: float) -> dict:
-    """Run ``python script --worker ARGS`` in a fresh process; return its JSON (or an error)."""
+def run_worker(script: str, args: list[str], timeout: float,
+               env: dict[str, str] | None = None) -> dict:
+    """Run ``python script --worker ARGS`` in a fresh process; return its JSON (or an error).
+
+    ``env`` adds environment variables for the worker (e.g. glibc malloc settings).
+    """
     cmd = [sys.executable, script, "--worker", *args]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:

@@ -8,8 +8,8 @@ and the gradient of sum(a * b) at the end with respect to the initial state and 
 Each method runs in a fresh process: its peak RSS is its own. ``store`` cannot hold 1,000
 steps here (about 300 MB saved per step): it runs on ``--store-steps`` steps and the table
 gives the measured per-step memory. The peer is torch.utils.checkpoint on sqrt(n) segments.
-A fixed point of the same state size (z = tanh(z W)/2 + c) compares implicit with unrolled
-differentiation.
+A fixed point z = tanh(z W)/2 + c with z of (rows, 25) (half the loop's state; the "states"
+column counts its own size) compares implicit with unrolled differentiation.
 
     python benchmarks/loops_tradeoff.py            # n = 1,000
     python benchmarks/loops_tradeoff.py --quick    # n = 100, state 10 MB
@@ -28,8 +28,14 @@ from _common import peak_rss_mb, record, run_worker, table
 
 METHODS = ["store", "checkpoint, log2(n) snapshots", "checkpoint, sqrt(n) snapshots",
            "checkpoint, memory='1GB'", "reversible", "torch.utils.checkpoint, sqrt(n) segments",
-           "fixed point, implicit", "fixed point, unrolled"]
+           "fixed point, implicit (GMRES)", "fixed point, implicit (fixed-point adjoint)",
+           "fixed point, unrolled"]
 DT = 0.1
+# glibc keeps freed heap memory resident (and raises its mmap threshold up to 32 MB after the
+# first free), so peak RSS would count memory that is free. Serving every buffer of 1 MB or
+# more by mmap returns it to the system when freed: peak RSS then follows live tensors.
+# Every method pays the same page-fault cost.
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
 def problem(rows: int, dim: int = 25):
@@ -78,6 +84,7 @@ def worker(method: str, n: int, rows: int, store_steps: int) -> dict:
 
         z = fixed_point(fp_step, torch.zeros_like(c), (W1, b), tol=1e-6,
                         backward="implicit" if "implicit" in method else "unroll",
+                        solver="fixed_point" if "adjoint" in method else "gmres",
                         report=report)
         loss = (z * z).sum()
         leaves = (W1, b)
@@ -136,15 +143,17 @@ def main() -> None:
         return
     n, rows = (100, 50_000) if args.quick else (args.n, args.rows)
     state_mb = 2 * rows * 25 * 4 / 1e6
-    base = run_worker(__file__, ["fixed point, implicit", "1", "1", "1"], args.timeout)
+    base = run_worker(__file__, ["fixed point, unrolled", "1", "1", "1"], args.timeout,
+                      WORKER_ENV)
     rows_out = []
     for method in args.methods:
         out = run_worker(__file__, [method, str(n), str(rows), str(args.store_steps)],
-                         args.timeout)
+                         args.timeout, WORKER_ENV)
         print(method, out, file=sys.stderr, flush=True)
         row = {"method": method, **out}
         if "peak_rss_mb" in out:
-            row["states"] = (out["peak_rss_mb"] - base.get("peak_rss_mb", 0)) / state_mb
+            size = state_mb / 2 if method.startswith("fixed point") else state_mb  # z only
+            row["states"] = (out["peak_rss_mb"] - base.get("peak_rss_mb", 0)) / size
         rows_out.append(row)
     store = next((r for r in rows_out if r["method"] == "store" and "seconds" in r), None)
     for r in rows_out:

@@ -152,7 +152,10 @@ def fixed_point(
         max_iter: the most forward iterations; warns ``ConvergenceWarning`` at the cap.
         backward: ``"implicit"`` (solve the adjoint system: memory of one step) or
             ``"unroll"`` (autograd through the same number of iterations, for comparison).
-        solver: ``"gmres"`` or ``"fixed_point"`` for the adjoint system.
+        solver: ``"gmres"`` or ``"fixed_point"`` for the adjoint system. GMRES converges
+            in fewer steps but keeps up to 50 Krylov vectors in float64 (memory of up to
+            about 100 float32 states); ``"fixed_point"`` keeps two (O(1) states) and needs a
+            contraction.
         backward_tol: relative residual of the adjoint solve (default: ``tol``).
         backward_max_iter: the most adjoint iterations.
         report: a dict filled with ``n_iter``, ``converged``, ``residual`` and, after
