@@ -120,6 +120,17 @@ class Shape:
                              f"this shape has {tuple(self.points.shape)}")
         return replace(self, points=points, source=None)
 
+    def mirror(self, axis: int = 0) -> Shape:
+        """The reflection through the plane ``coordinate[axis] = 0`` (x = 0: left <-> right
+        in RAS/MNI space), with the triangles reoriented so that normals stay outward."""
+        if not isinstance(axis, int) or not 0 <= axis < self.dim:
+            raise ValueError(f"Shape.mirror: axis is {axis!r}; it must be an integer in "
+                             f"[0, {self.dim})")
+        sign = torch.ones(self.dim, dtype=self.points.dtype, device=self.points.device)
+        sign[axis] = -1
+        faces = None if self.faces is None else self.faces[:, [0, 2, 1]]
+        return replace(self, points=self.points * sign, faces=faces, source=None)
+
     def _need_faces(self, what: str) -> torch.Tensor:
         if self.faces is None or self.n_faces == 0:
             raise ValueError(f"Shape.{what}: this shape has no triangles; {what} needs a "

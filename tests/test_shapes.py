@@ -65,3 +65,13 @@ def test_decimate_smooth_components():
 def test_bad_shapes(kwargs, error, match):
     with pytest.raises(error, match=match):
         Shape(**kwargs)
+
+
+def test_mirror_keeps_volume_positive_and_reflects():
+    t = tetra(offset=0.5)
+    m = t.mirror(0)
+    assert torch.allclose(m.points[:, 0], -t.points[:, 0])
+    assert float(m.volume) == pytest.approx(float(t.volume))  # outward normals kept
+    assert torch.allclose(m.mirror(0).points, t.points)
+    with pytest.raises(ValueError, match="axis is 3"):
+        t.mirror(3)

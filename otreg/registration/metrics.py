@@ -1,6 +1,6 @@
 """Registration metrics: surface distances, vertex errors, Jacobian determinants, varifolds.
 
-Nearest neighbours come from scipy's cKDTree.
+Nearest vertices come from scipy's cKDTree, nearest surface points from VTK (pyvista).
 """
 
 from __future__ import annotations
@@ -23,14 +23,41 @@ def _nearest(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return cKDTree(b).query(a)[0]
 
 
-def surface_distances(a: Shape, b: Shape) -> dict[str, float]:
-    """Vertex-to-nearest-vertex distances both ways (mm): means and Hausdorff."""
+def _to_surface(points: np.ndarray, shape: Shape) -> np.ndarray:
+    """Distance from each point to the nearest point of the triangles of ``shape`` (VTK's
+    closest-cell search)."""
+    _, closest = shape.to_pyvista().find_closest_cell(points, return_closest_point=True)
+    return np.linalg.norm(points - closest, axis=1)
+
+
+def surface_distances(a: Shape, b: Shape, to: str = "auto") -> dict[str, float]:
+    """Distances from the vertices of each shape to the other, both ways (mm): means and
+    Hausdorff (the largest).
+
+    ``to="surface"``: to the nearest point of the other's triangles (needs pyvista);
+    ``"vertices"``: to its nearest vertex, which adds up to half the vertex spacing;
+    ``"auto"``: surface when both have triangles and pyvista is installed. The kind used is
+    returned as ``distance_to``.
+    """
+    if to not in ("auto", "surface", "vertices"):
+        raise ValueError(f"surface_distances: to is {to!r}; choose 'auto', 'surface' or "
+                         "'vertices'")
     pa = a.points.detach().cpu().double().numpy()
     pb = b.points.detach().cpu().double().numpy()
-    ab, ba = _nearest(pa, pb), _nearest(pb, pa)
+    if to == "auto":
+        try:
+            import pyvista  # noqa: F401
+
+            to = "surface" if a.n_faces and b.n_faces else "vertices"
+        except ImportError:
+            to = "vertices"
+    if to == "surface":
+        ab, ba = _to_surface(pa, b), _to_surface(pb, a)
+    else:
+        ab, ba = _nearest(pa, pb), _nearest(pb, pa)
     return {"mean_ab_mm": float(ab.mean()), "mean_ba_mm": float(ba.mean()),
             "mean_mm": float((ab.mean() + ba.mean()) / 2),
-            "hausdorff_mm": float(max(ab.max(), ba.max()))}
+            "hausdorff_mm": float(max(ab.max(), ba.max())), "distance_to": to}
 
 
 def vertex_error(points: torch.Tensor, truth: torch.Tensor) -> dict[str, float]:

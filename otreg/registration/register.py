@@ -48,22 +48,37 @@ def _check_shape(fn: str, name: str, shape: object) -> Shape:
     return shape
 
 
+def _coarse_measure(shape: Shape, max_points: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertex measure (positions, normalised weights) of at most about max_points points:
+    a decimated surface, or an evenly strided subset of a point cloud."""
+    if shape.n_points > max_points:
+        if shape.n_faces > 0:
+            shape = shape.decimate(max_points)
+        else:
+            keep = torch.linspace(0, shape.n_points - 1, max_points).round().long()
+            w = None if shape.weights is None else shape.weights[keep]
+            shape = Shape(shape.points[keep], weights=w, unit=shape.unit)
+    x, a = shape.measure("points")
+    return x.detach().double(), (a.detach() / a.sum()).double()
+
+
 def prealign(source: Shape, target: Shape, kind: str = "rigid", n_iter: int = 8,
-             blur: tuple[float, float] | None = None):
+             blur: tuple[float, float] | None = None, max_points: int = 2000):
     """Fit a rigid, similarity or affine map by OT matching (no correspondence needed).
 
     Each round solves OT between the moved source measure and the target, sends every
     source point to its barycentric target, and refits the map by weighted least squares
     (Kabsch, Umeyama or affine), with a blur shrinking geometrically from ``blur[0]`` to
-    ``blur[1]`` mm (default: a quarter of the target's size down to 1/40 of it).
+    ``blur[1]`` mm (default: a quarter of the target's size down to 1/40 of it). Surfaces
+    are compared as vertex measures (area weights) decimated to about ``max_points``
+    vertices: a linear map has 12 parameters at most, which a few thousand points fix.
     """
     fn = "prealign"
     check_choice(fn, "kind", kind, tuple(_LINEAR))
     n_iter = check_int(fn, "n_iter", n_iter, 1)
-    x, a = source.measure()
-    y, b = target.measure()
-    x, y = x.detach().double(), y.detach().double()
-    a, b = a.detach().double() / a.sum(), b.detach().double() / b.sum()
+    max_points = check_int(fn, "max_points", max_points, 4)
+    x, a = _coarse_measure(source, max_points)
+    y, b = _coarse_measure(target, max_points)
     size = float((y.max(0).values - y.min(0).values).norm())
     b0, b1 = blur if blur is not None else (size / 4, size / 40)
     center = (a[:, None] * x).sum(0)
@@ -74,9 +89,10 @@ def prealign(source: Shape, target: Shape, kind: str = "rigid", n_iter: int = 8,
         bl = b0 * (b1 / b0) ** (k / max(1, n_iter - 1))
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
-            moved = model(x)
-            res = sinkhorn(moved, y, a, b, blur=bl, scaling=0.7, tol=1e-3, max_iter=60)
-            goal = res.plan.barycentric_map()
+            moved = model(x)  # OT in float32 (twice as fast), the fit in float64
+            res = sinkhorn(moved.float(), y.float(), a.float(), b.float(), blur=bl,
+                           scaling=0.7, tol=1e-3, max_iter=60)
+            goal = res.plan.barycentric_map().double()
             A, t = fit_linear(kind, x, goal, a, center)
             model.set_from(A, t)
     return model
@@ -181,15 +197,44 @@ class Registration:
                    doc["metrics"], doc["options"])
 
 
-def _levels(levels, fn: str):
+def _weights(loss, fn: str, what: str = "loss") -> dict[str, float]:
+    """A data-term name or a dict of weights, checked, as a dict of weights."""
+    if isinstance(loss, str):
+        loss = {loss: 1.0}
+    if not isinstance(loss, dict) or not loss:
+        raise ValueError(f"{fn}: {what} is {loss!r}; give a data term name or a non-empty "
+                         "dict of weights, e.g. {'sinkhorn': 1.0}")
+    for name, w in loss.items():
+        check_choice(fn, "loss", name, ATTACHMENTS)
+        check_positive(fn, f"weight of {name}", w)
+    return dict(loss)
+
+
+def _levels(levels, loss, fn: str) -> list[tuple[int, float, dict[str, float]]]:
+    """Checked levels as (points, scale mm, loss weights).
+
+    A level is ``(points, scale)`` or ``(points, scale, loss)``; without its own loss it
+    takes ``loss``, or when ``loss`` is None the default: the Sinkhorn divergence at every
+    level but the last, the varifold at the last (OT matches globally from afar; the
+    varifold is cheaper and sharper once the surfaces are close).
+    """
     out = []
-    for lv in levels:
-        if not (isinstance(lv, (tuple, list)) and len(lv) == 2):
-            raise ValueError(f"{fn}: each level is (points, blur_mm), got {lv!r}")
-        n, blur = lv
-        out.append((check_int(fn, "level points", n, 4), check_positive(fn, "level blur", blur)))
-    if not out:
+    levels = list(levels)
+    if not levels:
         raise ValueError(f"{fn}: levels is empty")
+    for k, lv in enumerate(levels):
+        if not (isinstance(lv, (tuple, list)) and len(lv) in (2, 3)):
+            raise ValueError(f"{fn}: each level is (points, scale_mm) or (points, scale_mm, "
+                             f"loss), got {lv!r}")
+        n, scale = lv[0], lv[1]
+        if len(lv) == 3:
+            terms = _weights(lv[2], fn, f"the loss of level {k + 1}")
+        elif loss is not None:
+            terms = _weights(loss, fn)
+        else:
+            terms = {"varifold" if k == len(levels) - 1 and len(levels) > 1 else "sinkhorn": 1.0}
+        out.append((check_int(fn, "level points", n, 4),
+                    check_positive(fn, "level scale", scale), terms))
     return out
 
 
@@ -198,16 +243,16 @@ def register(
     target: Shape,
     model: str = "lddmm",
     prealign: str = "rigid",
-    loss: str | dict[str, float] = "sinkhorn",
+    loss: str | dict[str, float] | None = None,
     *,
     sigma: float | Sequence[float] = 20.0,
     control_points: int = 500,
     n_steps: int = 6,
     integrator: str = "rk4",
-    levels: Sequence[tuple[int, float]] = ((1000, 6.0), (3000, 2.5)),
+    levels: Sequence[tuple] = ((1000, 6.0), (3000, 4.0)),
     regularization: float = 1e-4,
     reach: float | None = None,
-    varifold_sigma: float = 8.0,
+    varifold_sigma: float = 4.0,
     landmarks: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_iter: int = 30,
     tol: float = 1e-5,
@@ -226,15 +271,18 @@ def register(
         prealign: ``"rigid"``, ``"similarity"``, ``"affine"`` or ``"none"`` (before LDDMM).
         loss: a data term name (``"sinkhorn"``, ``"varifold"``, ``"currents"``,
             ``"chamfer"``) or a dict of weights, e.g. ``{"sinkhorn": 1, "varifold": 0.1,
-            "landmarks": 0.01}``.
+            "landmarks": 0.01}``, used at every level. None (default): the Sinkhorn
+            divergence at the coarse levels and the varifold at the finest.
         sigma: LDDMM kernel width(s), mm.
         control_points: number of control points (a decimation of the source).
         n_steps, integrator: geodesic shooting time steps and scheme.
-        levels: coarse to fine ``(surface points, blur mm)``: the surfaces compared at each
-            level are decimated to that many vertices; blur is the Sinkhorn blur.
+        levels: coarse to fine ``(surface points, scale mm)`` or ``(surface points, scale
+            mm, loss)``: the surfaces compared at each level are decimated to that many
+            vertices; the scale is the Sinkhorn blur and the varifold/currents kernel width
+            at that level; a level's own loss replaces ``loss`` there.
         regularization: weight of the deformation energy.
         reach: unbalanced OT reach (mm) for the sinkhorn term.
-        varifold_sigma: kernel width (mm) of the varifold/currents terms and metric.
+        varifold_sigma: kernel width (mm) of the varifold distance reported in the metrics.
         landmarks: ``(source_points (L, 3), target_points (L, 3))`` for the landmarks term.
         max_iter: L-BFGS iterations per level.
         tol: stop a level when E changes by less than tol (relative) over an iteration.
@@ -254,20 +302,17 @@ def register(
         raise ValueError(f"{fn}: source is in {source.unit} but target in {target.unit}")
     check_choice(fn, "model", model, MODELS)
     check_choice(fn, "prealign", prealign, PREALIGNS)
-    weights = {loss: 1.0} if isinstance(loss, str) else dict(loss)
-    for name, w in weights.items():
-        check_choice(fn, "loss", name, ATTACHMENTS)
-        check_positive(fn, f"weight of {name}", w)
-    if "landmarks" in weights and landmarks is None:
+    levels_ = _levels(levels, loss, fn)
+    if any("landmarks" in w for _, _, w in levels_) and landmarks is None:
         raise ValueError(f"{fn}: loss has 'landmarks' but landmarks= is None")
-    levels_ = _levels(levels, fn)
+    varifold_sigma = check_positive(fn, "varifold_sigma", varifold_sigma)
     control_points = check_int(fn, "control_points", control_points, 4)
     GaussianKernel(sigma, fn=fn)  # checks the widths now, before any work
     n_steps = check_int(fn, "n_steps", n_steps, 1)
     check_choice(fn, "integrator", integrator, INTEGRATORS)
     regularization = check_positive(fn, "regularization", regularization, allow_zero=True)
     max_iter = check_int(fn, "max_iter", max_iter, 1)
-    options = dict(model=model, prealign=prealign, loss=weights, sigma=sigma,
+    options = dict(model=model, prealign=prealign, loss=loss, sigma=sigma,
                    control_points=control_points, n_steps=n_steps, integrator=integrator,
                    levels=levels_, regularization=regularization, reach=reach,
                    varifold_sigma=varifold_sigma, max_iter=max_iter, tol=tol,
@@ -291,8 +336,8 @@ def register(
             lsrc = torch.as_tensor(landmarks[0], dtype=torch.float64)
             lsrc = lsrc if linear is None else linear(lsrc).detach()
             lm = (lsrc, torch.as_tensor(landmarks[1], dtype=torch.float64))
-        _fit(deformation, moved_src, tgt, weights, levels_, regularization, reach,
-             varifold_sigma, lm, max_iter, tol, progress, history, start)
+        _fit(deformation, moved_src, tgt, levels_, regularization, reach, lm, max_iter, tol,
+             progress, history, start)
     with torch.no_grad():
         warped_pts = moved_src.points if deformation is None else deformation(moved_src.points)
     warped = source.with_points(warped_pts.to(source.points.dtype))
@@ -313,14 +358,15 @@ def _full(result: Registration, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _fit(deformation, src, tgt, weights, levels, regularization, reach, varifold_sigma,
-         landmarks, max_iter, tol, progress, history, start) -> None:
-    for level, (n_points, blur) in enumerate(levels):
+def _fit(deformation, src, tgt, levels, regularization, reach, landmarks, max_iter, tol,
+         progress, history, start) -> None:
+    for level, (n_points, scale, weights) in enumerate(levels):
         s_level = src.decimate(n_points) if src.n_points > n_points else src
         t_level = tgt.decimate(n_points) if tgt.n_points > n_points else tgt
-        terms = {name: make_attachment(name, blur=blur, reach=reach, sigma=varifold_sigma)
+        terms = {name: make_attachment(name, blur=scale, reach=reach, sigma=scale)
                  for name in weights if name != "landmarks"}
-        label = (f"level {level + 1}/{len(levels)} ({s_level.n_points} pts, blur {blur:g} mm)")
+        label = (f"level {level + 1}/{len(levels)} ({s_level.n_points} pts, "
+                 f"{'+'.join(weights)} at {scale:g} mm)")
         _fit_level(deformation, s_level, t_level, terms, weights, regularization, landmarks,
                    max_iter, tol, progress, history, start, level, label)
         if not all(math.isfinite(h["loss"]) for h in history[-3:]):
@@ -339,6 +385,10 @@ def _fit_level(deformation, s_level, t_level, terms, weights, regularization, la
             bar = tqdm(total=max_iter, desc=label, leave=False)
         except ImportError:  # pragma: no cover
             bar = None
+    with torch.no_grad():
+        warped = s_level.with_points(deformation(s_level.points))
+        for term in terms.values():
+            term.prepare(warped, t_level)
     optimizer = torch.optim.LBFGS([deformation.momenta], lr=1.0, max_iter=max_iter,
                                   history_size=20, line_search_fn="strong_wolfe",
                                   tolerance_change=tol, tolerance_grad=1e-12)

@@ -1,0 +1,38 @@
+"""Registration metrics against closed forms."""
+
+import pytest
+import torch
+
+from otreg import Shape
+from otreg.registration import metrics as M
+
+pv = pytest.importorskip("pyvista")
+
+
+def sphere(radius=1.0):
+    mesh = pv.Sphere(radius=radius, theta_resolution=40, phi_resolution=40)
+    return Shape.from_pyvista(mesh, dtype=torch.float64)
+
+
+def test_distances_between_concentric_spheres():
+    inner, outer = sphere(1.0), sphere(1.1)
+    d = M.surface_distances(inner, outer)
+    assert d["distance_to"] == "surface"
+    # outer vertices lie 0.1 from the inner sphere, minus the chord sag of its triangles
+    assert d["mean_ba_mm"] == pytest.approx(0.1, abs=3e-3)
+    assert d["mean_ab_mm"] == pytest.approx(0.1, abs=3e-3)
+    assert d["hausdorff_mm"] == pytest.approx(0.1, abs=5e-3)
+    # to vertices: never less than to the surface
+    v = M.surface_distances(inner, outer, to="vertices")
+    assert v["distance_to"] == "vertices" and v["mean_ab_mm"] >= d["mean_ab_mm"] - 1e-12
+    with pytest.raises(ValueError, match="to is 'faces'"):
+        M.surface_distances(inner, outer, to="faces")
+
+
+def test_jacobian_of_a_linear_map_and_vertex_error():
+    A = torch.tensor([[2.0, 0.1, 0], [0, 1.5, 0], [0, 0, 0.5]], dtype=torch.float64)
+    x = torch.rand(20, 3, dtype=torch.float64)
+    jac = M.jacobian_determinants(lambda p: p @ A.T, x)
+    assert torch.allclose(jac, torch.full((20,), 1.5, dtype=torch.float64))
+    err = M.vertex_error(x + torch.tensor([3.0, 4.0, 0.0], dtype=torch.float64), x)
+    assert err["vertex_error_mean_mm"] == pytest.approx(5.0)
