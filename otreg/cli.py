@@ -38,8 +38,10 @@ def info(no_keops: bool) -> None:
               type=click.Choice(["lddmm", "rigid", "similarity", "affine"]))
 @click.option("--prealign", default="rigid", show_default=True,
               type=click.Choice(["rigid", "similarity", "affine", "none"]))
-@click.option("--loss", default="sinkhorn", show_default=True,
-              type=click.Choice(["sinkhorn", "varifold", "currents", "chamfer"]))
+@click.option("--loss", default=None,
+              type=click.Choice(["sinkhorn", "varifold", "currents", "chamfer"]),
+              help="Data term at every level [default: sinkhorn at the coarse level, varifold "
+                   "at the fine one].")
 @click.option("--sigma", default=20.0, show_default=True, type=float,
               help="LDDMM kernel width, mm.")
 @click.option("--label", default=None, type=float, help="Segmentation label for volumes.")
@@ -48,7 +50,6 @@ def info(no_keops: bool) -> None:
 def register_cmd(source: str, target: str, output: str, model: str, prealign: str, loss: str,
                  sigma: float, label: float | None, level: float | None, picture: bool) -> None:
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
-    from pathlib import Path
 
     from . import load_shape, register
 
@@ -57,18 +58,92 @@ def register_cmd(source: str, target: str, output: str, model: str, prealign: st
         res = register(src, tgt, model=model, prealign=prealign, loss=loss, sigma=sigma)
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise click.ClickException(str(err)) from err
+    _write_outputs(res, src, tgt, output, picture)
+
+
+def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
+    """Save a registration, draw its pictures and print its metrics."""
+    from pathlib import Path
+
+    import torch
+
+    from .registration.metrics import surface_distances
+
     folder = res.save(output)
     if picture:
+        from .registration.metrics import _to_surface
         from .viz import plot_history, plot_shapes
 
-        plot_shapes({"source": src, "target": tgt, "warped": res.warped},
-                    Path(folder) / "picture.png")
+        warped = res.warped
+        try:
+            dist = _to_surface(warped.points.detach().double().numpy(), tgt.to(torch.float64))
+        except ImportError:  # pragma: no cover - pyvista is needed for pictures anyway
+            dist = None
+        plot_shapes({"source": src, "target": tgt, "warped (distance to target)": warped},
+                    Path(folder) / "picture.png",
+                    scalars=None if dist is None else {"warped (distance to target)": (
+                        "distance to target (mm)", dist)})
         if res.history:
             plot_history(res.history, Path(folder) / "history.png")
     m = res.metrics
-    click.echo(f"wrote {folder}: mean surface distance {m['mean_mm']:.3f} mm, Hausdorff "
-               f"{m['hausdorff_mm']:.2f} mm, min Jacobian {m['jacobian_min']:.3f}, "
-               f"{m['seconds']:.1f} s")
+    before = surface_distances(src, tgt, to=m.get("distance_to", "auto"))
+    click.echo(f"wrote {folder}/ (warped.vtk, parameters.npz, registration.json"
+               f"{', picture.png, history.png' if picture else ''})")
+    click.echo(f"  mean surface distance  {before['mean_mm']:.3f} mm before, "
+               f"{m['mean_mm']:.3f} mm after (to the {m.get('distance_to', 'vertices')})")
+    click.echo(f"  Hausdorff distance     {before['hausdorff_mm']:.2f} mm before, "
+               f"{m['hausdorff_mm']:.2f} mm after")
+    if "vertex_error_mean_mm" in m:
+        click.echo(f"  vertex error (truth)   mean {m['vertex_error_mean_mm']:.3f} mm, max "
+                   f"{m['vertex_error_max_mm']:.2f} mm")
+    if "jacobian_min" in m:
+        click.echo(f"  Jacobian determinant   {m['jacobian_min']:.3f} to {m['jacobian_max']:.3f}"
+                   f" ({100 * m['jacobian_negative_fraction']:.1f}% negative)")
+    click.echo(f"  time                   {m['seconds']:.1f} s, peak RSS "
+               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+
+
+@main.command()
+@click.option("-o", "--output", default="otreg-demo", show_default=True,
+              type=click.Path(file_okay=False), help="Folder for the results.")
+@click.option("--pair", default="hemispheres", show_default=True,
+              type=click.Choice(["hemispheres", "synthetic"]),
+              help="hemispheres: left onto the mirrored right hemisphere; synthetic: left onto "
+                   "a subject made from it by a known deformation (vertex errors reported).")
+@click.option("--surface", default="pial", show_default=True,
+              type=click.Choice(["pial", "white"]), help="Which fsaverage5 surface.")
+@click.option("--points", default=None, type=click.IntRange(min=100),
+              help="Decimate both surfaces to about this many vertices (a quick run).")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def demo(output: str, pair: str, surface: str, points: int | None, progress: bool) -> None:
+    """Register two real brain surfaces (fsaverage5, from nilearn's wheel) and write the
+    warped surface, the parameters, the metrics and a picture."""
+    from pathlib import Path
+
+    from . import datasets, register, save_shape
+
+    try:
+        left = datasets.fsaverage5(surface, "left")
+    except (ImportError, FileNotFoundError) as err:
+        raise click.ClickException(f"{err}; install the data extra: pip install "
+                                   "'otreg[data,mesh]'") from err
+    if points is not None:
+        left = left.decimate(points)
+    if pair == "hemispheres":
+        target = datasets.fsaverage5(surface, "right").mirror(0)
+        target = target if points is None else target.decimate(points)
+        truth, what = None, f"fsaverage5 left {surface} -> mirrored right {surface}"
+    else:
+        (subject,) = datasets.synthetic_subjects(left, n=1, seed=0)
+        target, truth = subject.shape, subject.shape.points
+        what = f"fsaverage5 left {surface} -> a synthetic subject (known deformation)"
+    click.echo(f"{what}: {left.n_points:,} and {target.n_points:,} vertices")
+    folder = Path(output)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_shape(left, folder / "source.vtk")
+    save_shape(target, folder / "target.vtk")
+    res = register(left, target, truth=truth, progress=progress)
+    _write_outputs(res, left, target, output, True)
 
 
 @main.command()
@@ -138,7 +213,7 @@ def distance(source: str, target: str, blur: float, scaling: float, tol: float, 
 @click.option("--backend", default="auto", show_default=True,
               type=click.Choice(["auto", "keops", "tensorized", "blocked"]))
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON line.")
-def demo(n: int, iters: int | None, tol: float, backend: str, as_json: bool) -> None:
+def circles(n: int, iters: int | None, tol: float, backend: str, as_json: bool) -> None:
     """Two unit circles, the second shifted by 1 along x; kernel exp(-|x-y|^2 / 0.25).
 
     Solves entropic OT in scaling form (u = a / K v) and prints the OT value, the norm of its

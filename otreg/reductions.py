@@ -18,7 +18,9 @@ Backends (the solvers never know which one runs):
 - ``"tensorized"``: dense torch; fast for small problems, the reference for tests.
 - ``"blocked"``: dense torch on blocks of rows with hand-written gradients that recompute
   each block (:mod:`otreg._blocked`): memory O(block + N + M), no autograd graph.
-- ``"auto"``: tensorized up to ``TENSORIZED_MAX_PAIRS`` pairs; above, blocked on the CPU
+- ``"auto"``: tensorized up to ``TENSORIZED_MAX_PAIRS`` pairs (``TENSORIZED_MAX_PAIRS_RECORDED``
+  when autograd records the call, since the dense path then keeps its matrices for
+  backward); above, blocked on the CPU
   (measured 5 to 8 times faster than pykeops' CPU backend here, see docs/benchmarks.md) and
   keops on a GPU. If pykeops is missing or fails to compile, ``auto`` warns once, says how
   to fix it, and uses the blocked path; an explicit ``backend="keops"`` raises that error.
@@ -39,6 +41,7 @@ from .costs import Cost
 __all__ = [
     "BACKENDS",
     "TENSORIZED_MAX_PAIRS",
+    "TENSORIZED_MAX_PAIRS_RECORDED",
     "KEOPS_ON_CPU",
     "BLOCK_ELEMENTS",
     "KeOpsUnavailable",
@@ -52,6 +55,10 @@ __all__ = [
 BACKENDS = ("auto", "keops", "tensorized", "blocked")
 #: ``auto`` uses the dense path up to this many pairs B * N * M (about 16 MB in float32).
 TENSORIZED_MAX_PAIRS = 4_000_000
+#: ... or up to this many when autograd records the call: the dense path keeps its N x M
+#: matrices until backward, and a loop (Sinkhorn unrolled, LDDMM shooting) keeps one set per
+#: call; the blocked path recomputes them in backward instead.
+TENSORIZED_MAX_PAIRS_RECORDED = 250_000
 #: ``auto`` uses KeOps on the CPU too when this is True (it is slower there than blocked).
 KEOPS_ON_CPU = False
 #: The blocked path computes blocks of about this many pairs at a time.
@@ -85,11 +92,13 @@ def keops_status() -> tuple[bool, str]:
     return True, "ok"
 
 
-def resolve_backend(backend: str, pairs: int, device: torch.device) -> str:
-    """The backend that ``backend`` means for ``pairs`` = B * N * M pairs on ``device``."""
+def resolve_backend(backend: str, pairs: int, device: torch.device,
+                    recorded: bool = False) -> str:
+    """The backend that ``backend`` means for ``pairs`` = B * N * M pairs on ``device``
+    (``recorded``: autograd records the call)."""
     if backend != "auto":
         return backend
-    if pairs <= TENSORIZED_MAX_PAIRS:
+    if pairs <= (TENSORIZED_MAX_PAIRS_RECORDED if recorded else TENSORIZED_MAX_PAIRS):
         return "tensorized"
     if device.type == "cpu" and not KEOPS_ON_CPU:
         return "blocked"
@@ -143,7 +152,9 @@ def _run(kind: str, backend: str, x: torch.Tensor, y: torch.Tensor, *rest, eps: 
          cost: Cost) -> torch.Tensor:
     global _keops_failure, _keops_warned
     dense_fn, keops_fn = _IMPLEMENTATIONS[kind]
-    chosen = resolve_backend(backend, x.shape[0] * x.shape[1] * y.shape[1], x.device)
+    recorded = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, y, *rest) if isinstance(t, torch.Tensor))
+    chosen = resolve_backend(backend, x.shape[0] * x.shape[1] * y.shape[1], x.device, recorded)
     if chosen == "tensorized":
         return dense_fn(x, y, *rest, eps, cost)
     if chosen == "keops":

@@ -13,30 +13,44 @@ __all__ = ["plot_shapes", "plot_history"]
 
 
 def plot_shapes(shapes: dict[str, Shape], path: str | Path, colors: dict[str, str] | None = None,
-                window_size: tuple[int, int] = (1200, 600)) -> Path:
-    """Render shapes side by side (one view a shape) to a PNG, off-screen."""
+                window_size: tuple[int, int] = (1500, 500),
+                scalars: dict[str, tuple[str, object]] | None = None) -> Path:
+    """Render shapes side by side (one view a shape) to a PNG, off-screen.
+
+    ``scalars`` colours some shapes by a value per vertex: ``{name: (title, values (N,))}``,
+    e.g. ``{"warped": ("distance to target (mm)", d)}``.
+    """
     import pyvista as pv
 
     from .io._files import atomic_write
 
-    colors = colors or {}
+    colors, scalars = colors or {}, scalars or {}
     names = list(shapes)
-    plotter = pv.Plotter(off_screen=True, shape=(1, len(names)), window_size=window_size)
+    with pv.vtk_verbosity("off"):  # no "bad X server connection" note on headless machines
+        plotter = pv.Plotter(off_screen=True, shape=(1, len(names)), window_size=window_size)
+        _draw(plotter, shapes, names, colors, scalars)
+        path = Path(path)
+        atomic_write(path, lambda tmp: plotter.screenshot(str(tmp)))
+        plotter.close()
+    return path
+
+
+def _draw(plotter, shapes, names, colors, scalars) -> None:
+    import numpy as np
+
     for k, name in enumerate(names):
         plotter.subplot(0, k)
         plotter.add_text(name, font_size=10)
-        plotter.add_mesh(shapes[name].to_pyvista(), color=colors.get(name, "lightgrey"),
-                         smooth_shading=True)
+        mesh = shapes[name].to_pyvista()
+        if name in scalars:
+            title, values = scalars[name]
+            mesh.point_data[title] = np.asarray(values, dtype=float)
+            plotter.add_mesh(mesh, scalars=title, cmap="viridis", smooth_shading=True,
+                             scalar_bar_args={"title": title, "vertical": False, "fmt": "%.1f"})
+        else:
+            plotter.add_mesh(mesh, color=colors.get(name, "lightgrey"), smooth_shading=True)
         plotter.view_yz(negative=True)  # a lateral view of a left hemisphere
     plotter.link_views()
-    path = Path(path)
-
-    def write(tmp: Path) -> None:
-        plotter.screenshot(str(tmp))
-
-    atomic_write(path, write)
-    plotter.close()
-    return path
 
 
 def plot_history(history: list[dict], path: str | Path) -> Path:
@@ -48,11 +62,16 @@ def plot_history(history: list[dict], path: str | Path) -> Path:
 
     from .io._files import atomic_write
 
-    keys = [k for k in history[0] if k not in ("level", "evaluation", "seconds")]
+    keys: list[str] = []
+    for h in history:  # levels may have different data terms
+        keys += [k for k in h if k not in ("level", "evaluation", "seconds", *keys)]
     fig, ax = plt.subplots(figsize=(6, 4))
     for key in keys:
-        ax.semilogy([h[key] for h in history], label=key)
-    ax.set_xlabel("objective evaluation")
+        ax.semilogy([h.get(key, float("nan")) for h in history], label=key)
+    for k in range(1, len(history)):
+        if history[k].get("level") != history[k - 1].get("level"):
+            ax.axvline(k - 0.5, color="grey", linewidth=0.5, linestyle="--")
+    ax.set_xlabel("objective evaluation (dashed: next level)")
     ax.legend()
     fig.tight_layout()
     path = Path(path)

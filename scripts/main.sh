@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install otreg and run the main job. Until registration lands, the main job is the seed
-# problem: OT between two circles of 10,000 points, its value and gradient (`otreg demo`).
+# Install otreg and run the main job: register the fsaverage5 left pial surface onto the
+# mirrored right one (`otreg demo`; options, e.g. --pair synthetic, are passed on) and write
+# the results and a picture to otreg-demo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_install.sh all

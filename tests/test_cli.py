@@ -19,8 +19,8 @@ def test_info():
     assert result.exit_code == 0 and "backends:" in result.output and "tensorized" in result.output
 
 
-def test_demo_fixed_iterations_json():
-    result = run("demo", "--n", "300", "--iters", "20", "--json")
+def test_circles_fixed_iterations_json():
+    result = run("circles", "--n", "300", "--iters", "20", "--json")
     assert result.exit_code == 0
     out = json.loads(result.output.strip().splitlines()[-1])
     assert out["iterations"] == 20 and out["grad_norm"] > 0 and out["ot_value"] > 0
@@ -49,3 +49,23 @@ def test_distance_reports_bad_files(two_meshes, tmp_path):
     assert result.exit_code != 0 and "does not exist" in result.output
     result = CliRunner().invoke(main, ["distance", *two_meshes, "--blur", "-1"])
     assert result.exit_code != 0 and "--blur" in result.output
+
+
+@pytest.mark.parametrize("pair", ["hemispheres", "synthetic"])
+def test_demo_registers_two_brain_surfaces_and_writes_everything(pair, tmp_path):
+    pytest.importorskip("nilearn")
+    pytest.importorskip("pyvista")
+    out = tmp_path / "demo"
+    result = run("demo", "-o", str(out), "--pair", pair, "--points", "400", "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in out.iterdir()} == {
+        "source.vtk", "target.vtk", "warped.vtk", "parameters.npz", "registration.json",
+        "picture.png", "history.png"}
+    doc = json.loads((out / "registration.json").read_text())
+    m = doc["metrics"]
+    assert m["jacobian_negative_fraction"] == 0.0
+    line = next(t for t in result.output.splitlines() if "mean surface distance" in t)
+    before, after = (float(w) for w in line.split() if w.replace(".", "").isdigit())
+    assert after < before
+    if pair == "synthetic":
+        assert "vertex error" in result.output and m["vertex_error_mean_mm"] < 2.0

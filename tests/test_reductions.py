@@ -123,6 +123,7 @@ def broken_keops(monkeypatch):
     monkeypatch.setattr(R, "keops_status", lambda: (R._keops_failure is None,
                                                     R._keops_failure or "ok"))
     monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS", 0)
+    monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS_RECORDED", 0)
     monkeypatch.setattr(R, "KEOPS_ON_CPU", True)  # as on a GPU, where auto prefers keops
 
 
@@ -146,6 +147,23 @@ def test_auto_picks_by_size():
     assert R.resolve_backend("auto", 1000, cpu) == "tensorized"
     assert R.resolve_backend("auto", R.TENSORIZED_MAX_PAIRS + 1, cpu) == "blocked"
     assert R.resolve_backend("blocked", 10, cpu) == "blocked"
+    # a call autograd records keeps dense matrices until backward: blocked much earlier
+    pairs = R.TENSORIZED_MAX_PAIRS_RECORDED + 1
+    assert R.resolve_backend("auto", pairs, cpu) == "tensorized"
+    assert R.resolve_backend("auto", pairs, cpu, recorded=True) == "blocked"
+
+
+def test_recorded_calls_keep_no_dense_matrix(monkeypatch):
+    # the saved tensors of a recorded blocked call are its inputs and output, O(N + M)
+    monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS_RECORDED", 100)
+    x, y, _, v = data(torch.float64, B=1, N=60, M=50)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
+                                                  lambda t: t):
+        out = R.kernel_product(x, y, v, 0.1, SQ, "auto")
+    assert max(saved) < 60 * 50
+    with torch.no_grad():
+        assert torch.allclose(out, R.kernel_product(x, y, v, 0.1, SQ, "tensorized"))
 
 
 def test_info_reports_versions_and_backends(capsys):
