@@ -52,13 +52,17 @@ def test_register_small_saves_loads_and_reports(pial_small, tmp_path):
                                                        atol=1e-9)
 
 
-@pytest.mark.slow
 def test_lddmm_recovers_a_synthetic_subject_of_fsaverage5():
+    # the full surface (10,242 vertices), default options: about 45 s on two cores
     base = datasets.fsaverage5("pial", "left")
     (subject,) = datasets.synthetic_subjects(base, n=1, seed=0)
+    before = float((subject.shape.points - base.points).norm(dim=1).mean())
     res = register(base, subject.shape, truth=subject.shape.points, progress=False)
+    assert before > 4.0
     assert res.metrics["vertex_error_mean_mm"] < 1.0
     assert res.metrics["jacobian_negative_fraction"] == 0.0
+    assert [h["level"] for h in res.history][-1] == 1  # both levels ran
+    assert "sinkhorn" in res.history[0] and "varifold" in res.history[-1]
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -69,6 +73,10 @@ def test_lddmm_recovers_a_synthetic_subject_of_fsaverage5():
     (dict(sigma=-5.0), ValueError, "sigma is -5.0"),
     (dict(n_steps=0), ValueError, "n_steps is 0"),
     (dict(levels=()), ValueError, "levels is empty"),
+    (dict(levels=((500, 6.0, "l2"),)), ValueError, "loss is 'l2'"),
+    (dict(levels=((500, 6.0, {}),)), ValueError, "the loss of level 1 is \\{\\}"),
+    (dict(levels=((500,),)), ValueError, "each level is \\(points, scale_mm\\)"),
+    (dict(varifold_sigma=0.0), ValueError, "varifold_sigma is 0.0"),
     (dict(loss={"landmarks": 1.0}), ValueError, "landmarks= is None"),
 ])
 def test_bad_options(pial_small, kwargs, error, match):
