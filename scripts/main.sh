@@ -4,6 +4,6 @@
 # the results and a picture to otreg-demo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/_install.sh all
+source scripts/_install.sh mesh,data
 otreg info --no-keops
 otreg demo "$@"
