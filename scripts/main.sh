@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_install.sh mesh,data
-otreg info --no-keops
-otreg demo "$@"
+"$PY" -m otreg info --no-keops
+"$PY" -m otreg demo "$@"

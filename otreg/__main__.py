@@ -1,0 +1,5 @@
+"""``python -m otreg``: the command line."""
+
+from .cli import main
+
+main()
