@@ -67,6 +67,15 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+def publish(title: str, body: str, save: bool) -> None:
+    """Print a result; with ``save``, append it to docs/benchmarks.md with the machine and the
+    command that made it."""
+    print(body)
+    if save:
+        script = Path(sys.argv[0]).name
+        record(title, " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]]), body)
+
+
 def record(title: str, command: str, body: str) -> None:
     """Append a section to docs/benchmarks.md."""
     stamp = datetime.date.today().isoformat()

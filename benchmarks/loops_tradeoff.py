@@ -24,7 +24,7 @@ import math
 import sys
 import time
 
-from _common import peak_rss_mb, record, run_worker, table
+from _common import peak_rss_mb, publish, run_worker, table
 
 METHODS = ["store", "checkpoint, log2(n) snapshots", "checkpoint, sqrt(n) snapshots",
            "checkpoint, memory='1GB'", "reversible", "torch.utils.checkpoint, sqrt(n) segments",
@@ -171,11 +171,8 @@ def main() -> None:
                             ("error", "error", "")])
     header = (f"n = {n:,} steps, state {state_mb:.0f} MB; baseline RSS (Python, torch, "
               f"otreg imported) {base.get('peak_rss_mb', float('nan')):.0f} MB")
-    print(header + "\n\n" + text)
-    if args.record:
-        command = "python benchmarks/loops_tradeoff.py " + " ".join(sys.argv[1:])
-        record(f"Loop strategies: {n:,} steps, {state_mb:.0f} MB state", command,
-               header + "\n\n" + text)
+    publish(f"Loop strategies: {n:,} steps, {state_mb:.0f} MB state", header + "\n\n" + text,
+            args.record)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import sys
 import time
 
 import torch
-from _common import record, table
+from _common import publish, table
 
 
 def timed(fn, repeat: int) -> float:
@@ -124,10 +124,8 @@ def main() -> None:
                         ("blocked_over", "otreg blocked forward / this", "{:.1f}"),
                         ("error", "error", "")])
     header = f"N = M = {n:,}, 3-D, float32, eps = {eps}"
-    print(header + "\n\n" + text)
-    if args.record:
-        command = "python benchmarks/reductions.py " + " ".join(sys.argv[1:])
-        record("Log-sum-exp reduction throughput on the CPU", command, header + "\n\n" + text)
+    publish("Log-sum-exp reduction throughput on the CPU", header + "\n\n" + text,
+            args.record)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import json
 import sys
 import time
 
-from _common import peak_rss_mb, record, run_worker, table
+from _common import peak_rss_mb, publish, run_worker, table
 
 METHODS = ("otreg", "scikit-shapes")
 
@@ -163,10 +163,7 @@ def main() -> None:
                         ("vertex_error_max_mm", "vertex error max (mm)", "{:.2f}"),
                         ("jacobian_min", "min Jacobian", "{:.3f}"),
                         ("error", "error", "")])
-    print(text)
-    if args.record:
-        command = "python benchmarks/registration.py " + " ".join(sys.argv[1:])
-        record("Registration of brain surfaces: otreg vs scikit-shapes", command, text)
+    publish("Registration of brain surfaces: otreg vs scikit-shapes", text, args.record)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import sys
 import time
 import warnings
 
-from _common import peak_rss_mb, record, run_worker, table
+from _common import peak_rss_mb, publish, run_worker, table
 
 METHODS = {
     "otreg scaling (blocked)": ("otreg", "scaling", "blocked"),
@@ -98,15 +98,11 @@ def main() -> None:
                         ("value", "returned value", "{:.6f}"),
                         ("grad_norm", "grad norm", "{:.6e}"),
                         ("grad_rel_diff", "grad vs first", "{:.1e}"), ("error", "error", "")])
-    print(f"\nseed problem: two circles of {n:,} points, {iters} iterations, eps = 0.125\n")
-    print(text)
-    if args.record:
-        command = "python benchmarks/seed_sinkhorn.py " + " ".join(sys.argv[1:])
-        note = ("Both return the entropic value <pi, C> + eps KL(pi | a x b) and its envelope "
-                "gradient sum_j pi_ij (x_i - y_j); POT stores the dense 10^4 x 10^4 cost and "
-                "kernel matrices, otreg recomputes blocks.")
-        record(f"Seed problem: circles, N = {n:,}, {iters} iterations", command,
-               text + "\n\n" + note)
+    note = ("Both return the entropic value <pi, C> + eps KL(pi | a x b) and its envelope "
+            "gradient sum_j pi_ij (x_i - y_j); POT stores the dense 10^4 x 10^4 cost and "
+            "kernel matrices, otreg recomputes blocks.")
+    publish(f"Seed problem: circles, N = {n:,}, {iters} iterations", text + "\n\n" + note,
+            args.record)
 
 
 if __name__ == "__main__":

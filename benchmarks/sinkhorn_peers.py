@@ -18,7 +18,7 @@ import sys
 import time
 import warnings
 
-from _common import peak_rss_mb, record, run_worker, table
+from _common import peak_rss_mb, publish, run_worker, table
 
 BLUR = 0.01
 # name: (library, options); every method gets the same data.
@@ -137,10 +137,7 @@ def main() -> None:
                         ("value", "divergence", "{:.6f}"),
                         ("value_err", "value rel. err.", "{:.1e}"),
                         ("grad_err", "grad rel. err.", "{:.1e}"), ("error", "note", "")])
-    print(text)
-    if args.record:
-        command = "python benchmarks/sinkhorn_peers.py " + " ".join(sys.argv[1:])
-        record("Sinkhorn divergence + gradient, noisy spheres, blur 0.01", command, text)
+    publish("Sinkhorn divergence + gradient, noisy spheres, blur 0.01", text, args.record)
 
 
 if __name__ == "__main__":
