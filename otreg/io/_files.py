@@ -27,10 +27,17 @@ def read_pyvista(path: Path, fn: str, dtype) -> Shape:
     import pyvista as pv
 
     try:
-        mesh = pv.read(str(path))
+        # VTK's readers report a truncated or corrupt file as an error message, not an
+        # exception, and return what they read so far: turn the message into the error
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", pv.VTKExecutionWarning)
+            with pv.vtk_verbosity("off"), pv.VtkErrorCatcher(
+                    raise_errors=True, send_to_logging=False, emit_warnings=True):
+                mesh = pv.read(str(path))
     except Exception as err:
-        raise ValueError(f"{fn}: {path} could not be read as a mesh ({type(err).__name__}: "
-                         f"{err})") from err
+        text = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
+        raise ValueError(f"{fn}: {path} could not be read as a mesh; it may be truncated or "
+                         f"corrupt ({type(err).__name__}: {text})") from err
     if mesh.n_points == 0:
         raise ValueError(f"{fn}: {path} has no points")
     return Shape.from_pyvista(mesh, dtype=dtype, source=str(path))
@@ -103,6 +110,9 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp_path = Path(tmp)
     try:
         write(tmp_path)
+        umask = os.umask(0)  # mkstemp makes the file private (0600); give it the usual mode
+        os.umask(umask)
+        os.chmod(tmp_path, 0o666 & ~umask)
         os.replace(tmp_path, path)
     except BaseException:
         tmp_path.unlink(missing_ok=True)

@@ -227,3 +227,24 @@ def test_save_never_overwrites_the_input_and_leaves_no_partial_file(tmp_path):
     finally:
         files.np.savetxt = original
     assert not (tmp_path / "b.csv").exists() and no_leftovers(tmp_path)
+
+
+def test_truncated_mesh_raises_instead_of_returning_part_of_it(tmp_path):
+    pytest.importorskip("pyvista")
+    mesh = Shape(torch.rand(2000, 3, dtype=torch.float64) * 50,
+                 torch.randint(0, 2000, (4000, 3)))
+    whole = save_shape(mesh, tmp_path / "whole.vtk")
+    (tmp_path / "cut.vtk").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(ValueError, match="cut.vtk could not be read as a mesh; it may be "
+                                         "truncated or corrupt"):
+        load_shape(tmp_path / "cut.vtk")
+    assert load_shape(whole).n_faces == 4000
+
+
+def test_written_files_get_the_usual_permissions(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        path = save_shape(Shape(torch.rand(10, 3)), tmp_path / "cloud.npy")
+    finally:
+        os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o644  # not the temporary file's private 0600
