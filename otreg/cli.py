@@ -44,21 +44,61 @@ def info(no_keops: bool) -> None:
                    "at the fine one].")
 @click.option("--sigma", default=20.0, show_default=True, type=float,
               help="LDDMM kernel width, mm.")
-@click.option("--label", default=None, type=float, help="Segmentation label for volumes.")
-@click.option("--level", default=None, type=float, help="Threshold for probability maps.")
+@click.option("--label", default=None, type=float,
+              help="Segmentation label (for the inputs that are volumes).")
+@click.option("--level", default=None, type=float,
+              help="Threshold of probability maps, in the map's own units (volumes only).")
+@click.option("--points", default=None, type=click.IntRange(min=100),
+              help="Decimate both surfaces to about this many vertices first.")
 @click.option("--picture/--no-picture", default=True, show_default=True)
 def register_cmd(source: str, target: str, output: str, model: str, prealign: str, loss: str,
-                 sigma: float, label: float | None, level: float | None, picture: bool) -> None:
+                 sigma: float, label: float | None, level: float | None, points: int | None,
+                 picture: bool) -> None:
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
+    from . import register
 
-    from . import load_shape, register
-
+    _check_output(output, [source, target], picture)
     try:
-        src, tgt = (load_shape(p, label=label, level=level) for p in (source, target))
+        src, tgt = (_load(p, label, level, points) for p in (source, target))
         res = register(src, tgt, model=model, prealign=prealign, loss=loss, sigma=sigma)
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise click.ClickException(str(err)) from err
     _write_outputs(res, src, tgt, output, picture)
+
+
+_OUTPUTS = ("warped.vtk", "parameters.npz", "registration.json")
+_PICTURES = ("picture.png", "history.png")
+
+
+def _check_output(output: str, inputs: list[str], picture: bool,
+                  extra: tuple[str, ...] = ()) -> None:
+    """Refuse, before any work, an output folder that cannot be one or whose files would
+    replace an input."""
+    from pathlib import Path
+
+    folder = Path(output)
+    if folder.exists() and not folder.is_dir():
+        raise click.BadParameter(f"{output} exists and is not a folder", param_hint="-o")
+    names = _OUTPUTS + (_PICTURES if picture else ()) + extra
+    for name in names:
+        target = (folder / name).resolve()
+        for given in inputs:
+            if Path(given).resolve() == target:
+                raise click.BadParameter(f"writing {name} into {output} would replace the "
+                                         f"input {given}; choose another folder",
+                                         param_hint="-o")
+
+
+def _load(path: str, label: float | None, level: float | None, points: int | None):
+    """A shape from a file: label and level apply to volumes only."""
+    from pathlib import Path
+
+    from . import load_shape
+    from .io import VOLUME_EXTS
+
+    volume = Path(path).name.lower().endswith(VOLUME_EXTS)
+    shape = load_shape(path, label=label if volume else None, level=level if volume else None)
+    return shape if points is None else shape.decimate(points)
 
 
 def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
@@ -87,8 +127,8 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
             plot_history(res.history, Path(folder) / "history.png")
     m = res.metrics
     before = surface_distances(src, tgt, to=m.get("distance_to", "auto"))
-    click.echo(f"wrote {folder}/ (warped.vtk, parameters.npz, registration.json"
-               f"{', picture.png, history.png' if picture else ''})")
+    written = sorted(p.name for p in Path(folder).iterdir() if not p.name.startswith("."))
+    click.echo(f"wrote {folder}/ ({', '.join(written)})")
     click.echo(f"  mean surface distance  {before['mean_mm']:.3f} mm before, "
                f"{m['mean_mm']:.3f} mm after (to the {m.get('distance_to', 'vertices')})")
     click.echo(f"  Hausdorff distance     {before['hausdorff_mm']:.2f} mm before, "
@@ -138,6 +178,7 @@ def demo(output: str, pair: str, surface: str, points: int | None, progress: boo
         target, truth = subject.shape, subject.shape.points
         what = f"fsaverage5 left {surface} -> a synthetic subject (known deformation)"
     click.echo(f"{what}: {left.n_points:,} and {target.n_points:,} vertices")
+    _check_output(output, [], True, ("source.vtk", "target.vtk"))
     folder = Path(output)
     folder.mkdir(parents=True, exist_ok=True)
     save_shape(left, folder / "source.vtk")
@@ -170,11 +211,11 @@ def distance(source: str, target: str, blur: float, scaling: float, tol: float, 
 
     SOURCE and TARGET are meshes, point clouds or volumes (with --label or --level).
     """
-    from . import ConvergenceWarning, load_shape
+    from . import ConvergenceWarning
     from .ot.divergence import _divergence
 
     try:
-        shapes = [load_shape(p, label=label, level=level) for p in (source, target)]
+        shapes = [_load(p, label, level, None) for p in (source, target)]
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise click.ClickException(str(err)) from err
     (x, a), (y, b) = (s.measure() for s in shapes)

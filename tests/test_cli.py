@@ -69,3 +69,17 @@ def test_demo_registers_two_brain_surfaces_and_writes_everything(pair, tmp_path)
     assert after < before
     if pair == "synthetic":
         assert "vertex error" in result.output and m["vertex_error_mean_mm"] < 2.0
+
+
+def test_register_refuses_an_output_folder_that_would_replace_an_input(two_meshes, tmp_path):
+    src, tgt = two_meshes
+    inside = tmp_path / "warped.vtk"
+    inside.write_bytes(open(src, "rb").read())
+    before = inside.read_bytes()
+    result = CliRunner().invoke(main, ["register", str(inside), tgt, "-o", str(tmp_path)])
+    assert result.exit_code != 0 and "would replace the input" in result.output
+    assert inside.read_bytes() == before
+    result = CliRunner().invoke(main, ["register", src, tgt, "-o", src])
+    assert result.exit_code != 0 and "is a file" in result.output
+    result = CliRunner().invoke(main, ["register", src, tgt, "-o", "/dev/null"])
+    assert result.exit_code != 0 and "is not a folder" in result.output
