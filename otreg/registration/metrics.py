@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from ..shapes import Shape
-from .attachments import varifold_distance
+from .attachments import _kernel_norm_terms, varifold_distance
+from .kernels import GaussianKernel
 
 __all__ = ["surface_distances", "vertex_error", "jacobian_determinants", "varifold_distance",
            "summary"]
@@ -84,12 +85,18 @@ def jacobian_determinants(transform: Callable[[torch.Tensor], torch.Tensor],
 
 
 def summary(warped: Shape, target: Shape, jac: torch.Tensor | None = None,
-            truth: torch.Tensor | None = None, sigma: float = 10.0) -> dict[str, float]:
-    """The metrics a registration reports."""
+            truth: torch.Tensor | None = None, sigma: float = 10.0,
+            varifold_shapes: tuple[Shape, Shape] | None = None) -> dict[str, float]:
+    """The metrics a registration reports. ``varifold`` is |mu_w - mu_t|^2 / |mu_t|^2 (0: the
+    same surface, about 2: nothing in common), with kernel width ``sigma`` mm, computed on
+    ``varifold_shapes`` if given (e.g. decimated copies of large meshes)."""
     out = surface_distances(warped, target)
-    if warped.n_faces and target.n_faces:
+    vw, vt = varifold_shapes or (warped, target)
+    if vw.n_faces and vt.n_faces:
         with torch.no_grad():
-            v = varifold_distance(warped.to(torch.float64), target.to(torch.float64), sigma)
+            vw, vt = vw.to(torch.float64), vt.to(torch.float64)
+            ct, ft = _kernel_norm_terms(vt, oriented=False)
+            v = varifold_distance(vw, vt, sigma) / (ft * GaussianKernel(sigma)(ct, ct, ft)).sum()
         out["varifold"] = float(v)
     if jac is not None:
         out.update(jacobian_min=float(jac.min()), jacobian_max=float(jac.max()),

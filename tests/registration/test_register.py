@@ -77,6 +77,7 @@ def test_lddmm_recovers_a_synthetic_subject_of_fsaverage5():
     (dict(levels=((500, 6.0, {}),)), ValueError, "the loss of level 1 is \\{\\}"),
     (dict(levels=((500,),)), ValueError, "each level is \\(points, scale_mm\\)"),
     (dict(varifold_sigma=0.0), ValueError, "varifold_sigma is 0.0"),
+    (dict(truth=torch.zeros(5, 3)), ValueError, "truth has shape \\(5, 3\\)"),
     (dict(loss={"landmarks": 1.0}), ValueError, "landmarks= is None"),
 ])
 def test_bad_options(pial_small, kwargs, error, match):
