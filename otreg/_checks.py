@@ -104,7 +104,7 @@ def check_same_device_dtype(fn: str, tensors: dict[str, torch.Tensor]) -> None:
     for name, t in items[1:]:
         if t.dtype != t0.dtype:
             raise TypeError(f"{fn}: {name} has dtype {t.dtype} but {name0} has {t0.dtype}; "
-                            "convert them to one dtype (e.g. y.to(x.dtype))")
+                            f"convert them to one dtype (e.g. {name}.to({name0}.dtype))")
         if t.device != t0.device:
             raise ValueError(f"{fn}: {name} is on {t.device} but {name0} is on {t0.device}; "
                              "move them to one device")

@@ -120,7 +120,8 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
         raise ValueError(f"{fn}: cannot write {path.name}: use one of "
                          f"{', '.join(_files.PYVISTA_EXTS)}, .gii, .csv, .npy, or a FreeSurfer "
                          "name (lh.NAME, rh.NAME, *.surf)")
-    if fmt in ("pyvista", "gifti", "freesurfer") and fmt != "pyvista" and shape.faces is None:
+    needs_faces = fmt in ("gifti", "freesurfer") or ext == ".stl"  # STL stores triangles only
+    if needs_faces and (shape.faces is None or shape.n_faces == 0):
         raise ValueError(f"{fn}: {path.name} is a surface format but the shape has no "
                          "triangles; save point clouds as .csv, .npy or .vtk")
     if fmt in ("gifti", "freesurfer") and shape.dim != 3:

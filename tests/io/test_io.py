@@ -194,6 +194,8 @@ def test_faces_needed_but_missing(tmp_path):
         _ = cloud.face_areas
     with pytest.raises(ValueError, match="surface format but the shape has no triangles"):
         save_shape(cloud, tmp_path / "c.gii")
+    with pytest.raises(ValueError, match="surface format but the shape has no triangles"):
+        save_shape(cloud, tmp_path / "c.stl")  # STL would silently drop the points
     assert no_leftovers(tmp_path)
 
 
