@@ -166,6 +166,8 @@ def synthetic_subjects(base: Shape | None = None, n: int = 4, *, sigma: float = 
         check_choice(fn, "volume", volume, ("wm", "gm"))
     rng = np.random.default_rng(seed)
     out = Path(out_dir) if out_dir is not None else None
+    if out is not None and out.exists() and not out.is_dir():
+        raise ValueError(f"{fn}: out_dir {out} exists and is not a folder")
     if out is not None:
         from .io import save_shape
 

@@ -72,6 +72,7 @@ def plot_history(history: list[dict], path: str | Path) -> Path:
         if history[k].get("level") != history[k - 1].get("level"):
             ax.axvline(k - 0.5, color="grey", linewidth=0.5, linestyle="--")
     ax.set_xlabel("objective evaluation (dashed: next level)")
+    ax.set_ylabel("value (energy: mm^2; data terms: their units)")
     ax.legend()
     fig.tight_layout()
     path = Path(path)

@@ -59,6 +59,9 @@ def load_shape(path: str | Path, label: int | float | None = None, *,
     if not isinstance(path, (str, Path)):
         raise TypeError(f"{fn}: path must be a str or Path, got {type(path).__name__}")
     path = Path(path)
+    if not isinstance(smooth, int) or isinstance(smooth, bool) or smooth < 0:
+        raise ValueError(f"{fn}: smooth is {smooth!r}; it must be a number of Taubin smoothing "
+                         "iterations, an integer >= 0")
     if not path.exists():
         raise FileNotFoundError(f"{fn}: {path} does not exist")
     if path.is_dir():

@@ -147,8 +147,8 @@ def _validate(fn: str, x, y, a, b, *, blur=0.05, reach=None, diameter=None, scal
     rho = None
     if reach is not None:
         rho = check_positive(fn, "reach", reach) ** cost_.p
-    scaling = check_positive(fn, "scaling", scaling)
-    if not scaling < 1:
+    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or \
+            not 0 < scaling < 1:
         raise ValueError(f"{fn}: scaling is {scaling}; it must be in (0, 1)")
     diam = _diameter(x, y) if diameter is None else check_positive(fn, "diameter", diameter)
     check_choice(fn, "form", form, FORMS)

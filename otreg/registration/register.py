@@ -121,20 +121,27 @@ class Registration:
     warped: Shape
     linear: torch.nn.Module | None
     deformation: LDDMM | None
-    history: list[dict] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list, repr=False)
     metrics: dict = field(default_factory=dict)
-    options: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict, repr=False)
 
     @property
     def momenta(self) -> torch.Tensor | None:
         return None if self.deformation is None else self.deformation.momenta.detach()
 
     def transform(self, what: torch.Tensor | Shape) -> torch.Tensor | Shape:
-        """Carry points ``(N, 3)`` or a Shape (of the source's space) through the transform."""
+        """Carry points ``(N, 3)`` (tensor or NumPy array) or a Shape (of the source's space)
+        through the transform."""
         if isinstance(what, Shape):
             return what.with_points(self.transform(what.points))
-        if not isinstance(what, torch.Tensor) or what.dim() != 2 or what.shape[1] != 3:
-            raise ValueError("Registration.transform: give points (N, 3) or a Shape")
+        if isinstance(what, np.ndarray):
+            return self.transform(torch.as_tensor(what)).numpy()
+        if not isinstance(what, torch.Tensor):
+            raise TypeError(f"Registration.transform: give points (N, 3) as a tensor or array, "
+                            f"or a Shape; got {type(what).__name__}")
+        if what.dim() != 2 or what.shape[1] != 3:
+            raise ValueError(f"Registration.transform: points have shape {tuple(what.shape)}; "
+                             "they must be (N, 3)")
         x = what.detach().double()
         with torch.no_grad():
             if self.linear is not None:

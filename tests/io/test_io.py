@@ -250,3 +250,9 @@ def test_written_files_get_the_usual_permissions(tmp_path):
     finally:
         os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o644  # not the temporary file's private 0600
+
+
+def test_negative_smoothing_is_refused(tmp_path):
+    path = save_shape(Shape(torch.rand(10, 3)), tmp_path / "c.npy")
+    with pytest.raises(ValueError, match="smooth is -1"):
+        load_shape(path, smooth=-1)

@@ -38,6 +38,7 @@ CASES = [
     ("blur string", (x, y), {"blur": "0.1"}, TypeError, "blur must be a number"),
     ("reach zero", (x, y), {"reach": 0}, ValueError, "reach is 0"),
     ("scaling one", (x, y), {"scaling": 1.0}, ValueError, "scaling is 1.0"),
+    ("scaling zero", (x, y), {"scaling": 0.0}, ValueError, "scaling is 0.0; it must be in"),
     ("unknown cost", (x, y), {"cost": "cosine"}, ValueError, "cost is 'cosine'"),
     ("unknown form", (x, y), {"form": "fast"}, ValueError, "form is 'fast'"),
     ("unknown backend", (x, y), {"backend": "cuda"}, ValueError, "backend is 'cuda'"),

@@ -47,6 +47,9 @@ def test_register_small_saves_loads_and_reports(pial_small, tmp_path):
     back = Registration.load(folder)
     x = pial_small.points[:50]
     assert torch.allclose(back.transform(x), res.transform(x), atol=1e-9)
+    assert torch.allclose(torch.as_tensor(res.transform(x.numpy())), res.transform(x))
+    with pytest.raises(TypeError, match="got list"):
+        res.transform([[0.0, 0.0, 0.0]])
     moved = res.transform(pial_small)
     assert isinstance(moved, Shape) and torch.allclose(moved.points, res.warped.points,
                                                        atol=1e-9)
