@@ -32,7 +32,7 @@ class Attachment:
     """A named data term: ``term(warped, target) -> scalar tensor``.
 
     ``prepare(warped, target)`` (optional, no gradient) is called by the fitting loop at the
-    start of each level and of each optimiser restart: an iterative term fixes there the
+    start of each level: an iterative term fixes there the
     state its evaluations start from, so that the term stays a deterministic function of
     the points, as a line search requires.
     """
