@@ -23,8 +23,54 @@ def is_freesurfer_surface(path: Path) -> bool:
         return fh.read(3) == FREESURFER_MAGIC
 
 
+_PLY_SIZES = {"char": 1, "uchar": 1, "int8": 1, "uint8": 1, "short": 2, "ushort": 2,
+              "int16": 2, "uint16": 2, "int": 4, "uint": 4, "int32": 4, "uint32": 4,
+              "float": 4, "float32": 4, "double": 8, "float64": 8}
+
+
+def check_ply_size(path: Path, fn: str) -> None:
+    """Refuse a PLY file shorter than its header says (VTK's reader crashes on those).
+
+    The bound is a lower one: list properties (faces) count at least their length byte and
+    three indices; ASCII files need at least one line per element.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(65536)
+    end = head.find(b"end_header")
+    if not head.startswith(b"ply") or end < 0:
+        raise ValueError(f"{fn}: {path} is not a PLY file (no 'ply' ... 'end_header' header)")
+    body = len(head[:end]) + len(b"end_header") + 1
+    lines = head[:end].decode("ascii", "replace").splitlines()
+    binary = any(ln.startswith("format binary") for ln in lines)
+    need, count, rows = 0, 0, 0
+    for ln in lines:
+        words = ln.split()
+        if words[:1] == ["element"] and len(words) == 3 and words[2].isdigit():
+            count = int(words[2])
+            rows += count
+        elif words[:1] == ["property"] and len(words) >= 3:
+            if words[1] == "list" and len(words) >= 5:
+                size = _PLY_SIZES.get(words[2], 1) + 3 * _PLY_SIZES.get(words[3], 4)
+            else:
+                size = _PLY_SIZES.get(words[1], 1)
+            need += count * size
+    if binary:
+        have = path.stat().st_size - body
+    else:
+        with open(path, "rb") as fh:
+            fh.seek(body)
+            have = sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
+    if have < (need if binary else rows):
+        raise ValueError(f"{fn}: {path} is truncated: its header announces more data "
+                         f"({need if binary else rows:,} {'bytes' if binary else 'lines'} at "
+                         f"least) than the file holds")
+
+
 def read_pyvista(path: Path, fn: str, dtype) -> Shape:
     import pyvista as pv
+
+    if path.suffix.lower() == ".ply":
+        check_ply_size(path, fn)
 
     try:
         # VTK's readers report a truncated or corrupt file as an error message, not an

@@ -256,3 +256,18 @@ def test_negative_smoothing_is_refused(tmp_path):
     path = save_shape(Shape(torch.rand(10, 3)), tmp_path / "c.npy")
     with pytest.raises(ValueError, match="smooth is -1"):
         load_shape(path, smooth=-1)
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_truncated_ply_raises_before_vtk_reads_it(tmp_path, binary):
+    pv = pytest.importorskip("pyvista")
+    path = tmp_path / "s.ply"
+    pv.Sphere().save(str(path), binary=binary)
+    assert load_shape(path).n_faces == 1680
+    data = path.read_bytes()
+    (tmp_path / "cut.ply").write_bytes(data[: len(data) // 3])  # VTK's reader can crash here
+    with pytest.raises(ValueError, match="cut.ply is truncated: its header announces more"):
+        load_shape(tmp_path / "cut.ply")
+    (tmp_path / "bad.ply").write_bytes(b"not a ply at all" * 10)
+    with pytest.raises(ValueError, match="bad.ply is not a PLY file"):
+        load_shape(tmp_path / "bad.ply")
