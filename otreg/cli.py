@@ -50,17 +50,20 @@ def info(no_keops: bool) -> None:
               help="Threshold of probability maps, in the map's own units (volumes only).")
 @click.option("--points", default=None, type=click.IntRange(min=100),
               help="Decimate both surfaces to about this many vertices first.")
+@click.option("--max-iter", default=30, show_default=True, type=click.IntRange(min=1),
+              help="L-BFGS iterations a level.")
 @click.option("--picture/--no-picture", default=True, show_default=True)
 def register_cmd(source: str, target: str, output: str, model: str, prealign: str, loss: str,
                  sigma: float, label: float | None, level: float | None, points: int | None,
-                 picture: bool) -> None:
+                 max_iter: int, picture: bool) -> None:
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
     from . import register
 
     _check_output(output, [source, target], picture)
     try:
         src, tgt = (_load(p, label, level, points) for p in (source, target))
-        res = register(src, tgt, model=model, prealign=prealign, loss=loss, sigma=sigma)
+        res = register(src, tgt, model=model, prealign=prealign, loss=loss, sigma=sigma,
+                       max_iter=max_iter)
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise click.ClickException(str(err)) from err
     _write_outputs(res, src, tgt, output, picture)
