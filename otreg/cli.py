@@ -200,15 +200,19 @@ def demo(output: str, pair: str, surface: str, points: int | None, progress: boo
               help="eps-scaling factor per annealing step.")
 @click.option("--tol", default=1e-3, show_default=True, type=click.FloatRange(min=0),
               help="Marginal-error tolerance at the final blur.")
-@click.option("--max-iter", default=100, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-iter", default=1000, show_default=True, type=click.IntRange(min=1),
               help="Most Sinkhorn iterations (the annealing ones included).")
 @click.option("--reach", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Unbalanced OT reach in mm (default: balanced).")
+@click.option("--relaxation", default=1.9, show_default=True,
+              type=click.FloatRange(min=1, max=2, max_open=True),
+              help="Over-relaxation of the Sinkhorn updates (10x fewer iterations than plain "
+                   "updates, 1, on brain surfaces; not guaranteed: convergence is reported).")
 @click.option("--label", default=None, type=float, help="Segmentation label for volumes.")
 @click.option("--level", default=None, type=float, help="Threshold for probability maps.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON line.")
 def distance(source: str, target: str, blur: float, scaling: float, tol: float, max_iter: int,
-             reach: float | None, label: float | None, level: float | None,
+             reach: float | None, relaxation: float, label: float | None, level: float | None,
              as_json: bool) -> None:
     """Sinkhorn divergence between two shapes' measures (area-weighted, normalised).
 
@@ -228,7 +232,7 @@ def distance(source: str, target: str, blur: float, scaling: float, tol: float, 
         try:
             value, res = _divergence("otreg distance", x, y, a / a.sum(), b / b.sum(),
                                      blur=blur, reach=reach, scaling=scaling, tol=tol,
-                                     max_iter=max_iter)
+                                     max_iter=max_iter, relaxation=relaxation)
         except (ValueError, TypeError) as err:
             raise click.ClickException(str(err)) from err
     value = float(value.detach())

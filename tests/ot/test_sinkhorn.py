@@ -188,3 +188,16 @@ def test_bad_warm_start_raises_naming_it():
         otreg.sinkhorn(x, y, a, b, init=(f.float(), g))
     with pytest.raises(ValueError, match="init's f has NaN"):
         otreg.sinkhorn(x, y, a, b, init=(f / 0 * 0, g))
+
+
+def test_over_relaxation_reaches_the_same_solution_in_fewer_iterations():
+    x, y, a, b = clouds(n=60, m=50, seed=5)
+    plain = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000)
+    fast = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=1.8)
+    assert plain.converged and fast.converged
+    assert fast.n_iter < plain.n_iter / 2
+    assert float(fast.cost) == pytest.approx(float(plain.cost), rel=1e-7)
+    v = torch.ones(len(y), 1, dtype=x.dtype)
+    assert torch.allclose(fast.plan.apply(v), plain.plan.apply(v), atol=1e-7)
+    with pytest.raises(ValueError, match="relaxation is 2.0; it must be in \\[1, 2\\)"):
+        otreg.sinkhorn(x, y, a, b, relaxation=2.0)
