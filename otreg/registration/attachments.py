@@ -61,7 +61,7 @@ def _normalised_measure(shape: Shape, kind: str = "points"):
 
 
 def _sinkhorn(blur: float, reach: float | None, scaling: float, tol: float, max_iter: int,
-              dtype: torch.dtype | None, reference_iter: int):
+              dtype: torch.dtype | None, reference_iter: int, relaxation: float):
     """The divergence term. ``prepare`` solves the problem at hand to ``tol`` (at most
     ``reference_iter`` iterations) and keeps its potentials; every evaluation then starts
     from these (not from the previous evaluation's: the value would depend on the order
@@ -76,7 +76,7 @@ def _sinkhorn(blur: float, reach: float | None, scaling: float, tol: float, max_
             warnings.simplefilter("ignore", ConvergenceWarning)
             value, _ = _divergence("register", x.to(dt), y.to(dt), a.to(dt), b.to(dt),
                                    warm=warm, blur=blur, reach=reach, scaling=scaling,
-                                   tol=tol, max_iter=iters)
+                                   tol=tol, max_iter=iters, relaxation=relaxation)
         return value.to(x.dtype)
 
     def term(warped: Shape, target: Shape) -> torch.Tensor:
@@ -158,6 +158,7 @@ def _chamfer(warped: Shape, target: Shape) -> torch.Tensor:
 def make_attachment(name: str, *, blur: float = 2.0, reach: float | None = None,
                     scaling: float = 0.5, sinkhorn_tol: float = 1e-3, sinkhorn_max_iter: int = 30,
                     sinkhorn_dtype: torch.dtype | None = torch.float32,
+                    sinkhorn_relaxation: float = 1.9,
                     sigma: float = 10.0, fn: str = "register") -> Attachment:
     """Build a data term by name (see the module docstring for the meanings and units).
 
@@ -165,12 +166,14 @@ def make_attachment(name: str, *, blur: float = 2.0, reach: float | None = None,
     surfaces move little between an optimiser's evaluations), at most ``sinkhorn_max_iter``
     iterations (``prepare``: ten times more), and solves in
     ``sinkhorn_dtype`` (float32 by default: twice as fast; the value and gradient are
-    returned in the points' dtype; None keeps the points' dtype).
+    returned in the points' dtype; None keeps the points' dtype), with over-relaxed updates
+    (``sinkhorn_relaxation``, see :func:`otreg.sinkhorn`; on fsaverage5 it cut the coarse
+    level from 12 to 9 s at the same accuracy).
     """
     if name == "sinkhorn":
         blur = check_positive(fn, "blur", blur)
         term, prepare = _sinkhorn(blur, reach, scaling, sinkhorn_tol, sinkhorn_max_iter,
-                                  sinkhorn_dtype, 10 * sinkhorn_max_iter)
+                                  sinkhorn_dtype, 10 * sinkhorn_max_iter, sinkhorn_relaxation)
         return Attachment(name, term, prepare, blur=blur, reach=reach)
     if name in ("varifold", "currents"):
         sigma = check_positive(fn, f"{name} sigma", sigma)
