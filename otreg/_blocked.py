@@ -125,11 +125,15 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
     for sl in blocks.slices():
         G = grad_out[:, sl]
         s, r, C = blocks.scores(sl)
-        if kind == "kernel_product":
-            K = s.add_(r).clamp_(min=_dense.exp_floor(s.dtype)).exp_()
+        if kind == "kernel_product":  # K, G and v scaled so that their products stay normal
+            floor = _PRODUCT_FLOOR.get(s.dtype, _dense.exp_floor(s.dtype))
+            K = s.add_(r).clamp_(min=floor).exp_()
+            Gs, scale = _scaled(G)
             if gv is not None:
-                gv.baddbmm_(K.transpose(1, 2), G)
-            W = K.mul_(torch.bmm(G, v.transpose(1, 2))).mul_(-1.0 / eps)
+                gv.add_(torch.bmm(K.transpose(1, 2), Gs), alpha=float(scale))
+            vs, v_scale = _scaled(v)
+            W = K.mul_(torch.bmm(Gs, vs.transpose(1, 2)))
+            scale = scale * v_scale * (-1.0 / eps)
         elif kind == "softmin":  # W = P G = z (G / total), scaled to stay normal
             z, _, total = _softmax_(s)
             u, scale = _scaled(G.unsqueeze(2) / total)
@@ -153,11 +157,11 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
         xb = blocks.x[:, sl]
         if gx is not None:
             gx[:, sl] = xb * W.sum(2, keepdim=True) - torch.bmm(W, blocks.y)
-            if kind == "softmin":
+            if kind in ("softmin", "kernel_product"):
                 gx[:, sl] *= scale
         if gy is not None:
             dy = blocks.y * W.sum(1).unsqueeze(-1) - torch.bmm(W.transpose(1, 2), xb)
-            gy.add_(dy, alpha=float(scale) if kind == "softmin" else 1.0)
+            gy.add_(dy, alpha=float(scale) if kind in ("softmin", "kernel_product") else 1.0)
     return [gx, gy, gh, gv]
 
 

@@ -187,16 +187,21 @@ def test_blocked_gradients_pass_gradcheck_including_second_order(kind, cost, mon
     assert torch.autograd.gradgradcheck(fn, (x, y, h, v))
 
 
+@pytest.mark.parametrize("kind", ["softmin", "kernel_product"])
 @pytest.mark.parametrize("scale", [1.0, 1e-30])
-def test_blocked_softmin_gradient_with_tiny_and_spread_out_weights(scale, monkeypatch):
+def test_blocked_gradient_with_tiny_and_spread_out_weights(kind, scale, monkeypatch):
     # Incoming gradients spanning 40 orders of magnitude (scaled to 1e-30 too): the blocked
     # backward rescales them to keep its products normal numbers; the result must not change.
     monkeypatch.setattr(R, "BLOCK_ELEMENTS", 2 * 29 * 5)
-    x, y, h, _ = data(torch.float32)
-    eps = 0.002  # most kernel entries at the exp floor
+    x, y, h, v = data(torch.float32)
+    eps = 0.002 if kind == "softmin" else 0.02  # most kernel entries at the exp floor
     w = scale * 10.0 ** -torch.linspace(0, 40, 37).repeat(2, 1)
-    got = torch.autograd.grad((R.softmin(x, y, h, eps, SQ, "blocked") * w).sum(), (x, y, h))
-    want = torch.autograd.grad((naive("softmin", x.double(), y.double(), h.double(), None,
-                                      eps, SQ) * w.double()).sum(), (x, y, h))
+    if kind == "kernel_product":
+        w = w[..., None]
+    inputs = (x, y, h) if kind == "softmin" else (x, y, v)
+    out = call(kind, "blocked", x, y, h, v, eps, SQ)
+    ref = naive(kind, x.double(), y.double(), h.double(), v.double(), eps, SQ)
+    got = torch.autograd.grad((out * w).sum(), inputs)
+    want = torch.autograd.grad((ref * w.double()).sum(), inputs)
     for g, r in zip(got, want):
         assert torch.allclose(g, r, rtol=1e-3, atol=1e-6 * float(r.abs().max()))
