@@ -80,12 +80,15 @@ _PRODUCT_FLOOR = {torch.float32: -50.0, torch.float64: -600.0}
 _TINY = {torch.float32: 1e-12, torch.float64: 1e-30}
 
 
+def _product_floor(dtype: torch.dtype) -> float:
+    return _PRODUCT_FLOOR.get(dtype, _dense.exp_floor(dtype))
+
+
 def _softmax_(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """In place: s <- exp(s - m) (clamped), returns (s, m, row sums)."""
     m = s.amax(dim=2, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    floor = _PRODUCT_FLOOR.get(s.dtype, _dense.exp_floor(s.dtype))
-    s.sub_(m).clamp_(min=floor).exp_()
+    s.sub_(m).clamp_(min=_product_floor(s.dtype)).exp_()
     return s, m, s.sum(2, keepdim=True)
 
 
@@ -122,16 +125,16 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
     gy = torch.zeros_like(blocks.y) if needs[1] else None
     gh = torch.zeros_like(blocks.y_sq) if needs[2] else None
     gv = torch.zeros_like(v) if needs[3] else None
+    if kind == "kernel_product":
+        vs, v_scale = _scaled(v)  # once: v is the same for every block
     for sl in blocks.slices():
         G = grad_out[:, sl]
         s, r, C = blocks.scores(sl)
         if kind == "kernel_product":  # K, G and v scaled so that their products stay normal
-            floor = _PRODUCT_FLOOR.get(s.dtype, _dense.exp_floor(s.dtype))
-            K = s.add_(r).clamp_(min=floor).exp_()
+            K = s.add_(r).clamp_(min=_product_floor(s.dtype)).exp_()
             Gs, scale = _scaled(G)
             if gv is not None:
                 gv.add_(torch.bmm(K.transpose(1, 2), Gs), alpha=float(scale))
-            vs, v_scale = _scaled(v)
             W = K.mul_(torch.bmm(Gs, vs.transpose(1, 2)))
             scale = scale * v_scale * (-1.0 / eps)
         elif kind == "softmin":  # W = P G = z (G / total), scaled to stay normal
@@ -149,19 +152,17 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
             S = GV.sub_((G * out[:, sl]).sum(-1, keepdim=True)).mul_(P)
             if gh is not None:
                 gh.add_(S.sum(1))
-            W = S.mul_(-1.0 / eps)
+            W, scale = S, -1.0 / eps
         if gx is None and gy is None:
             continue
         if C is not None:
             W.div_(C)
         xb = blocks.x[:, sl]
         if gx is not None:
-            gx[:, sl] = xb * W.sum(2, keepdim=True) - torch.bmm(W, blocks.y)
-            if kind in ("softmin", "kernel_product"):
-                gx[:, sl] *= scale
+            gx[:, sl] = (xb * W.sum(2, keepdim=True) - torch.bmm(W, blocks.y)) * scale
         if gy is not None:
             dy = blocks.y * W.sum(1).unsqueeze(-1) - torch.bmm(W.transpose(1, 2), xb)
-            gy.add_(dy, alpha=float(scale) if kind in ("softmin", "kernel_product") else 1.0)
+            gy.add_(dy, alpha=float(scale))
     return [gx, gy, gh, gv]
 
 

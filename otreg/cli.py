@@ -108,8 +108,6 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
     """Save a registration, draw its pictures and print its metrics."""
     from pathlib import Path
 
-    import torch
-
     from .registration.metrics import surface_distances
 
     folder = res.save(output)
@@ -119,7 +117,7 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
 
         warped = res.warped
         try:
-            dist = _to_surface(warped.points.detach().double().numpy(), tgt.to(torch.float64))
+            dist = _to_surface(warped.points.detach().double().numpy(), tgt)
         except ImportError:  # pragma: no cover - pyvista is needed for pictures anyway
             dist = None
         plot_shapes({"source": src, "target": tgt, "warped (distance to target)": warped},

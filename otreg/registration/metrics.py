@@ -11,8 +11,7 @@ import numpy as np
 import torch
 
 from ..shapes import Shape
-from .attachments import _kernel_norm_terms, varifold_distance
-from .kernels import GaussianKernel
+from .attachments import make_attachment, varifold_distance
 
 __all__ = ["surface_distances", "vertex_error", "jacobian_determinants", "varifold_distance",
            "summary"]
@@ -94,9 +93,8 @@ def summary(warped: Shape, target: Shape, jac: torch.Tensor | None = None,
     vw, vt = varifold_shapes or (warped, target)
     if vw.n_faces and vt.n_faces:
         with torch.no_grad():
-            vw, vt = vw.to(torch.float64), vt.to(torch.float64)
-            ct, ft = _kernel_norm_terms(vt, oriented=False)
-            v = varifold_distance(vw, vt, sigma) / (ft * GaussianKernel(sigma)(ct, ct, ft)).sum()
+            v = make_attachment("varifold", sigma=sigma, fn="summary")(
+                vw.to(torch.float64), vt.to(torch.float64))
         out["varifold"] = float(v)
     if jac is not None:
         out.update(jacobian_min=float(jac.min()), jacobian_max=float(jac.max()),

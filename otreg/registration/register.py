@@ -50,16 +50,20 @@ def _check_shape(fn: str, name: str, shape: object) -> Shape:
     return shape
 
 
+def _even_indices(n: int, k: int) -> torch.Tensor | slice:
+    """Indices of about k evenly spaced items out of n (all of them when n <= k)."""
+    return slice(None) if n <= k else torch.linspace(0, n - 1, k).round().long()
+
+
 def _coarse_measure(shape: Shape, max_points: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertex measure (positions, normalised weights) of at most about max_points points:
     a decimated surface, or an evenly strided subset of a point cloud."""
-    if shape.n_points > max_points:
-        if shape.n_faces > 0:
-            shape = shape.decimate(max_points)
-        else:
-            keep = torch.linspace(0, shape.n_points - 1, max_points).round().long()
-            w = None if shape.weights is None else shape.weights[keep]
-            shape = Shape(shape.points[keep], weights=w, unit=shape.unit)
+    if shape.n_faces > 0:
+        shape = shape.decimate(max_points)
+    elif shape.n_points > max_points:
+        keep = _even_indices(shape.n_points, max_points)
+        w = None if shape.weights is None else shape.weights[keep]
+        shape = Shape(shape.points[keep], weights=w, unit=shape.unit)
     x, a = shape.measure("points")
     return x.detach().double(), (a.detach() / a.sum()).double()
 
@@ -342,9 +346,7 @@ def register(
     moved_src = src if linear is None else src.with_points(linear(src.points).detach())
     deformation = None
     if model == "lddmm":
-        controls = moved_src.decimate(control_points) if moved_src.n_points > control_points \
-            else moved_src
-        deformation = LDDMM(controls.points, sigma=sigma, n_steps=n_steps,
+        deformation = LDDMM(moved_src.decimate(control_points).points, sigma=sigma, n_steps=n_steps,
                             integrator=integrator, strategy=strategy, memory=memory).double()
         lm = None
         if landmarks is not None:
@@ -360,17 +362,12 @@ def register(
     # On very large meshes (a 300,000-vertex surface from a volume) the Jacobians are taken
     # at an even subset of the vertices and the varifold metric on decimated copies: at full
     # size they would take minutes to half an hour.
-    jac_points = source.points
-    if source.n_points > METRIC_POINTS:
-        jac_points = source.points[torch.linspace(0, source.n_points - 1,
-                                                  METRIC_POINTS).round().long()]
+    jac_points = source.points[_even_indices(source.n_points, METRIC_POINTS)]
     jac = M.jacobian_determinants(lambda x: _full(result, x), jac_points)
-    w64, t64 = warped.to(torch.float64), tgt
-    result.metrics = M.summary(w64, t64, jac=jac, truth=truth, sigma=varifold_sigma,
-                               varifold_shapes=(w64.decimate(METRIC_POINTS) if w64.n_points >
-                                                METRIC_POINTS else w64,
-                                                t64.decimate(METRIC_POINTS) if t64.n_points >
-                                                METRIC_POINTS else t64))
+    w64 = warped.to(torch.float64)
+    result.metrics = M.summary(w64, tgt, jac=jac, truth=truth, sigma=varifold_sigma,
+                               varifold_shapes=(w64.decimate(METRIC_POINTS),
+                                                tgt.decimate(METRIC_POINTS)))
     result.metrics["jacobian_points"] = int(jac_points.shape[0])
     result.metrics["seconds"] = time.perf_counter() - start
     return result
@@ -388,8 +385,7 @@ def _full(result: Registration, x: torch.Tensor) -> torch.Tensor:
 def _fit(deformation, src, tgt, levels, regularization, reach, landmarks, max_iter, tol,
          progress, history, start) -> None:
     for level, (n_points, scale, weights) in enumerate(levels):
-        s_level = src.decimate(n_points) if src.n_points > n_points else src
-        t_level = tgt.decimate(n_points) if tgt.n_points > n_points else tgt
+        s_level, t_level = src.decimate(n_points), tgt.decimate(n_points)
         terms = {name: make_attachment(name, blur=scale, reach=reach, sigma=scale)
                  for name in weights if name != "landmarks"}
         label = (f"level {level + 1}/{len(levels)} ({s_level.n_points} pts, "
