@@ -55,6 +55,7 @@ from .._checks import (
 )
 from ..costs import Cost, epsilon_schedule, get_cost
 from ..costs import diameter as _diameter
+from .multiscale import FIRST_MARGIN, REFRESH, auto_cluster_scale
 from .plan import TransportPlan
 
 __all__ = ["sinkhorn", "SinkhornResult", "FORMS", "BACKWARDS"]
@@ -77,7 +78,9 @@ class SinkhornResult:
         marginal_error: relative L1 violation of the optimality (marginal) conditions, the
             largest over the batch.
         eps: the final entropic regularisation ``blur ** p``.
-        backend: the reduction backend that ran (``"auto"`` resolved).
+        backend: the reduction backend that ran (``"auto"`` resolved), ``"multiscale"``
+            when the multiscale solver's truncated reductions did (the plan's own reductions
+            then use the dense backend ``auto`` picks).
         form: ``"log"`` or ``"scaling"``.
         plan: the lazy :class:`~otreg.ot.plan.TransportPlan`.
     """
@@ -112,6 +115,9 @@ class _Problem:
     tol: float
     max_iter: int
     relaxation: float = 1.0
+    multiscale: bool = False
+    truncate: float = 5.0
+    cluster_scale: float | None = None
 
     @property
     def eps(self) -> float:
@@ -123,12 +129,13 @@ class _Problem:
 
 def _validate(fn: str, x, y, a, b, *, blur=0.05, reach=None, diameter=None, scaling=0.5,
               cost="sqeuclidean", form="log", backend="auto", tol=1e-4, max_iter=1000,
-              backward="envelope", relaxation=1.0, **unknown) -> _Problem:
+              backward="envelope", relaxation=1.0, multiscale="auto", truncate=5.0,
+              cluster_scale=None, **unknown) -> _Problem:
     """Check every input and option (defaults as in :func:`sinkhorn`); batch the inputs."""
     if unknown:
         raise TypeError(f"{fn}: unknown option(s) {', '.join(sorted(unknown))}; the options are "
                         "blur, reach, diameter, scaling, cost, form, backend, tol, max_iter, "
-                        "backward, relaxation")
+                        "backward, relaxation, multiscale, truncate, cluster_scale")
     x, bx = as_points(fn, "x", x)
     y, by = as_points(fn, "y", y)
     if bx != by:
@@ -173,8 +180,41 @@ def _validate(fn: str, x, y, a, b, *, blur=0.05, reach=None, diameter=None, scal
             raise ValueError(f"{fn}: a has total mass {ma.max().item():.6g} and b "
                              f"{mb.max().item():.6g}; balanced OT (reach=None) needs equal masses:"
                              " normalise the weights or set reach for unbalanced OT")
+    truncate = check_positive(fn, "truncate", truncate)
+    scale = None if cluster_scale is None else check_positive(fn, "cluster_scale", cluster_scale)
+    use_ms = _use_multiscale(fn, multiscale, x, y, cost_, form, backward, diam, blur, scale)
+    if use_ms and scale is None:
+        scale = auto_cluster_scale(diam, max(x.shape[1], y.shape[1]), x.shape[-1])
     return _Problem(x, y, a, b, bx, cost_, rho, schedule, form, backend, tol, max_iter,
-                    float(relaxation))
+                    float(relaxation), use_ms, truncate, scale)
+
+
+#: ``multiscale="auto"`` turns on from this many pairs N * M (with the other conditions)
+MULTISCALE_MIN_PAIRS = 100_000_000
+
+
+def _use_multiscale(fn, multiscale, x, y, cost, form, backward, diam, blur, scale) -> bool:
+    """Resolve ``multiscale`` ("auto", True or False) for this problem."""
+    if multiscale not in ("auto", True, False):
+        raise ValueError(f"{fn}: multiscale is {multiscale!r}; use 'auto', True or False")
+    if multiscale is False:
+        return False
+    unfit = None
+    if cost.p != 2:
+        unfit = f"the cost is {cost.name!r} (multiscale needs 'sqeuclidean')"
+    elif x.shape[0] > 1:
+        unfit = f"the inputs are a batch of {x.shape[0]} problems (multiscale solves one)"
+    elif form != "log":
+        unfit = f"form is {form!r} (multiscale needs 'log')"
+    elif backward != "envelope":
+        unfit = f"backward is {backward!r} (multiscale needs 'envelope')"
+    if multiscale is True:
+        if unfit:
+            raise ValueError(f"{fn}: multiscale=True but {unfit}; use multiscale=False")
+        return True
+    scale = scale or auto_cluster_scale(diam, max(x.shape[1], y.shape[1]), x.shape[-1])
+    return (unfit is None and x.shape[-1] <= 3 and x.shape[1] * y.shape[1] >= MULTISCALE_MIN_PAIRS
+            and blur < scale / 2)
 
 
 # ------------------------------------------------------------------ the loop
@@ -209,64 +249,132 @@ def _solve_pair(p: _Problem, x, y, a, b, init=None):
     """Potentials (f, g) for OT(a, b) between x and y, without autograd.
 
     ``init``: potentials (f, g) (B, N), (B, M) to start from at the final eps, skipping the
-    annealing (a warm start from a nearby problem).
+    annealing (a warm start from a nearby problem). Returns ``(f, g, n_iter, error, ms)``
+    with ``ms`` the :class:`~otreg.ot.multiscale.MultiscaleProblem` when ``p.multiscale``
+    (its final truncation pattern serves the gradient), else None.
     """
-    a_log, b_log = a.log(), b.log()
+    ms = _multiscale(p, x, a, y, b)
+    if ms is not None:  # the clouds sorted by cluster; results unsorted at the end
+        a, b = ms.a[None], ms.b[None]
+
+        def sm_xy(eps, pot):
+            return ms.softmin_xy(b[0].log() + pot[0] / eps, eps)[None]
+
+        def sm_yx(eps, pot):
+            return ms.softmin_yx(a[0].log() + pot[0] / eps, eps)[None]
+    else:
+        a_log, b_log = a.log(), b.log()
+
+        def sm_xy(eps, pot):
+            return _softmin(p, eps, x, y, b_log, pot)
+
+        def sm_yx(eps, pot):
+            return _softmin(p, eps, y, x, a_log, pot)
     n_iter = 0
     if init is not None:
         f, g = init
+        if ms is not None:
+            f, g = (t[None] for t in ms.warm_start(f[0], g[0]))
+            ms.update_pattern(f[0], g[0], p.eps, full=True)
     else:
-        eps0 = p.schedule[0]
-        lam = p.damping(eps0)
-        zeros_a, zeros_b = torch.zeros_like(a), torch.zeros_like(b)
-        f = lam * _softmin(p, eps0, x, y, b_log, zeros_b)
-        g = lam * _softmin(p, eps0, y, x, a_log, zeros_a)
-        for eps in p.schedule:  # annealing: symmetric, averaged updates
+        schedule = p.schedule
+        if ms is not None:
+            f, g, n_iter, n_coarse = ms.coarse_start()
+            f, g, schedule = f[None], g[None], p.schedule[n_coarse:]
+        else:
+            eps0 = p.schedule[0]
+            zeros_a, zeros_b = torch.zeros_like(a), torch.zeros_like(b)
+            f = p.damping(eps0) * sm_xy(eps0, zeros_b)
+            g = p.damping(eps0) * sm_yx(eps0, zeros_a)
+        for k, eps in enumerate(schedule):  # annealing: symmetric, averaged updates
+            if ms is not None:
+                ms.update_pattern(f[0], g[0], eps, margin=FIRST_MARGIN * (k == 0), full=k == 0)
             lam = p.damping(eps)
-            ft = lam * _softmin(p, eps, x, y, b_log, g)
-            gt = lam * _softmin(p, eps, y, x, a_log, f)
+            ft, gt = lam * sm_xy(eps, g), lam * sm_yx(eps, f)
             f, g = (f + ft) / 2, (g + gt) / 2
             n_iter += 1
     eps, lam, w = p.eps, p.damping(p.eps), p.relaxation
     err = torch.full((x.shape[0],), math.inf, dtype=x.dtype, device=x.device)
+    first = n_iter
     while n_iter < p.max_iter:  # alternating updates at the final eps (over-relaxed if w > 1)
-        f_new = lam * _softmin(p, eps, x, y, b_log, g)
+        if ms is not None and n_iter > first and (n_iter - first) % REFRESH == 0:
+            ms.update_pattern(f[0], g[0], eps)
+        f_new = lam * sm_xy(eps, g)
         f = f_new if w == 1 else torch.lerp(f, f_new, w)
-        sg = _softmin(p, eps, y, x, a_log, f)
+        sg = sm_yx(eps, f)
         err = _residual(p, eps, b, g, sg)
         g = lam * sg if w == 1 else torch.lerp(g, lam * sg, w)
         n_iter += 1
         if float(err.max()) < p.tol:
             break
-    return f, g, n_iter, float(err.max())
+    if ms is not None:
+        ms.update_pattern(f[0], g[0], eps)
+        f, g = ms.unsort_x(f[0])[None], ms.unsort_y(g[0])[None]
+    return f, g, n_iter, float(err.max()), ms
 
 
 def _solve_self(p: _Problem, x, a, init=None):
     """The symmetric potential f = f_aa of OT(a, a), without autograd (``init``: a warm
-    start at the final eps, as in :func:`_solve_pair`)."""
-    a_log = a.log()
+    start at the final eps, as in :func:`_solve_pair`). Returns ``(f, n_iter, error, ms)``."""
+    ms = _multiscale(p, x, a)
+    if ms is not None:
+        a = ms.a[None]
+
+        def sm(eps, pot):
+            return ms.softmin_xy(a[0].log() + pot[0] / eps, eps)[None]
+    else:
+        a_log = a.log()
+
+        def sm(eps, pot):
+            return _softmin(p, eps, x, x, a_log, pot)
     n_iter = 0
     if init is not None:
         f = init
+        if ms is not None:
+            f = ms.warm_start(f[0], f[0])[0][None]
+            ms.update_pattern(f[0], f[0], p.eps, full=True)
     else:
-        eps0 = p.schedule[0]
-        f = p.damping(eps0) * _softmin(p, eps0, x, x, a_log, torch.zeros_like(a))
-        for eps in p.schedule:
-            f = (f + p.damping(eps) * _softmin(p, eps, x, x, a_log, f)) / 2
+        schedule = p.schedule
+        if ms is not None:
+            f, _, n_iter, n_coarse = ms.coarse_start()
+            f, schedule = f[None], p.schedule[n_coarse:]
+        else:
+            eps0 = p.schedule[0]
+            f = p.damping(eps0) * sm(eps0, torch.zeros_like(a))
+        for k, eps in enumerate(schedule):
+            if ms is not None:
+                ms.update_pattern(f[0], f[0], eps, margin=FIRST_MARGIN * (k == 0), full=k == 0)
+            f = (f + p.damping(eps) * sm(eps, f)) / 2
             n_iter += 1
     eps, lam = p.eps, p.damping(p.eps)
     err = torch.full((x.shape[0],), math.inf, dtype=x.dtype, device=x.device)
+    first = n_iter
     while n_iter < p.max_iter:
-        sf = _softmin(p, eps, x, x, a_log, f)
+        if ms is not None and n_iter > first and (n_iter - first) % REFRESH == 0:
+            ms.update_pattern(f[0], f[0], eps)
+        sf = sm(eps, f)
         err = _residual(p, eps, a, f, sf)
         f = (f + lam * sf) / 2
         n_iter += 1
         if float(err.max()) < p.tol:
             break
-    return f, n_iter, float(err.max())
+    if ms is not None:
+        ms.update_pattern(f[0], f[0], eps)
+        f = ms.unsort_x(f[0])[None]
+    return f, n_iter, float(err.max()), ms
 
 
-def _dual_value(p: _Problem, x, y, a, b, g) -> tuple[torch.Tensor, torch.Tensor]:
+def _multiscale(p: _Problem, x, a, y=None, b=None):
+    """A MultiscaleProblem for (x, a) against (y, b) (or itself), or None if not multiscale."""
+    if not p.multiscale:
+        return None
+    from .multiscale import MultiscaleProblem
+
+    return MultiscaleProblem(p, x[0], a[0], None if y is None else y[0],
+                             None if b is None else b[0], p.cluster_scale, p.truncate)
+
+
+def _dual_value(p: _Problem, x, y, a, b, g, ms=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The semi-dual objective at a fixed (detached) g: ``(value (B,), f (B, N) detached)``.
 
     f = lambda softmin(g) is the exact maximiser of the dual over f for this g, computed by one
@@ -274,10 +382,16 @@ def _dual_value(p: _Problem, x, y, a, b, g) -> tuple[torch.Tensor, torch.Tensor]
     the gradient of the value is that of OT_eps at convergence: sum_j pi_ij grad C(x_i, y_j)
     for the points, the potentials for the weights. Away from convergence it is the gradient
     for the plan whose rows have the right marginal, which is more accurate than evaluating
-    the dual at both iterates.
+    the dual at both iterates. ``ms``: the multiscale problem whose final truncation pattern
+    computes that reduction (the points are then sorted by cluster; the value is the same).
     """
     eps = p.eps
-    s = _softmin(p, eps, x, y, b.log(), g)  # (B, N), carries the x, y and b dependence
+    if ms is not None:
+        x, a, y, b = x[:, ms.cx.order], a[:, ms.cx.order], y[:, ms.cy.order], b[:, ms.cy.order]
+        g = g[:, ms.cy.order]
+        s = ms.softmin_xy(b[0].log() + g[0] / eps, eps, x[0], y[0])[None]
+    else:
+        s = _softmin(p, eps, x, y, b.log(), g)  # (B, N), carries the x, y and b dependence
     f = p.damping(eps) * s
     mass = (a * torch.exp((f - s) / eps)).sum(1)  # <a x b, exp((f + g - C)/eps)>
     if p.rho is None:
@@ -285,7 +399,10 @@ def _dual_value(p: _Problem, x, y, a, b, g) -> tuple[torch.Tensor, torch.Tensor]
     else:
         value = p.rho * ((a * -torch.expm1(-f / p.rho)).sum(1)
                          + (b * -torch.expm1(-g / p.rho)).sum(1))
-    return value - eps * (mass - a.sum(1) * b.sum(1)), f.detach()
+    f = f.detach()
+    if ms is not None:
+        f = ms.unsort_x(f[0])[None]
+    return value - eps * (mass - a.sum(1) * b.sum(1)), f
 
 
 def _pair_step(p: _Problem):
@@ -367,6 +484,9 @@ def sinkhorn(
     memory: int | str | None = None,
     init: tuple[torch.Tensor, torch.Tensor] | None = None,
     relaxation: float = 1.0,
+    multiscale: bool | str = "auto",
+    truncate: float = 5.0,
+    cluster_scale: float | None = None,
 ) -> SinkhornResult:
     """Entropic optimal transport between two weighted point clouds.
 
@@ -407,6 +527,18 @@ def sinkhorn(
             (balanced OT at a blur much smaller than the data; 10x fewer with w = 1.9 on
             two 800-vertex brain surfaces). 1 (default): plain Sinkhorn. Not guaranteed to
             converge for every problem: check ``converged``.
+        multiscale: solve coarse-to-fine with truncated kernels
+            (:mod:`otreg.ot.multiscale`): the eps-scaling starts on grid clusters of side
+            ``cluster_scale``, then each reduction sums only over the pairs of clusters
+            that can matter. ``"auto"`` (default) turns it on for one problem (no batch)
+            in 1 to 3 dimensions with the squared Euclidean cost, the log form, the
+            envelope backward, N * M >= 1e8 and a blur below half the cluster scale;
+            ``True`` requires it (``ValueError`` naming what does not fit), ``False``
+            sums over every pair.
+        truncate: the accuracy of the truncation: dropped terms change each softmin by at
+            most eps * exp(-truncate), relative mass (default 5).
+        cluster_scale: the side of the clusters, in the points' units; default
+            ``diameter * max(N, M) ** (-1/3)``.
 
     Returns:
         :class:`SinkhornResult`. Warns :class:`~otreg.ConvergenceWarning` when ``tol`` is
@@ -414,18 +546,19 @@ def sinkhorn(
     """
     p = _validate("sinkhorn", x, y, a, b, blur=blur, reach=reach, diameter=diameter,
                   scaling=scaling, cost=cost, form=form, backend=backend, tol=tol,
-                  max_iter=max_iter, backward=backward, relaxation=relaxation)
+                  max_iter=max_iter, backward=backward, relaxation=relaxation,
+                  multiscale=multiscale, truncate=truncate, cluster_scale=cluster_scale)
     if backward != "unroll" and (strategy != "store" or memory is not None):
         raise ValueError("sinkhorn: strategy and memory apply to backward='unroll' only, not "
                          f"backward={backward!r}")
     init = _check_init("sinkhorn", init, p)
     with torch.no_grad():
-        f, g, n_iter, err = _solve_pair(p, p.x.detach(), p.y.detach(), p.a.detach(),
-                                        p.b.detach(), init)
+        f, g, n_iter, err, ms = _solve_pair(p, p.x.detach(), p.y.detach(), p.a.detach(),
+                                            p.b.detach(), init)
     converged = _warn_if_unconverged("sinkhorn", "the solver", p, n_iter, err)
     params = (p.x, p.y, p.a, p.b)
     if backward == "envelope":
-        value, f = _dual_value(p, *params, g)
+        value, f = _dual_value(p, *params, g, ms)
         params = tuple(t.detach() for t in params)
     else:
         from ..loops import iterate
@@ -447,4 +580,4 @@ def sinkhorn(
     return SinkhornResult(
         f=_unbatch(f, p.batched), g=_unbatch(g, p.batched), cost=_unbatch(value, p.batched),
         n_iter=n_iter, converged=converged, marginal_error=err, eps=p.eps,
-        backend=backend_used, form=p.form, plan=plan)
+        backend="multiscale" if p.multiscale else backend_used, form=p.form, plan=plan)

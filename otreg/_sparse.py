@@ -1,0 +1,283 @@
+"""Block-sparse softmin over clustered clouds: the kernel truncation of multiscale Sinkhorn.
+
+The points of each cloud are grouped into the cells of a regular grid (clusters), stored
+contiguously (the cloud sorted by cluster). A *pattern* lists the pairs of clusters (I, J)
+whose points may interact; the softmin
+
+.. math::
+
+    \\mathrm{softmin}_i = -\\varepsilon \\log \\sum_{j \\in J(i)}
+        \\exp(h_j - C(x_i, y_j)/\\varepsilon)
+
+then runs over the kept pairs only, in chunks of row clusters: each chunk gathers its rows
+(padded to the chunk's largest cluster) and the points of the column clusters each row
+cluster keeps (padded to the chunk's longest list), and makes one batched matrix product.
+Coordinates are taken relative to the row cluster's centre, which keeps float32 scores
+accurate at small eps. Clusters are sorted by size, then by list length, so that padding
+stays small.
+
+No well-kept CPU library does block-sparse log-sum-exp reductions (KeOps' ``ranges`` do on
+its own, slower CPU backend), so this module is written here. Only the squared Euclidean cost
+|x - y|^2 / 2 is supported (the truncation bound in :mod:`otreg.ot.multiscale` relies on it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ._blocked import _softmax_
+
+__all__ = ["Clusters", "grid_clusters", "BlockSparse"]
+
+
+@dataclass
+class Clusters:
+    """A cloud grouped into K grid cells, points sorted by cell.
+
+    Attributes:
+        order: ``(N,)`` the permutation that sorts the cloud by cluster (sorted = x[order]).
+        starts: ``(K + 1,)`` offsets of each cluster in the sorted cloud.
+        labels: ``(N,)`` the cluster of each sorted point.
+        centres: ``(K, D)`` mass-weighted centroids (the plain mean for a massless cell).
+        masses: ``(K,)`` total mass of each cluster.
+        radii: ``(K,)`` the largest distance from a point of the cluster to its centre.
+        points: ``(N, D)`` the sorted cloud.
+    """
+
+    order: torch.Tensor
+    starts: torch.Tensor
+    labels: torch.Tensor
+    centres: torch.Tensor
+    masses: torch.Tensor
+    radii: torch.Tensor
+    points: torch.Tensor
+
+    @property
+    def n_clusters(self) -> int:
+        return self.centres.shape[0]
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        return self.starts[1:] - self.starts[:-1]
+
+    def per_cluster_max(self, values: torch.Tensor) -> torch.Tensor:
+        """The largest of ``values`` (N,) (sorted order) in each cluster, (K,)."""
+        out = values.new_full((self.n_clusters,), -torch.inf)
+        return out.scatter_reduce_(0, self.labels, values, "amax")
+
+
+def grid_clusters(x: torch.Tensor, a: torch.Tensor, scale: float) -> Clusters:
+    """Group the points ``x`` (N, D) of weights ``a`` (N,) into grid cells of side ``scale``."""
+    cells = torch.floor((x - x.min(0).values) / scale).long()
+    dims = cells.max(0).values + 1
+    key = torch.zeros_like(cells[:, 0])
+    for d in range(x.shape[1]):
+        key = key * dims[d] + cells[:, d]
+    _, labels = torch.unique(key, return_inverse=True)
+    order = torch.argsort(labels, stable=True)
+    labels = labels[order]
+    K = int(labels[-1]) + 1
+    counts = torch.bincount(labels, minlength=K)
+    starts = torch.zeros(K + 1, dtype=torch.long, device=x.device)
+    starts[1:] = torch.cumsum(counts, 0)
+    xs, as_ = x[order], a[order]
+    masses = torch.zeros(K, dtype=x.dtype, device=x.device).index_add_(0, labels, as_)
+    weighted = torch.zeros(K, x.shape[1], dtype=x.dtype, device=x.device).index_add_(
+        0, labels, xs * as_[:, None])
+    plain = torch.zeros_like(weighted).index_add_(0, labels, xs) / counts[:, None]
+    centres = torch.where(masses[:, None] > 0, weighted / masses.clamp_min(
+        torch.finfo(x.dtype).tiny)[:, None], plain)
+    dist = (xs - centres[labels]).norm(dim=1)
+    radii = torch.zeros(K, dtype=x.dtype, device=x.device).scatter_reduce_(
+        0, labels, dist, "amax")
+    return Clusters(order, starts, labels, centres, masses, radii, xs)
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated ``arange(s, s + n)`` for each (s, n): (values, owner of each value)."""
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    first = np.cumsum(lengths) - lengths
+    return np.repeat(starts, lengths) + (np.arange(owner.size) - first[owner]), owner
+
+
+def _greedy_chunks(heights: list, widths: list, block: int) -> list:
+    """Consecutive slices whose padded size (count x max height x max width) stays within
+    ``block`` (a slice holds at least one item)."""
+    out, start, tall, wide = [], 0, 0, 0
+    for k, (h, w) in enumerate(zip(heights, widths)):
+        t, v = max(tall, h), max(wide, w)
+        if k > start and (k - start + 1) * t * v > block:
+            out.append(slice(start, k))
+            start, t, v = k, h, w
+        tall, wide = t, v
+    out.append(slice(start, len(heights)))
+    return out
+
+
+class BlockSparse:
+    """The softmin of rows (one clustered cloud) over columns (another), restricted to the
+    kept cluster pairs ``(I[k], J[k])``.
+
+    Args:
+        rows, cols: the two clusterings (the same object for a cloud against itself).
+        I, J: ``(P,)`` kept pairs of (row cluster, column cluster); every row cluster must
+            keep at least one column cluster.
+        block_elements: about how many (row, column) pairs a chunk holds.
+        cache_bytes: memory for the chunks' column indices and centred coordinates
+            (default 256 MB; gathering and centring them costs as much as the chunk's
+            matrix product). Chunks beyond it rebuild them at each call, so memory stays
+            O(cluster pairs + chunk) however many point pairs the pattern holds.
+    """
+
+    def __init__(self, rows: Clusters, cols: Clusters, I: torch.Tensor, J: torch.Tensor,
+                 block_elements: int = 1 << 22, cache_bytes: int = 1 << 28) -> None:
+        self.rows, self.cols = rows, cols
+        self._own = None  # padded copies of the clusterings' own points
+        self._geometry_cache: dict = {}
+        # a column slot costs 4 bytes of index and (D + 1) numbers of centred geometry
+        self._slots_left = cache_bytes // (4 * (rows.points.shape[1] + 2))
+        self.n_pairs = int((rows.sizes[I] * cols.sizes[J]).sum())
+        n_rows = rows.sizes.cpu().numpy()
+        self._col_sizes = cols.sizes.cpu().numpy()
+        self._col_starts = cols.starts[:-1].cpu().numpy()
+        I_np, J_np = I.cpu().numpy(), J.cpu().numpy()
+        by_row = np.argsort(I_np, kind="stable")
+        I_np, self._J = I_np[by_row], J_np[by_row]
+        K = len(n_rows)
+        self._ptr = np.concatenate([[0], np.cumsum(np.bincount(I_np, minlength=K))])
+        lengths = np.bincount(I_np, weights=self._col_sizes[self._J],
+                              minlength=K).astype(np.int64)
+        # sorted by size then by list length: neighbours in this order pad little
+        order = np.lexsort((lengths, n_rows))
+        self.chunks = []  # (row clusters (C,), row indices (C, R), column indices or None)
+        self._widths = []
+        N = int(rows.starts[-1])
+        row_starts = rows.starts[:-1].cpu().numpy()
+        device = rows.centres.device
+        for chunk in _greedy_chunks(n_rows[order].tolist(), lengths[order].tolist(),
+                                    block_elements):
+            chunk = order[chunk]
+            tallest, longest = int(n_rows[chunk].max()), int(lengths[chunk].max())
+            # rows: (C, tallest) indices into the sorted rows, N for padding
+            row_idx = row_starts[chunk, None] + np.arange(tallest)
+            row_idx = np.where(np.arange(tallest) < n_rows[chunk, None], row_idx, N)
+            self._widths.append(longest)
+            chunk_t = torch.from_numpy(chunk).to(device)
+            self.chunks.append((chunk_t, torch.from_numpy(row_idx).to(device), None))
+            if self._slots_left >= len(chunk) * longest:  # keep the columns while they fit
+                self._slots_left -= len(chunk) * longest
+                self.chunks[-1] = (*self.chunks[-1][:2], self._column_indices(len(self.chunks) - 1))
+
+    def _column_indices(self, k: int) -> torch.Tensor:
+        """Chunk k's (C, L) column indices (the points of each row cluster's kept column
+        clusters, M for padding): stored when they fit the cache, else rebuilt per call."""
+        if self.chunks[k][2] is not None:
+            return self.chunks[k][2]
+        chunk = self.chunks[k][0].cpu().numpy()
+        pairs, pair_owner = _ranges(self._ptr[chunk], self._ptr[chunk + 1] - self._ptr[chunk])
+        Jc = self._J[pairs]
+        pts, pt_pair = _ranges(self._col_starts[Jc], self._col_sizes[Jc])
+        owner = pair_owner[pt_pair]
+        first = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(chunk)))])
+        slot = np.arange(owner.size) - first[owner]
+        col_idx = np.full((len(chunk), self._widths[k]), int(self.cols.starts[-1]),
+                          dtype=np.int32)
+        col_idx[owner, slot] = pts
+        return torch.from_numpy(col_idx).to(self.rows.centres.device)
+
+    def softmin(self, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor,
+                eps: float) -> torch.Tensor:
+        """-eps log sum_{kept j} exp(h_j - |x_i - y_j|^2 / (2 eps)), (N,), for the sorted
+        clouds x (N, D), y (M, D) and h (M,); differentiable in x, y and h."""
+        return _SparseSoftmin.apply(self, eps, x.contiguous(), y.contiguous(), h.contiguous())
+
+    def _geometry(self, k: int, px: torch.Tensor, py: torch.Tensor, col_idx: torch.Tensor):
+        """Chunk k's centred rows X (C, R, D), |X|^2/2 (C, R, 1), columns Y (C, L, D) and
+        |Y|^2/2 (C, L); cached for the clusterings' own points while the budget allows."""
+        own = self._own is not None and px is self._own[0] and py is self._own[1]
+        if own and k in self._geometry_cache:
+            return self._geometry_cache[k]
+        clusters, row_idx, stored = self.chunks[k]
+        c = self.rows.centres[clusters].unsqueeze(1)  # (C, 1, D)
+        D = px.shape[1]
+        X = px.index_select(0, row_idx.view(-1)).view(*row_idx.shape, D) - c
+        Y = py.index_select(0, col_idx.view(-1)).view(*col_idx.shape, D) - c
+        out = (X, (X * X).sum(-1, keepdim=True) / 2, Y, (Y * Y).sum(-1) / 2)
+        if own and stored is not None:
+            self._geometry_cache[k] = out
+        return out
+
+    def _padded(self, x, y, h):
+        own = x is self.rows.points and y is self.cols.points
+        if own and self._own is not None:
+            px, py = self._own
+        else:
+            px = torch.cat([x, x.new_zeros(1, x.shape[1])])
+            py = torch.cat([y, y.new_zeros(1, y.shape[1])])
+            if own:
+                self._own = (px, py)
+        ph = torch.cat([h, h.new_full((1,), -torch.inf)])
+        return px, py, ph
+
+
+class _SparseSoftmin(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel: BlockSparse, eps: float, x, y, h):
+        px, py, ph = kernel._padded(x, y, h)
+        out = x.new_empty(x.shape[0] + 1)
+        for k, (_, row_idx, _) in enumerate(kernel.chunks):
+            col_idx = kernel._column_indices(k)
+            X, x_sq, Y, y_sq = kernel._geometry(k, px, py, col_idx)
+            col = ph.index_select(0, col_idx.view(-1)).view(col_idx.shape)
+            s = torch.baddbmm(col.sub_(y_sq, alpha=1 / eps).unsqueeze(1), X, Y.transpose(1, 2),
+                              alpha=1.0 / eps)
+            _, m, total = _softmax_(s)
+            row = total.log_().add_(m).mul_(-eps).add_(x_sq)
+            out.index_copy_(0, row_idx.view(-1), row.view(-1))
+        ctx.kernel, ctx.eps = kernel, eps
+        ctx.save_for_backward(x, y, h)
+        return out[:-1]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        """Each chunk's scores recomputed with autograd on its gathered rows and columns, the
+        gradients then added back to the points they were gathered from."""
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "multiscale Sinkhorn does not support second derivatives (create_graph=True); "
+                "use multiscale=False")
+        x, y, h = ctx.saved_tensors
+        kernel, eps = ctx.kernel, ctx.eps
+        needs = ctx.needs_input_grad[2:]
+        px, py, ph = kernel._padded(x, y, h)
+        gx, gy, gh = torch.zeros_like(px), torch.zeros_like(py), torch.zeros_like(ph)
+        pad_g = torch.cat([grad_out, grad_out.new_zeros(1)])
+        floor = -50.0 if x.dtype == torch.float32 else -600.0
+        for k, (clusters, row_idx, _) in enumerate(kernel.chunks):
+            col_idx = kernel._column_indices(k)
+            c = kernel.rows.centres[clusters].unsqueeze(1)
+            X = px[row_idx].requires_grad_(needs[0])
+            Y = py[col_idx].requires_grad_(needs[1])
+            H = ph[col_idx].requires_grad_(needs[2])
+            with torch.enable_grad():
+                Xc, Yc = X - c, Y - c
+                col = H - (Yc * Yc).sum(-1) / (2 * eps)
+                s = torch.baddbmm(col.unsqueeze(1), Xc, Yc.transpose(1, 2), alpha=1.0 / eps)
+                m = s.detach().amax(2, keepdim=True)
+                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+                z = (s - m).clamp(min=floor).exp()
+                out = -eps * (z.sum(2).log() + m.squeeze(2)) + (Xc * Xc).sum(-1) / 2
+                wanted = [t for t, need in zip((X, Y, H), needs) if need]
+                got = iter(torch.autograd.grad(out, wanted, pad_g[row_idx]))
+            if needs[0]:
+                gx.index_add_(0, row_idx.flatten(), next(got).reshape(-1, x.shape[1]))
+            cols = col_idx.flatten().long()
+            if needs[1]:
+                gy.index_add_(0, cols, next(got).reshape(-1, y.shape[1]))
+            if needs[2]:
+                gh.index_add_(0, cols, next(got).flatten())
+        grads = [g[:-1] if need else None for g, need in zip((gx, gy, gh), needs)]
+        return (None, None, *grads)

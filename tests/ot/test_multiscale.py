@@ -1,0 +1,166 @@
+"""Multiscale Sinkhorn: block-sparse reductions, the truncation bound, agreement with the
+dense solver."""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+
+import otreg
+from otreg import _dense
+from otreg._sparse import BlockSparse, grid_clusters
+from otreg.costs import get_cost
+from otreg.datasets import noisy_sphere
+
+sinkhorn_module = importlib.import_module("otreg.ot.sinkhorn")
+SQ = get_cost("sqeuclidean")
+
+
+def spheres(n=1500, dtype=torch.float64):
+    x = noisy_sphere(n, seed=1, dtype=dtype)
+    y = noisy_sphere(n + 100, radius=0.8, center=(0.3, 0.0, 0.0), seed=2, dtype=dtype)
+    return x, y
+
+
+def all_pairs(cx, cy):
+    I, J = torch.meshgrid(torch.arange(cx.n_clusters), torch.arange(cy.n_clusters),
+                          indexing="ij")
+    return I.flatten(), J.flatten()
+
+
+def test_grid_clusters_partition_the_cloud():
+    x, _ = spheres(800)
+    a = torch.rand(800, dtype=x.dtype) + 0.1
+    c = grid_clusters(x, a, 0.3)
+    assert torch.equal(torch.sort(c.order).values, torch.arange(800))
+    assert int(c.sizes.sum()) == 800 and bool((c.sizes > 0).all())
+    assert torch.equal(c.points, x[c.order])
+    dist = (c.points - c.centres[c.labels]).norm(dim=1)
+    assert bool((dist <= c.radii[c.labels] + 1e-12).all())
+    k = int(c.labels[0])  # the first cluster's centroid is its mass-weighted mean
+    members = c.order[c.labels == k]
+    expected = (x[members] * a[members, None]).sum(0) / a[members].sum()
+    torch.testing.assert_close(c.centres[k], expected)
+    assert float(c.radii.max()) <= 0.3 * 3**0.5 + 1e-12  # within a cell's diagonal
+
+
+def test_block_sparse_softmin_with_every_pair_equals_the_dense_one():
+    x, y = spheres(300)
+    h = torch.randn(y.shape[0], dtype=x.dtype)
+    cx = grid_clusters(x, torch.ones(300, dtype=x.dtype), 0.4)
+    cy = grid_clusters(y, torch.ones(y.shape[0], dtype=x.dtype), 0.4)
+    kernel = BlockSparse(cx, cy, *all_pairs(cx, cy), block_elements=5000)  # many chunks
+    assert len(kernel.chunks) > 3
+    got = kernel.softmin(cx.points, cy.points, h[cy.order], 0.01)
+    dense = _dense.softmin(cx.points[None], cy.points[None], h[cy.order][None], 0.01, SQ)[0]
+    torch.testing.assert_close(got, dense, rtol=1e-10, atol=1e-12)
+
+
+def test_block_sparse_softmin_gradients_pass_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(25, 3, generator=g, dtype=torch.float64)
+    y = torch.rand(30, 3, generator=g, dtype=torch.float64)
+    cx = grid_clusters(x, torch.ones(25, dtype=x.dtype), 0.5)
+    cy = grid_clusters(y, torch.ones(30, dtype=x.dtype), 0.5)
+    kernel = BlockSparse(cx, cy, *all_pairs(cx, cy), block_elements=200)
+    xs = cx.points.clone().requires_grad_()
+    ys = cy.points.clone().requires_grad_()
+    h = torch.randn(30, generator=g, dtype=x.dtype, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: kernel.softmin(a, b, c, 0.05), (xs, ys, h))
+
+
+def test_second_derivatives_are_refused_clearly():
+    x = torch.rand(20, 3, dtype=torch.float64, requires_grad=True)
+    c = grid_clusters(x.detach(), torch.ones(20, dtype=x.dtype), 0.5)
+    kernel = BlockSparse(c, c, *all_pairs(c, c))
+    out = kernel.softmin(x[c.order], x[c.order].detach(), torch.zeros(20, dtype=x.dtype), 0.1)
+    with pytest.raises(NotImplementedError, match="second derivatives"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def test_truncation_drops_only_negligible_terms():
+    """After a multiscale solve, no pair whose slack is within truncate * eps is dropped."""
+    x, y = spheres(1500, torch.float32)
+    p = sinkhorn_module._validate("t", x, y, None, None, blur=0.02, scaling=0.8,
+                                  multiscale=True)
+    f, g, _, _, ms = sinkhorn_module._solve_pair(p, p.x, p.y, p.a, p.b)
+    fs, gs = f[0][ms.cx.order], g[0][ms.cy.order]
+    I, J = ms.kernels.pairs
+    kept = torch.zeros(ms.cx.n_clusters, ms.cy.n_clusters, dtype=torch.bool)
+    kept[I, J] = True
+    kept = kept[ms.cx.labels][:, ms.cy.labels]
+    slack = ((ms.cx.points[:, None] - ms.cy.points[None]) ** 2).sum(-1) / 2 - fs[:, None] - \
+        gs[None]
+    needed = slack <= ms.truncate * p.eps
+    assert int((needed & ~kept).sum()) == 0
+    assert float(kept.float().mean()) < 0.5  # and it does truncate
+
+
+def _divergence(x, y, a=None, b=None, **options):
+    x = x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", otreg.ConvergenceWarning)
+        value = otreg.sinkhorn_divergence(x, y, a, b, **options)
+    (grad,) = torch.autograd.grad(value, x)
+    return value.detach(), grad
+
+
+@pytest.mark.parametrize("reach", [None, 0.5])
+def test_multiscale_divergence_equals_the_dense_one(reach):
+    x, y = spheres(1500)
+    g = torch.Generator().manual_seed(3)
+    a = torch.rand(x.shape[0], generator=g, dtype=x.dtype) + 0.5
+    b = torch.rand(y.shape[0], generator=g, dtype=x.dtype) + 0.5
+    a, b = a / a.sum(), b / b.sum()
+    options = dict(blur=0.03, scaling=0.8, reach=reach, tol=1e-9, max_iter=3000,
+                   relaxation=1.5)
+    v_dense, g_dense = _divergence(x, y, a, b, multiscale=False, **options)
+    v_ms, g_ms = _divergence(x, y, a, b, multiscale=True, cluster_scale=0.2, **options)
+    torch.testing.assert_close(v_ms, v_dense, rtol=1e-7, atol=1e-10)
+    torch.testing.assert_close(g_ms, g_dense, rtol=1e-5, atol=1e-9)
+
+
+def test_multiscale_sinkhorn_reports_itself_and_supports_warm_starts():
+    x, y = spheres(1000, torch.float32)
+    options = dict(blur=0.03, scaling=0.8, tol=1e-3, max_iter=2000, multiscale=True)
+    res = otreg.sinkhorn(x, y, **options)
+    assert res.backend == "multiscale" and res.converged
+    dense = otreg.sinkhorn(x, y, **{**options, "multiscale": False})
+    torch.testing.assert_close(res.cost, dense.cost, rtol=1e-3, atol=0)
+    warm = otreg.sinkhorn(x + 0.001, y, init=(res.f, res.g), **options)
+    cold = otreg.sinkhorn(x + 0.001, y, **options)
+    assert warm.converged and warm.n_iter < cold.n_iter
+    torch.testing.assert_close(warm.cost, cold.cost, rtol=1e-3, atol=0)
+
+
+def test_auto_turns_multiscale_on_for_large_problems_only(monkeypatch):
+    x, y = spheres(600, torch.float32)
+    assert otreg.sinkhorn(x, y, blur=0.02).backend != "multiscale"
+    monkeypatch.setattr(sinkhorn_module, "MULTISCALE_MIN_PAIRS", 10_000)
+    assert otreg.sinkhorn(x, y, blur=0.02).backend == "multiscale"
+    # not when the blur is as large as the clusters, nor for other costs or batches
+    assert otreg.sinkhorn(x, y, blur=0.5).backend != "multiscale"
+    assert otreg.sinkhorn(x, y, blur=0.02, cost="euclidean").backend != "multiscale"
+    assert otreg.sinkhorn(torch.stack([x, x]), torch.stack([y, y]), blur=0.02, max_iter=50,
+                          ).backend != "multiscale"
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(multiscale="yes"), "multiscale is 'yes'"),
+    (dict(multiscale=True, cost="euclidean"), "multiscale=True but the cost is 'euclidean'"),
+    (dict(multiscale=True, form="scaling"), "form is 'scaling'"),
+    (dict(multiscale=True, backward="implicit"), "backward is 'implicit'"),
+    (dict(truncate=0.0), "truncate"),
+    (dict(cluster_scale=-1.0), "cluster_scale"),
+])
+def test_bad_multiscale_options_raise_naming_them(options, match):
+    x, y = spheres(100, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        otreg.sinkhorn(x, y, **options)
+
+
+def test_multiscale_refuses_a_batch():
+    x, y = spheres(100, torch.float32)
+    with pytest.raises(ValueError, match="batch of 2"):
+        otreg.sinkhorn(torch.stack([x, x]), torch.stack([y, y]), multiscale=True)
