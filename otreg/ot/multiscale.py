@@ -178,7 +178,6 @@ class MultiscaleProblem:
             self.cy = grid_clusters(y, b, scale)
             self.b = b[self.cy.order]
         self.kernels: _Kernels | None = None
-        self.dx = self.dy = None
         self.n_pairs: list[int] = []  # pairs summed by each pattern, for reports
 
     # -------------------------------------------------------------- patterns
@@ -197,12 +196,12 @@ class MultiscaleProblem:
         """
         lam = self.p.damping(eps)
         fb, gb = self._bound_potentials(f, g, lam)
-        self.dx = _cluster_gradients(self.cx, f)
-        self.dy = self.dx if self.self_problem else _cluster_gradients(self.cy, g)
+        dx = _cluster_gradients(self.cx, f)
+        dy = dx if self.self_problem else _cluster_gradients(self.cy, g)
         threshold = max(ANNEAL_TRUNCATE * eps, self.truncate * self.p.eps) + margin * eps
         refresh = not full and self.kernels is not None
         candidates = self.kernels.pairs if refresh else None
-        I, J = _pattern_pairs(self.cx, self.cy, fb, gb, self.dx, self.dy, threshold,
+        I, J = _pattern_pairs(self.cx, self.cy, fb, gb, dx, dy, threshold,
                               candidates)
         if refresh and len(I) > 0.75 * len(candidates[0]):
             return  # the current kernels hold every pair that matters
