@@ -30,7 +30,7 @@ import torch
 
 from ._blocked import _product_floor, _softmax_
 
-__all__ = ["Clusters", "grid_clusters", "BlockSparse"]
+__all__ = ["Clusters", "grid_clusters", "grid_labels", "clusters_by_label", "BlockSparse"]
 
 
 @dataclass
@@ -71,12 +71,22 @@ class Clusters:
 
 def grid_clusters(x: torch.Tensor, a: torch.Tensor, scale: float) -> Clusters:
     """Group the points ``x`` (N, D) of weights ``a`` (N,) into grid cells of side ``scale``."""
+    return clusters_by_label(x, a, grid_labels(x, scale))
+
+
+def grid_labels(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """The grid cell of side ``scale`` holding each point of ``x`` (N, D), numbered 0..K-1."""
     cells = torch.floor((x - x.min(0).values) / scale).long()
     dims = cells.max(0).values + 1
     key = torch.zeros_like(cells[:, 0])
     for d in range(x.shape[1]):
         key = key * dims[d] + cells[:, d]
-    _, labels = torch.unique(key, return_inverse=True)
+    return torch.unique(key, return_inverse=True)[1]
+
+
+def clusters_by_label(x: torch.Tensor, a: torch.Tensor, labels: torch.Tensor) -> Clusters:
+    """The clusters of ``x`` (N, D) of weights ``a`` (N,) given each point's label (N,) in
+    0..K-1 (every label used)."""
     order = torch.argsort(labels, stable=True)
     labels = labels[order]
     K = int(labels[-1]) + 1

@@ -43,7 +43,7 @@ import math
 import torch
 
 from .. import reductions as R
-from .._sparse import BlockSparse, Clusters, grid_clusters
+from .._sparse import BlockSparse, Clusters, clusters_by_label, grid_clusters, grid_labels
 from ..costs import diameter as _diameter
 
 __all__ = ["auto_cluster_scale", "MultiscaleProblem"]
@@ -54,6 +54,8 @@ REFRESH = 10
 FIRST_MARGIN = 2.0
 #: a coarse problem with this many pairs of clusters is itself solved multiscale
 RECURSE_MIN_PAIRS = 100_000_000
+#: the search for a first pattern goes through coarser clusters above this many cluster pairs
+HIERARCHY_MIN_PAIRS = 1 << 24
 #: the coarse stage runs while the blur is above this fraction of the cluster scale
 JUMP = 0.5
 #: truncation (in units of the current eps) during the annealing
@@ -67,12 +69,14 @@ def auto_cluster_scale(diameter: float, n_points: int, dim: int) -> float:
 
 
 def _pattern_pairs(cx: Clusters, cy: Clusters, fx, gy, dx, dy, threshold: float,
-                   candidates=None, block: int = 1 << 20):
+                   candidates=None, scale: float | None = None, block: int = 1 << 20):
     """The kept cluster pairs (I, J): lower bound of the slack <= threshold (cost units).
 
     ``fx`` (N,), ``gy`` (M,) potentials in sorted order; ``dx`` (Kx, D), ``dy`` (Ky, D) the
-    potentials' gradients per cluster. ``candidates``: (I, J) to test, default all pairs.
-    Every row cluster and every column cluster keeps at least its best pair.
+    potentials' gradients per cluster. ``candidates``: (I, J) to test, default all pairs;
+    with ``scale`` (the clusters' cell side) and over ``HIERARCHY_MIN_PAIRS`` pairs, all
+    pairs are first screened through clusters twice as wide (recursively). Every row
+    cluster and every column cluster keeps at least its best pair.
     """
     F = cx.per_cluster_max(fx - _dot_rel(cx, dx))  # (Kx,)
     G = cy.per_cluster_max(gy - _dot_rel(cy, dy))  # (Ky,)
@@ -89,7 +93,14 @@ def _pattern_pairs(cx: Clusters, cy: Clusters, fx, gy, dx, dy, threshold: float,
         return torch.maximum(*out) - F[I] - G[J]
 
     Kx, Ky = cx.n_clusters, cy.n_clusters
-    if candidates is None:
+    if candidates is not None:
+        cI, cJ = candidates
+        chunks = [(cI[k:k + block], cJ[k:k + block]) for k in range(0, len(cI), block)]
+    elif scale is not None and Kx * Ky > HIERARCHY_MIN_PAIRS:
+        chunks = _parent_candidates(cx, cy, fx, gy, threshold, scale, block)
+    else:
+        chunks = None
+    if chunks is None:
         kept_I, kept_J = [], []
         best_col = torch.full((Ky,), math.inf, dtype=fx.dtype, device=fx.device)
         best_col_row = torch.zeros(Ky, dtype=torch.long, device=fx.device)
@@ -110,17 +121,60 @@ def _pattern_pairs(cx: Clusters, cy: Clusters, fx, gy, dx, dy, threshold: float,
         I = torch.cat(kept_I + [best_col_row])
         J = torch.cat(kept_J + [J_all])
     else:
-        I, J = candidates
-        lb = torch.cat([bound(I[k:k + block], J[k:k + block]) for k in range(0, len(I), block)])
-        keep = lb <= threshold
-        # each row and column cluster keeps its best pair
-        for own, k in ((I, Kx), (J, Ky)):
-            best = torch.full((k,), math.inf, dtype=lb.dtype, device=lb.device)
-            best.scatter_reduce_(0, own, lb, "amin")
-            keep |= lb <= best[own]
+        # keep what passes, and each row's and column's best pair: a chunk keeps the pairs
+        # at or below the running best, a superset of the final best pairs, then filtered
+        best_row = torch.full((Kx,), math.inf, dtype=fx.dtype, device=fx.device)
+        best_col = torch.full((Ky,), math.inf, dtype=fx.dtype, device=fx.device)
+        kept = []
+        for I, J in chunks:
+            lb = bound(I, J)
+            best_row.scatter_reduce_(0, I, lb, "amin")
+            best_col.scatter_reduce_(0, J, lb, "amin")
+            keep = (lb <= threshold) | (lb <= best_row[I]) | (lb <= best_col[J])
+            kept.append((I[keep], J[keep], lb[keep]))
+        I, J, lb = (torch.cat(t) for t in zip(*kept))
+        keep = (lb <= threshold) | (lb <= best_row[I]) | (lb <= best_col[J])
         I, J = I[keep], J[keep]
     key = torch.unique(I * Ky + J)  # sorted, without the duplicates added above
     return key // Ky, key % Ky
+
+
+def _parent_candidates(cx: Clusters, cy: Clusters, fx, gy, threshold: float, scale: float,
+                       block: int):
+    """Chunks (I, J) of the cluster pairs whose parents (clusters of the clusters' centres,
+    cells ``2 * scale`` wide) the bound keeps: every pair the bound could keep, as a parent
+    pair's bound is a lower bound for all its children's points."""
+    parents = []
+    for c, f in ((cx, fx), (cy, gy)):
+        of = grid_labels(c.centres, 2 * scale)  # (K,) parent of each cluster
+        pc = clusters_by_label(c.points, torch.ones_like(f), of[c.labels])
+        pf = f[pc.order]
+        parents.append((of, pc, pf, _cluster_gradients(pc, pf)))
+    (ofx, px, pfx, pdx), (ofy, py, pgy, pdy) = parents
+    P, Q = _pattern_pairs(px, py, pfx, pgy, pdx, pdy, threshold, scale=2 * scale,
+                          block=block)
+    (sx, nx, ox), (sy, ny, oy) = (_children(of) for of in (ofx, ofy))
+    count = nx[P] * ny[Q]  # child pairs of each kept parent pair
+    ends = torch.cumsum(count, 0)
+    marks = torch.tensor(range(block, int(ends[-1]), block), dtype=ends.dtype,
+                         device=ends.device)
+    bounds = [0, *torch.searchsorted(ends, marks, right=True).unique().tolist(), len(P)]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi <= lo:
+            continue
+        p, q, n = P[lo:hi], Q[lo:hi], count[lo:hi]
+        owner = torch.repeat_interleave(torch.arange(hi - lo, device=P.device), n)
+        k = torch.arange(len(owner), device=P.device) - (torch.cumsum(n, 0) - n)[owner]
+        width = ny[q][owner]
+        yield ox[sx[p][owner] + k // width], oy[sy[q][owner] + k % width]
+
+
+def _children(parent_of: torch.Tensor):
+    """For the parent label of each cluster (K,): each parent's first slot (P,), child count
+    (P,) and the clusters ordered by parent (K,)."""
+    order = torch.argsort(parent_of, stable=True)
+    count = torch.bincount(parent_of)
+    return torch.cumsum(count, 0) - count, count, order
 
 
 def _cluster_gradients(c: Clusters, f: torch.Tensor) -> torch.Tensor:
@@ -201,8 +255,8 @@ class MultiscaleProblem:
         threshold = max(ANNEAL_TRUNCATE * eps, self.truncate * self.p.eps) + margin * eps
         refresh = not full and self.kernels is not None
         candidates = self.kernels.pairs if refresh else None
-        I, J = _pattern_pairs(self.cx, self.cy, fb, gb, dx, dy, threshold,
-                              candidates)
+        I, J = _pattern_pairs(self.cx, self.cy, fb, gb, dx, dy, threshold, candidates,
+                              self.scale)
         if refresh and len(I) > 0.75 * len(candidates[0]):
             return  # the current kernels hold every pair that matters
         xy = BlockSparse(self.cx, self.cy, I, J)

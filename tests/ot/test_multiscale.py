@@ -12,6 +12,7 @@ from otreg import _dense
 from otreg._sparse import BlockSparse, grid_clusters
 from otreg.costs import get_cost
 from otreg.datasets import noisy_sphere
+from otreg.ot import multiscale
 
 sinkhorn_module = importlib.import_module("otreg.ot.sinkhorn")
 SQ = get_cost("sqeuclidean")
@@ -79,8 +80,12 @@ def test_second_derivatives_are_refused_clearly():
         torch.autograd.grad(out.sum(), x, create_graph=True)
 
 
-def test_truncation_drops_only_negligible_terms():
-    """After a multiscale solve, no pair whose slack is within truncate * eps is dropped."""
+@pytest.mark.parametrize("hierarchy", [False, True])
+def test_truncation_drops_only_negligible_terms(hierarchy, monkeypatch):
+    """After a multiscale solve, no pair whose slack is within truncate * eps is dropped
+    (also when the first patterns are screened through coarser clusters)."""
+    if hierarchy:
+        monkeypatch.setattr(multiscale, "HIERARCHY_MIN_PAIRS", 50)
     x, y = spheres(1500, torch.float32)
     p = sinkhorn_module._validate("t", x, y, None, None, blur=0.02, scaling=0.8,
                                   multiscale=True)
@@ -94,6 +99,7 @@ def test_truncation_drops_only_negligible_terms():
         gs[None]
     needed = slack <= ms.truncate * p.eps
     assert int((needed & ~kept).sum()) == 0
+    assert int(needed.sum()) > 5 * needed.shape[0]  # rows with several pairs to keep
     assert float(kept.float().mean()) < 0.5  # and it does truncate
 
 
@@ -164,3 +170,23 @@ def test_multiscale_refuses_a_batch():
     x, y = spheres(100, torch.float32)
     with pytest.raises(ValueError, match="batch of 2"):
         otreg.sinkhorn(torch.stack([x, x]), torch.stack([y, y]), multiscale=True)
+
+
+def test_pattern_search_gives_the_same_pairs_in_any_chunking(monkeypatch):
+    """Candidates screened in small chunks, or through coarser clusters, keep the pairs the
+    one-pass search keeps (up to the always-kept best pairs)."""
+    x, y = spheres(400)
+    cx = grid_clusters(x, torch.ones(x.shape[0], dtype=x.dtype), 0.25)
+    cy = grid_clusters(y, torch.ones(y.shape[0], dtype=y.dtype), 0.25)
+    f = torch.zeros(x.shape[0], dtype=x.dtype)
+    g = torch.zeros(y.shape[0], dtype=y.dtype)
+    dx = torch.zeros(cx.n_clusters, 3, dtype=x.dtype)
+    dy = torch.zeros(cy.n_clusters, 3, dtype=y.dtype)
+    whole = multiscale._pattern_pairs(cx, cy, f, g, dx, dy, 0.1)
+    chunked = multiscale._pattern_pairs(cx, cy, f, g, dx, dy, 0.1, all_pairs(cx, cy), block=7)
+    assert len(whole[0]) < cx.n_clusters * cy.n_clusters  # something is dropped
+    torch.testing.assert_close(chunked, whole)
+    monkeypatch.setattr(multiscale, "HIERARCHY_MIN_PAIRS", 50)
+    coarse = multiscale._pattern_pairs(cx, cy, f, g, dx, dy, 0.1, scale=0.25, block=7)
+    kept = set(zip(*(t.tolist() for t in whole)))
+    assert len(set(zip(*(t.tolist() for t in coarse))) ^ kept) < 0.1 * len(kept)
