@@ -144,13 +144,15 @@ def _parent_candidates(cx: Clusters, cy: Clusters, fx, gy, threshold: float, sca
     """Chunks (I, J) of the cluster pairs whose parents (clusters of the clusters' centres,
     cells ``2 * scale`` wide) the bound keeps: every pair the bound could keep, as a parent
     pair's bound is a lower bound for all its children's points."""
-    parents = []
-    for c, f in ((cx, fx), (cy, gy)):
+    def parent_level(c: Clusters, f: torch.Tensor):
         of = grid_labels(c.centres, 2 * scale)  # (K,) parent of each cluster
         pc = clusters_by_label(c.points, torch.ones_like(f), of[c.labels])
         pf = f[pc.order]
-        parents.append((of, pc, pf, _cluster_gradients(pc, pf)))
-    (ofx, px, pfx, pdx), (ofy, py, pgy, pdy) = parents
+        return of, pc, pf, _cluster_gradients(pc, pf)
+
+    ofx, px, pfx, pdx = parent_level(cx, fx)
+    same = cy is cx and torch.equal(gy, fx)  # a cloud against itself: one parent level
+    ofy, py, pgy, pdy = (ofx, px, pfx, pdx) if same else parent_level(cy, gy)
     P, Q = _pattern_pairs(px, py, pfx, pgy, pdx, pdy, threshold, scale=2 * scale,
                           block=block)
     (sx, nx, ox), (sy, ny, oy) = (_children(of) for of in (ofx, ofy))
