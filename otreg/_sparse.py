@@ -181,6 +181,12 @@ class BlockSparse:
                 self._slots_left -= len(chunk) * longest
                 self.chunks[-1] = (*self.chunks[-1][:2], self._column_indices(len(self.chunks) - 1))
 
+    def release_geometry(self) -> None:
+        """Drop the cached centred coordinates (the gradient gathers its own); the column
+        indices stay."""
+        self._geometry_cache.clear()
+        self._own = None
+
     def _column_indices(self, k: int) -> torch.Tensor:
         """Chunk k's (C, L) column indices (the points of each row cluster's kept column
         clusters, M for padding): stored when they fit the cache, else rebuilt per call."""

@@ -209,7 +209,7 @@ class _Kernels:
     """The two directed block-sparse kernels of one pattern."""
 
     xy: BlockSparse
-    yx: BlockSparse
+    yx: BlockSparse | None  # None once the solve is over (the gradient needs x -> y only)
     pairs: tuple[torch.Tensor, torch.Tensor]
 
 
@@ -266,6 +266,15 @@ class MultiscaleProblem:
         self.kernels = _Kernels(xy, yx, (I, J))
         self.n_pairs.append(xy.n_pairs)
 
+    def finish(self, f, g, eps: float) -> None:
+        """The last pattern, for the converged potentials f (N,), g (M,) (sorted); then keep
+        only what the gradient needs: the x -> y kernel (the dual value's one reduction)
+        without its cached geometry, so that finished problems hold little memory while the
+        others are solved."""
+        self.update_pattern(f, g, eps)
+        self.kernels.yx = None
+        self.kernels.xy.release_geometry()
+
     # -------------------------------------------------------------- coarse stage
     def coarse_start(self):
         """Anneal on the clusters while the blur is above the cluster scale; return the
@@ -317,7 +326,8 @@ class MultiscaleProblem:
     def softmin_yx(self, h, eps, x=None, y=None):
         x = self.cx.points if x is None else x
         y = self.cy.points if y is None else y
-        return self.kernels.yx.softmin(y, x, h, eps)
+        kernel = self.kernels.xy if self.self_problem else self.kernels.yx
+        return kernel.softmin(y, x, h, eps)
 
     def unsort_x(self, t: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(t)
