@@ -14,6 +14,23 @@ import click
 __all__ = ["main"]
 
 
+
+class _Relaxation(click.ParamType):
+    """'auto' or a number in [1, 2)."""
+
+    name = "auto|w"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, float):
+            return value
+        try:
+            w = float(value)
+        except ValueError:
+            w = math.nan
+        if not 1 <= w < 2:
+            self.fail(f"{value!r} is neither 'auto' nor a number in [1, 2)", param, ctx)
+        return w
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="otreg")
 def main() -> None:
@@ -202,15 +219,15 @@ def demo(output: str, pair: str, surface: str, points: int | None, progress: boo
               help="Most Sinkhorn iterations (the annealing ones included).")
 @click.option("--reach", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Unbalanced OT reach in mm (default: balanced).")
-@click.option("--relaxation", default=1.9, show_default=True,
-              type=click.FloatRange(min=1, max=2, max_open=True),
-              help="Over-relaxation of the Sinkhorn updates (10x fewer iterations than plain "
-                   "updates, 1, on brain surfaces; not guaranteed: convergence is reported).")
+@click.option("--relaxation", default="auto", show_default=True, type=_Relaxation(),
+              help="Over-relaxation of the Sinkhorn updates: 'auto' (adapted to the measured "
+                   "convergence rate) or a weight in [1, 2) (1: plain updates).")
 @click.option("--label", default=None, type=float, help="Segmentation label for volumes.")
 @click.option("--level", default=None, type=float, help="Threshold for probability maps.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON line.")
 def distance(source: str, target: str, blur: float, scaling: float, tol: float, max_iter: int,
-             reach: float | None, relaxation: float, label: float | None, level: float | None,
+             reach: float | None, relaxation: float | str, label: float | None,
+             level: float | None,
              as_json: bool) -> None:
     """Sinkhorn divergence between two shapes' measures (area-weighted, normalised).
 

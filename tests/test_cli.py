@@ -49,6 +49,9 @@ def test_distance_reports_bad_files(two_meshes, tmp_path):
     assert result.exit_code != 0 and "does not exist" in result.output
     result = CliRunner().invoke(main, ["distance", *two_meshes, "--blur", "-1"])
     assert result.exit_code != 0 and "--blur" in result.output
+    for bad in ("2", "fast"):
+        result = CliRunner().invoke(main, ["distance", *two_meshes, "--relaxation", bad])
+        assert result.exit_code != 0 and "neither 'auto' nor a number in [1, 2)" in result.output
 
 
 @pytest.mark.parametrize("pair", ["hemispheres", "synthetic"])

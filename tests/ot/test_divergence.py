@@ -10,6 +10,9 @@ import otreg
 from otreg.costs import get_cost
 from tests.conftest import clouds
 
+# each test runs on every reduction backend (tests/ot/conftest.py)
+pytestmark = pytest.mark.usefixtures("each_backend")
+
 TIGHT = dict(tol=1e-13, max_iter=50000)
 
 
@@ -79,13 +82,13 @@ def test_translation_closed_form():
     assert float(d) == pytest.approx(float((t**2).sum() / 2), rel=1e-6)
 
 
-def test_sinkhorn_loss_matches_the_functions():
+def test_sinkhorn_loss_matches_the_functions(each_backend):
     x, y, a, b = clouds()
     loss = otreg.SinkhornLoss(blur=0.2, tol=1e-10)
     assert torch.allclose(loss(a, x, b, y), otreg.sinkhorn_divergence(x, y, a, b, blur=0.2,
                                                                       tol=1e-10))
     assert torch.allclose(loss(x, y), otreg.sinkhorn_divergence(x, y, blur=0.2, tol=1e-10))
-    assert loss.last_result.converged and loss.last_result.backend == "tensorized"
+    assert loss.last_result.converged and loss.last_result.backend == each_backend
     plain = otreg.SinkhornLoss(blur=0.2, debias=False, tol=1e-10)
     assert torch.allclose(plain(a, x, b, y), otreg.sinkhorn(x, y, a, b, blur=0.2, tol=1e-10).cost)
     assert "blur=0.2" in repr(loss)

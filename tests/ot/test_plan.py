@@ -6,9 +6,12 @@ import torch
 import otreg
 from tests.conftest import clouds
 
+# each test runs on every reduction backend (tests/ot/conftest.py)
+pytestmark = pytest.mark.usefixtures("each_backend")
 
-@pytest.fixture(scope="module")
-def solved():
+
+@pytest.fixture
+def solved(each_backend):
     x, y, a, b = clouds()
     return otreg.sinkhorn(x, y, a, b, blur=0.1, tol=1e-12, max_iter=10000), a, b, x, y
 

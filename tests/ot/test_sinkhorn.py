@@ -9,7 +9,11 @@ import torch
 
 import otreg
 from otreg.costs import get_cost
+from otreg.ot.sinkhorn import Relaxation
 from tests.conftest import clouds
+
+# each test runs on every reduction backend (tests/ot/conftest.py)
+pytestmark = pytest.mark.usefixtures("each_backend")
 
 TIGHT = dict(tol=1e-13, max_iter=20000)
 
@@ -154,10 +158,10 @@ def test_non_convergence_warns_and_is_reported():
     assert not res.converged and res.marginal_error > 1e-12 and res.n_iter == 20
 
 
-def test_result_reports_its_settings():
+def test_result_reports_its_settings(each_backend):
     x, y, _, _ = clouds()
     res = otreg.sinkhorn(x, y, blur=0.1, tol=1e-6)
-    assert res.backend == "tensorized" and res.form == "log" and res.converged
+    assert res.backend == each_backend and res.form == "log" and res.converged
     assert res.eps == pytest.approx(0.01) and res.n_iter > 1
     assert res.f.requires_grad is False and res.cost.shape == ()
 
@@ -190,14 +194,54 @@ def test_bad_warm_start_raises_naming_it():
         otreg.sinkhorn(x, y, a, b, init=(f / 0 * 0, g))
 
 
-def test_over_relaxation_reaches_the_same_solution_in_fewer_iterations():
+@pytest.mark.parametrize("relaxation", [1.8, "auto"])
+def test_over_relaxation_reaches_the_same_solution_in_fewer_iterations(relaxation):
     x, y, a, b = clouds(n=60, m=50, seed=5)
-    plain = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000)
-    fast = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=1.8)
+    plain = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=1)
+    fast = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000,
+                          relaxation=relaxation)
     assert plain.converged and fast.converged
     assert fast.n_iter < plain.n_iter / 2
     assert float(fast.cost) == pytest.approx(float(plain.cost), rel=1e-7)
     v = torch.ones(len(y), 1, dtype=x.dtype)
     assert torch.allclose(fast.plan.apply(v), plain.plan.apply(v), atol=1e-7)
-    with pytest.raises(ValueError, match="relaxation is 2.0; it must be in \\[1, 2\\)"):
+    with pytest.raises(ValueError, match="relaxation is 2.0; it must be 'auto' or in \\[1, 2\\)"):
         otreg.sinkhorn(x, y, a, b, relaxation=2.0)
+    with pytest.raises(ValueError, match="relaxation is 'fast'"):
+        otreg.sinkhorn(x, y, a, b, relaxation="fast")
+
+
+@pytest.mark.parametrize("reach", [None, 0.5])
+def test_adaptive_relaxation_costs_nothing_where_plain_updates_are_fast(reach):
+    x, y, a, b = clouds(n=60, m=50, seed=5)
+    b = b if reach is None else 1.5 * b
+    plain = otreg.sinkhorn(x, y, a, b, blur=0.5, reach=reach, tol=1e-10, relaxation=1)
+    auto = otreg.sinkhorn(x, y, a, b, blur=0.5, reach=reach, tol=1e-10)  # the default
+    assert plain.converged and auto.converged
+    assert auto.n_iter <= plain.n_iter + 2
+    assert float(auto.cost) == pytest.approx(float(plain.cost), rel=1e-9)
+
+
+def test_adaptive_relaxation_finds_the_optimal_weight_of_a_linear_iteration():
+    # errors theta^k at w = 1: the estimate is theta, the weight 2 / (1 + sqrt(1 - theta))
+    theta = 0.99
+    relax = Relaxation("auto")
+    k = 0
+    while relax.w == 1.0:
+        relax.observe(theta ** k)
+        k += 1
+    assert k == Relaxation.SETTLE + Relaxation.WINDOW + 1
+    assert relax.w == pytest.approx(2 / (1 + math.sqrt(1 - theta)), rel=1e-9)
+    # at a weight above the optimum the rate is w - 1: the estimate returns w, which stays
+    w = relax.w
+    for j in range(50):
+        relax.observe((w - 1) ** j)
+    assert relax.w == w
+    # no progress for three windows: back halfway to 1
+    for _ in range(3 * Relaxation.WINDOW + 1):
+        relax.observe(1.0)
+    assert relax.w == pytest.approx(1 + (w - 1) / 2)
+    fixed = Relaxation(1.5)
+    for j in range(40):
+        fixed.observe(0.5 ** j)
+    assert fixed.w == 1.5
