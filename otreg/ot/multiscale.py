@@ -46,14 +46,15 @@ from .. import reductions as R
 from .._sparse import BlockSparse, Clusters, clusters_by_label, grid_clusters, grid_labels
 from ..costs import diameter as _diameter
 
-__all__ = ["auto_cluster_scale", "MultiscaleProblem"]
+__all__ = ["auto_cluster_scale", "use_multiscale", "MultiscaleProblem"]
 
 #: pattern rebuilt every this many iterations at the final eps
 REFRESH = 10
 #: extra margin (in units of eps) for the first pattern, built from extrapolated potentials
 FIRST_MARGIN = 2.0
-#: a coarse problem with this many pairs of clusters is itself solved multiscale
-RECURSE_MIN_PAIRS = 100_000_000
+#: ``multiscale="auto"`` turns on from this many pairs N * M (with the other conditions of
+#: :func:`worthwhile`); a coarse problem that large is itself solved multiscale
+MIN_PAIRS = 100_000_000
 #: the search for a first pattern goes through coarser clusters above this many cluster pairs
 HIERARCHY_MIN_PAIRS = 1 << 24
 #: the coarse stage runs while the blur is above this fraction of the cluster scale
@@ -66,6 +67,37 @@ def auto_cluster_scale(diameter: float, n_points: int, dim: int) -> float:
     """Default cell side: ``diameter * n ** (-1/3)`` (for 3-D clouds), which balances the
     coarse dense problem against the truncated fine one."""
     return diameter * n_points ** (-1.0 / max(dim, 1))
+
+
+def worthwhile(n_pairs: int, dim: int, blur: float, scale: float) -> bool:
+    """Whether truncation pays: at least ``MIN_PAIRS`` pairs, D <= 3, and a blur below
+    ``JUMP`` times the cell side (the coarse stage then has steps to take)."""
+    return dim <= 3 and n_pairs >= MIN_PAIRS and blur < JUMP * scale
+
+
+def use_multiscale(fn: str, multiscale, x, y, cost, form: str, backward: str, diam: float,
+                   blur: float, scale: float | None) -> bool:
+    """Resolve ``multiscale`` ("auto", True or False) for the batched problem x (B, N, D),
+    y (B, M, D); ``True`` where it cannot run raises ``ValueError`` naming why."""
+    if multiscale not in ("auto", True, False):
+        raise ValueError(f"{fn}: multiscale is {multiscale!r}; use 'auto', True or False")
+    if multiscale is False:
+        return False
+    unfit = None
+    if cost.p != 2:
+        unfit = f"the cost is {cost.name!r} (multiscale needs 'sqeuclidean')"
+    elif x.shape[0] > 1:
+        unfit = f"the inputs are a batch of {x.shape[0]} problems (multiscale solves one)"
+    elif form != "log":
+        unfit = f"form is {form!r} (multiscale needs 'log')"
+    elif backward != "envelope":
+        unfit = f"backward is {backward!r} (multiscale needs 'envelope')"
+    if multiscale is True:
+        if unfit:
+            raise ValueError(f"{fn}: multiscale=True but {unfit}; use multiscale=False")
+        return True
+    scale = scale or auto_cluster_scale(diam, max(x.shape[1], y.shape[1]), x.shape[-1])
+    return unfit is None and worthwhile(x.shape[1] * y.shape[1], x.shape[-1], blur, scale)
 
 
 def _pattern_pairs(cx: Clusters, cy: Clusters, fx, gy, dx, dy, threshold: float,
@@ -290,8 +322,8 @@ class MultiscaleProblem:
         # a coarse problem still too large is itself solved multiscale (recursively)
         sub_scale = auto_cluster_scale(_diameter(X, Yc), max(X.shape[1], Yc.shape[1]),
                                        X.shape[-1])
-        recurse = (X.shape[1] * Yc.shape[1] >= RECURSE_MIN_PAIRS
-                   and math.sqrt(coarse[-1]) < sub_scale / 2)
+        recurse = worthwhile(X.shape[1] * Yc.shape[1], X.shape[-1], math.sqrt(coarse[-1]),
+                             sub_scale)
         cp = dataclasses.replace(p, schedule=coarse, max_iter=len(coarse), tol=0.0,
                                  relaxation=1.0, multiscale=recurse, cluster_scale=sub_scale)
         if self.self_problem:

@@ -55,7 +55,7 @@ from .._checks import (
 )
 from ..costs import Cost, epsilon_schedule, get_cost
 from ..costs import diameter as _diameter
-from .multiscale import FIRST_MARGIN, REFRESH, auto_cluster_scale
+from .multiscale import FIRST_MARGIN, REFRESH, auto_cluster_scale, use_multiscale
 from .plan import TransportPlan
 
 __all__ = ["sinkhorn", "SinkhornResult", "Relaxation", "FORMS", "BACKWARDS"]
@@ -182,40 +182,12 @@ def _validate(fn: str, x, y, a, b, *, blur=0.05, reach=None, diameter=None, scal
                              " normalise the weights or set reach for unbalanced OT")
     truncate = check_positive(fn, "truncate", truncate)
     scale = None if cluster_scale is None else check_positive(fn, "cluster_scale", cluster_scale)
-    use_ms = _use_multiscale(fn, multiscale, x, y, cost_, form, backward, diam, blur, scale)
+    use_ms = use_multiscale(fn, multiscale, x, y, cost_, form, backward, diam, blur, scale)
     if use_ms and scale is None:
         scale = auto_cluster_scale(diam, max(x.shape[1], y.shape[1]), x.shape[-1])
     return _Problem(x, y, a, b, bx, cost_, rho, schedule, form, backend, tol, max_iter,
                     relaxation if relaxation == "auto" else float(relaxation), use_ms, truncate,
                     scale)
-
-
-#: ``multiscale="auto"`` turns on from this many pairs N * M (with the other conditions)
-MULTISCALE_MIN_PAIRS = 100_000_000
-
-
-def _use_multiscale(fn, multiscale, x, y, cost, form, backward, diam, blur, scale) -> bool:
-    """Resolve ``multiscale`` ("auto", True or False) for this problem."""
-    if multiscale not in ("auto", True, False):
-        raise ValueError(f"{fn}: multiscale is {multiscale!r}; use 'auto', True or False")
-    if multiscale is False:
-        return False
-    unfit = None
-    if cost.p != 2:
-        unfit = f"the cost is {cost.name!r} (multiscale needs 'sqeuclidean')"
-    elif x.shape[0] > 1:
-        unfit = f"the inputs are a batch of {x.shape[0]} problems (multiscale solves one)"
-    elif form != "log":
-        unfit = f"form is {form!r} (multiscale needs 'log')"
-    elif backward != "envelope":
-        unfit = f"backward is {backward!r} (multiscale needs 'envelope')"
-    if multiscale is True:
-        if unfit:
-            raise ValueError(f"{fn}: multiscale=True but {unfit}; use multiscale=False")
-        return True
-    scale = scale or auto_cluster_scale(diam, max(x.shape[1], y.shape[1]), x.shape[-1])
-    return (unfit is None and x.shape[-1] <= 3 and x.shape[1] * y.shape[1] >= MULTISCALE_MIN_PAIRS
-            and blur < scale / 2)
 
 
 # ------------------------------------------------------------------ the loop

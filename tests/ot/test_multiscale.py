@@ -143,7 +143,7 @@ def test_multiscale_sinkhorn_reports_itself_and_supports_warm_starts():
 def test_auto_turns_multiscale_on_for_large_problems_only(monkeypatch):
     x, y = spheres(600, torch.float32)
     assert otreg.sinkhorn(x, y, blur=0.02).backend != "multiscale"
-    monkeypatch.setattr(sinkhorn_module, "MULTISCALE_MIN_PAIRS", 10_000)
+    monkeypatch.setattr(multiscale, "MIN_PAIRS", 10_000)
     assert otreg.sinkhorn(x, y, blur=0.02).backend == "multiscale"
     # not when the blur is as large as the clusters, nor for other costs or batches
     assert otreg.sinkhorn(x, y, blur=0.5).backend != "multiscale"
