@@ -29,6 +29,8 @@ METHODS = {
         scaling=0.9, extra=100, dtype="float64", truncate=10.0)),
     "otreg multiscale, scaling 0.9": ("otreg", dict(scaling=0.9, extra=0, multiscale=True)),
     "otreg, scaling 0.9 (blocked)": ("otreg", dict(scaling=0.9, extra=0, multiscale=False)),
+    "otreg, scaling 0.9 (blocked, not compiled)": ("otreg", dict(
+        scaling=0.9, extra=0, multiscale=False, compiled=False)),
     "otreg, scaling 0.9 (keops)": ("otreg", dict(scaling=0.9, extra=0, backend="keops",
                                                  multiscale=False)),
     "GeomLoss online (keops), scaling 0.9": ("geomloss", dict(backend="online")),
@@ -56,7 +58,10 @@ def worker(method: str, n: int) -> dict:
     info = {}
     if lib == "otreg":
         import otreg
+        from otreg import reductions
         from otreg.costs import diameter, epsilon_schedule
+
+        reductions.COMPILED = opts.get("compiled", True)
         from otreg.ot.divergence import _divergence
 
         steps = len(epsilon_schedule(2, diameter(x[None], y[None]), BLUR, opts["scaling"]))

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from . import _compiled
 from . import reductions as R
 
 __all__ = ["info"]
@@ -64,6 +65,13 @@ def info(check_keops: bool = True, file=None) -> dict:
         backends["keops"] = _try_backend("keops")
     else:
         backends["keops"] = "importable (not compiled: check_keops=False)"
+    if not R.COMPILED:
+        backends["blocked, fused softmin"] = "off (otreg.reductions.COMPILED = False)"
+    elif _compiled.failure():
+        backends["blocked, fused softmin"] = f"off: {_compiled.failure()}"
+    else:
+        backends["blocked, fused softmin"] = (f"on from {_compiled.MIN_PAIRS:.0e} pairs, float32 "
+                                              "(torch.compile, compiled on first use)")
     report["backends"] = backends
     report["auto backend for large problems"] = R.resolve_backend(
         "auto", R.TENSORIZED_MAX_PAIRS + 1, torch.device("cpu"))
@@ -73,7 +81,7 @@ def info(check_keops: bool = True, file=None) -> dict:
             if isinstance(value, dict):
                 print(f"{key}:", file=out)
                 for k, v in value.items():
-                    print(f"  {k:<12} {v}", file=out)
+                    print(f"  {k:<24} {v}", file=out)
             else:
                 print(f"{key + ':':<34} {value}", file=out)
     return report

@@ -205,3 +205,36 @@ def test_blocked_gradient_with_tiny_and_spread_out_weights(kind, scale, monkeypa
     want = torch.autograd.grad((ref * w.double()).sum(), inputs)
     for g, r in zip(got, want):
         assert torch.allclose(g, r, rtol=1e-3, atol=1e-6 * float(r.abs().max()))
+
+
+def test_compiled_softmin_equals_the_blocked_one_outside_autograd(monkeypatch):
+    # the fused loop that torch.compile generates (otreg._compiled), forced on a small problem
+    from otreg import _compiled
+
+    monkeypatch.setattr(_compiled, "MIN_PAIRS", 0)
+    x, y, h = (t.detach() for t in data(torch.float32, N=300, M=170)[:3])
+    ref = naive("softmin", x.double(), y.double(), h.double(), None, 0.01, SQ)
+    out = R.softmin(x, y, h, 0.01, SQ, "blocked")
+    assert _compiled.failure() is None and _compiled._compiled is not None
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    # autograd records this call: the blocked path's hand-written backward serves it
+    xg = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(R.softmin(xg, y, h, 0.01, SQ, "blocked").sum(), xg)
+    assert torch.isfinite(gx).all()
+
+
+def test_compiled_softmin_falls_back_to_the_blocked_path_with_one_warning(monkeypatch):
+    from otreg import _compiled
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(_compiled, "MIN_PAIRS", 0)
+    monkeypatch.setattr(_compiled, "_compiled", broken)
+    monkeypatch.setattr(_compiled, "_failure", None)
+    x, y, h = (t.detach() for t in data(torch.float32, N=40, M=30)[:3])
+    with pytest.warns(RuntimeWarning, match="fused CPU softmin is off.*no C\\+\\+ compiler"):
+        out = R.softmin(x, y, h, 0.1, SQ, "blocked")
+    assert "no C++ compiler" in _compiled.failure()
+    monkeypatch.setattr(R, "COMPILED", False)
+    assert torch.equal(out, R.softmin(x, y, h, 0.1, SQ, "blocked"))
