@@ -58,18 +58,18 @@ def softmin(x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, eps: float) -> to
     global _compiled, _failure
     if _failure is not None:
         return None
-    if _compiled is None:
-        _compiled = torch.compile(_lse_rows, dynamic=False)
     B, N, _ = x.shape
     # rows: a power of two (few compiled variants); columns: a dynamic size
     rows = 1 << (max(1, min(MAX_ROWS, N, CHUNK_ELEMENTS // max(1, y.shape[1]))).bit_length() - 1)
     inv_eps = torch.tensor(1.0 / eps, dtype=x.dtype)
     out = x.new_empty(B, N)
     try:
+        if _compiled is None:  # torch.compile itself may refuse (an unsupported Python)
+            _compiled = torch.compile(_lse_rows, dynamic=False)
         for b in range(B):
             yb, hb = y[b].contiguous(), h[b].contiguous()
-            torch._dynamo.mark_dynamic(yb, 0)
-            torch._dynamo.mark_dynamic(hb, 0)
+            torch._dynamo.maybe_mark_dynamic(yb, 0)
+            torch._dynamo.maybe_mark_dynamic(hb, 0)
             for start in range(0, N, rows):
                 stop = min(N, start + rows)
                 start = stop - rows  # the last chunk overlaps the one before: one row count
