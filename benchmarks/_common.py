@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,7 @@ def publish(title: str, body: str, save: bool) -> None:
     print(body)
     if save:
         script = Path(sys.argv[0]).name
-        record(title, " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]]), body)
+        record(title, shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]]), body)
 
 
 def record(title: str, command: str, body: str) -> None:

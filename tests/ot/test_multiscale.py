@@ -101,6 +101,8 @@ def test_truncation_drops_only_negligible_terms(hierarchy, monkeypatch):
     assert int((needed & ~kept).sum()) == 0
     assert int(needed.sum()) > 5 * needed.shape[0]  # rows with several pairs to keep
     assert float(kept.float().mean()) < 0.5  # and it does truncate
+    # a solved problem keeps only what its gradient needs: the x -> y kernel, no geometry
+    assert ms.kernels.yx is None and not ms.kernels.xy._geometry_cache
 
 
 def _divergence(x, y, a=None, b=None, **options):
