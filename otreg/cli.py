@@ -253,7 +253,7 @@ def distance(source: str, target: str, blur: float, scaling: float, tol: float, 
     value = float(value.detach())
     out = {"source": source, "target": target, "divergence_mm2": value,
            "sqrt_2d_mm": math.sqrt(max(0.0, 2 * value)), "blur_mm": blur,
-           "iterations": res.n_iter, "converged": res.converged,
+           "iterations": res.n_iter, "converged": res.converged, "stopped": res.stopped,
            "marginal_error": res.marginal_error, "seconds": time.perf_counter() - start}
     if as_json:
         click.echo(json.dumps(out))
@@ -262,8 +262,11 @@ def distance(source: str, target: str, blur: float, scaling: float, tol: float, 
                f"a W2-like distance), blur {blur} mm, {res.n_iter} iterations, "
                f"{out['seconds']:.1f} s")
     if not res.converged:
-        click.echo(f"warning: marginal error {res.marginal_error:.2e} >= tol {tol:g}: raise "
-                   "--max-iter or --blur for a converged value", err=True)
+        hint = {"stalled": "it stopped decreasing (the rounding floor): raise --tol or --blur",
+                "diverged": "the iteration diverged: use --relaxation auto"}.get(
+            res.stopped, "raise --max-iter or --blur for a converged value")
+        click.echo(f"warning: marginal error {res.marginal_error:.2e} >= tol {tol:g}: {hint}",
+                   err=True)
 
 
 @main.command()

@@ -53,33 +53,33 @@ def _divergence(fn: str, x, y, a, b, *, debias: bool = True, warm: dict | None =
     w = {} if warm is None else warm
     with torch.no_grad():
         init = (w["f"], w["g"]) if _fits(w.get("f"), ad) and _fits(w.get("g"), bd) else None
-        f, g, n_iter, err, ms = _solve_pair(p, xd, yd, ad, bd, init)
+        f, g, n_iter, rule, ms = _solve_pair(p, xd, yd, ad, bd, init)
         if debias:
-            f_aa, n_aa, err_aa, ms_aa = _solve_self(p, xd, ad, w["f_aa"] if _fits(
+            f_aa, n_aa, rule_aa, ms_aa = _solve_self(p, xd, ad, w["f_aa"] if _fits(
                 w.get("f_aa"), ad) else None)
-            g_bb, n_bb, err_bb, ms_bb = _solve_self(p, yd, bd, w["g_bb"] if _fits(
+            g_bb, n_bb, rule_bb, ms_bb = _solve_self(p, yd, bd, w["g_bb"] if _fits(
                 w.get("g_bb"), bd) else None)
             w.update(f_aa=f_aa, g_bb=g_bb)
         w.update(g=g)
     cross, f = _dual_value(p, p.x, p.y, p.a, p.b, g, ms)
     w["f"] = f
     value = cross
-    converged = _warn_if_unconverged(fn, "OT(a, b)", p, n_iter, err)
+    converged = _warn_if_unconverged(fn, "OT(a, b)", p, n_iter, rule)
     if debias:
         value = value - 0.5 * (_dual_value(p, p.x, p.x, p.a, p.a, f_aa, ms_aa)[0]
                                + _dual_value(p, p.y, p.y, p.b, p.b, g_bb, ms_bb)[0])
         value = value + p.eps / 2 * (p.a.sum(1) - p.b.sum(1)) ** 2
-        converged &= _warn_if_unconverged(fn, "OT(a, a)", p, n_aa, err_aa)
-        converged &= _warn_if_unconverged(fn, "OT(b, b)", p, n_bb, err_bb)
+        converged &= _warn_if_unconverged(fn, "OT(a, a)", p, n_aa, rule_aa)
+        converged &= _warn_if_unconverged(fn, "OT(b, b)", p, n_bb, rule_bb)
     backend = R.resolve_backend(p.backend, p.x.shape[0] * p.x.shape[1] * p.y.shape[1],
                                 p.x.device)
     plan = TransportPlan(xd, yd, ad, bd, f, g, p.eps, p.cost, backend, p.batched)
     result = SinkhornResult(
         f=_unbatch(f, p.batched), g=_unbatch(g, p.batched), cost=_unbatch(cross, p.batched),
         n_iter=n_iter,
-        converged=converged, marginal_error=err, eps=p.eps,
+        converged=converged, marginal_error=rule.error, eps=p.eps,
         backend="multiscale" if p.multiscale else backend, form=p.form,
-        plan=plan)
+        stopped=rule.reason, plan=plan)
     return _unbatch(value, p.batched), result
 
 

@@ -9,7 +9,8 @@ import torch
 
 import otreg
 from otreg.costs import get_cost
-from otreg.ot.sinkhorn import Relaxation
+from otreg.datasets import noisy_sphere
+from otreg.ot.sinkhorn import Relaxation, StoppingRule
 from tests.conftest import clouds
 
 # each test runs on every reduction backend (tests/ot/conftest.py)
@@ -156,12 +157,58 @@ def test_non_convergence_warns_and_is_reported():
     with pytest.warns(otreg.ConvergenceWarning, match="max_iter"):
         res = otreg.sinkhorn(x, y, a, b, blur=0.01, tol=1e-12, max_iter=20)
     assert not res.converged and res.marginal_error > 1e-12 and res.n_iter == 20
+    assert res.stopped == "max_iter"
+
+
+def _spheres(dtype=torch.float64):
+    x = noisy_sphere(600, seed=1, dtype=dtype)
+    return x, noisy_sphere(700, radius=0.8, center=(0.3, 0.0, 0.0), seed=2, dtype=dtype)
+
+
+def test_float32_stops_at_its_rounding_floor_and_says_so():
+    # blur 0.02 on spheres: float64 reaches tol = 1e-4, float32's marginals hover at about
+    # 2e-4 (its rounding of f / eps): the loop stops there instead of running to max_iter
+    x, y = _spheres()
+    r64 = otreg.sinkhorn(x, y, blur=0.02, max_iter=1000)
+    assert r64.converged and r64.stopped == "tol"
+    with pytest.warns(otreg.ConvergenceWarning, match="rounding floor of torch.float32"):
+        r32 = otreg.sinkhorn(x.float(), y.float(), blur=0.02, max_iter=1000)
+    assert r32.stopped == "stalled" and not r32.converged and r32.n_iter < 700
+    assert 1e-4 < r32.marginal_error < 1e-3
+    assert float(r32.cost) == pytest.approx(float(r64.cost), rel=1e-5)
+
+
+def test_a_diverging_fixed_relaxation_stops_and_says_so():
+    x, y = _spheres()
+    with pytest.warns(otreg.ConvergenceWarning, match="diverged"):
+        res = otreg.sinkhorn(x, y, blur=0.02, relaxation=1.9, max_iter=1000)
+    assert res.stopped == "diverged" and res.n_iter < 1000  # (the default 'auto' converges)
+
+
+def test_stopping_rule():
+    rule = StoppingRule(tol=1e-4)
+    assert not any(rule.stop(0.5 ** k, floor=1e-6) for k in range(13))
+    assert rule.stop(0.5 ** 14, floor=1e-6) and rule.reason == "tol"
+    # a plateau far above the rounding floor is slow progress, not a stall
+    rule = StoppingRule(tol=1e-4)
+    assert not any(rule.stop(1e-2, floor=1e-7) for _ in range(500))
+    # within FLOOR times the floor, PATIENCE iterations without a 1% new low stop the loop
+    rule = StoppingRule(tol=1e-4)
+    stops = [rule.stop(2e-4 * (1 + 0.001 * (k % 3)), floor=1e-4)
+             for k in range(3 * StoppingRule.PATIENCE)]
+    assert stops.index(True) == StoppingRule.PATIENCE and rule.reason == "stalled"
+    rule = StoppingRule(tol=1e-4)
+    assert rule.stop(float("nan")) and rule.reason == "diverged"
+    rule = StoppingRule(tol=0.0)  # a fixed iteration count: nothing stops it
+    assert not any(rule.stop(e, floor=1.0) for e in (1.0, 0.0, float("inf"), 1.0))
+    assert rule.reason == "max_iter"
 
 
 def test_result_reports_its_settings(each_backend):
     x, y, _, _ = clouds()
     res = otreg.sinkhorn(x, y, blur=0.1, tol=1e-6)
     assert res.backend == each_backend and res.form == "log" and res.converged
+    assert res.stopped == "tol"
     assert res.eps == pytest.approx(0.01) and res.n_iter > 1
     assert res.f.requires_grad is False and res.cost.shape == ()
 
