@@ -15,13 +15,19 @@ formulas below; with ``W_ij = d out / d C_ij`` (times the incoming gradient G):
 then d/dx_i = sum_j W_ij dC/dx (x_i - y_j for |x - y|^2/2, (x_i - y_j)/C_ij for |x - y|) and
 d/dy_j likewise. A second derivative (``create_graph=True``) falls back to autograd through
 the dense formulas, block by block, which stores that graph.
+
+Where :mod:`otreg._compiled` serves the call (``fused``: squared Euclidean softmin or kernel
+product, float32/64, CPU) and the reduction has run long enough here to repay a compile,
+forward and backward run as its fused loops instead of the sweeps above.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from . import _dense
+from . import _compiled, _dense
 from .costs import _SQRT_FLOOR, Cost
 
 __all__ = ["blocked_reduction"]
@@ -168,23 +174,44 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
 
 class _BlockedReduction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, kind, eps, cost, block_elements, x, y, h, v):
-        blocks = _Blocks(x, y, h, eps, cost, block_elements)
-        out = _forward(kind, blocks, v)
+    def forward(ctx, kind, eps, cost, block_elements, fused, x, y, h, v):
+        out = None
+        w = h if v is None else v
+        key = _compiled.signature(kind, "forward", x, y, w) if fused else None
+        if fused and _compiled.ready(key):
+            out = _compiled.forward(kind, x, y, (w,), eps)
+        if out is None:
+            start = time.perf_counter()
+            out = _forward(kind, _Blocks(x, y, h, eps, cost, block_elements), v)
+            if fused:
+                _compiled.spent(key, time.perf_counter() - start)
         ctx.kind, ctx.eps, ctx.cost, ctx.block_elements = kind, eps, cost, block_elements
+        ctx.fused = fused
         ctx.save_for_backward(x, y, h, v, out)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, y, h, v, out = ctx.saved_tensors
-        needs = ctx.needs_input_grad[4:]
+        needs = ctx.needs_input_grad[5:]
         if torch.is_grad_enabled():  # create_graph: differentiate the dense formulas
             grads = _autograd_backward(ctx, x, y, h, v, grad_out, needs)
-        else:
+            return (None, None, None, None, None, *grads)
+        grads = None
+        w, need_w = (h, needs[2]) if v is None else (v, needs[3])
+        key = _compiled.signature(ctx.kind, "backward", x, y, w) if ctx.fused else None
+        if ctx.fused and _compiled.ready(key):
+            got = _compiled.backward(ctx.kind, x, y, (w,), ctx.eps, out, grad_out,
+                                     (needs[0], needs[1], need_w))
+            if got is not None:
+                grads = got[:2] + ([got[2], None] if v is None else [None, got[2]])
+        if grads is None:
+            start = time.perf_counter()
             blocks = _Blocks(x, y, h, ctx.eps, ctx.cost, ctx.block_elements)
             grads = _backward(ctx.kind, blocks, v, out, grad_out.contiguous(), needs)
-        return (None, None, None, None, *grads)
+            if ctx.fused:
+                _compiled.spent(key, time.perf_counter() - start)
+        return (None, None, None, None, None, *grads)
 
 
 def _autograd_backward(ctx, x, y, h, v, grad_out, needs) -> list:
@@ -211,14 +238,16 @@ def _autograd_backward(ctx, x, y, h, v, grad_out, needs) -> list:
 
 
 def blocked_reduction(kind: str, x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor,
-                      eps: float, cost: Cost, block_elements: int) -> torch.Tensor:
+                      eps: float, cost: Cost, block_elements: int,
+                      fused: bool = False) -> torch.Tensor:
     """``kind`` in softmin / kernel_product / softmax_average, computed block by block.
 
-    ``rest`` is ``(h,)``, ``(v,)`` or ``(h, v)`` as the kind needs.
+    ``rest`` is ``(h,)``, ``(v,)`` or ``(h, v)`` as the kind needs. ``fused``: the call may
+    run as :mod:`otreg._compiled`'s fused loops (once they are worth their compile).
     """
     h = rest[0] if kind in ("softmin", "softmax_average") else None
     v = rest[-1] if kind in ("kernel_product", "softmax_average") else None
     if v is not None:
         v = v.contiguous()
-    return _BlockedReduction.apply(kind, eps, cost, block_elements, x.contiguous(),
+    return _BlockedReduction.apply(kind, eps, cost, block_elements, fused, x.contiguous(),
                                    y.contiguous(), h, v)

@@ -65,13 +65,15 @@ def info(check_keops: bool = True, file=None) -> dict:
         backends["keops"] = _try_backend("keops")
     else:
         backends["keops"] = "importable (not compiled: check_keops=False)"
+    key = "blocked, fused loops"
     if not R.COMPILED:
-        backends["blocked, fused softmin"] = "off (otreg.reductions.COMPILED = False)"
+        backends[key] = "off (otreg.reductions.COMPILED = False)"
     elif _compiled.failure():
-        backends["blocked, fused softmin"] = f"off: {_compiled.failure()}"
+        backends[key] = f"off: {_compiled.failure()}"
     else:
-        backends["blocked, fused softmin"] = (f"on from {_compiled.MIN_PAIRS:.0e} pairs, float32 "
-                                              "(torch.compile, compiled on first use)")
+        backends[key] = (f"on for softmin and kernel products from {_compiled.MIN_PAIRS:.0e} "
+                         f"pairs, float32/64 (torch.compile, after "
+                         f"{_compiled.TIER_UP_SECONDS:g} s on the blocked path)")
     report["backends"] = backends
     report["auto backend for large problems"] = R.resolve_backend(
         "auto", R.TENSORIZED_MAX_PAIRS + 1, torch.device("cpu"))

@@ -207,34 +207,83 @@ def test_blocked_gradient_with_tiny_and_spread_out_weights(kind, scale, monkeypa
         assert torch.allclose(g, r, rtol=1e-3, atol=1e-6 * float(r.abs().max()))
 
 
-def test_compiled_softmin_equals_the_blocked_one_outside_autograd(monkeypatch):
-    # the fused loop that torch.compile generates (otreg._compiled), forced on a small problem
+@pytest.fixture
+def fused_now(monkeypatch):
+    """The fused loops of otreg._compiled on every call, however small."""
     from otreg import _compiled
 
     monkeypatch.setattr(_compiled, "MIN_PAIRS", 0)
+    monkeypatch.setattr(_compiled, "TIER_UP_SECONDS", 0.0)
+    return _compiled
+
+
+@pytest.mark.parametrize("kind", ["softmin", "kernel_product"])
+def test_fused_loops_and_their_gradients_equal_the_naive_formulas(kind, fused_now):
+    # float64, a batch of two, gradients in x, y and h or v through the compiled sweeps
+    x, y, h, v = data(torch.float64, N=300, M=170, E=3)
+    out = call(kind, "blocked", x, y, h, v, 0.01, SQ)
+    ref = naive(kind, x, y, h, v, 0.01, SQ)
+    assert fused_now.failure() is None
+    assert ("_lse_rows" if kind == "softmin" else "_kp_rows") in fused_now._kernels
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    inputs = (x, y, h) if kind == "softmin" else (x, y, v)
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=ref.dtype)
+    got = torch.autograd.grad((out * w).sum(), inputs)
+    want = torch.autograd.grad((ref * w).sum(), inputs)
+    assert {"_softmin_grad_rows", "_softmin_grad_cols"} <= set(fused_now._kernels) or \
+        {"_kp_grad_rows", "_kp_grad_cols"} <= set(fused_now._kernels)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11 * float(r.abs().max()))
+
+
+def test_fused_softmin_in_float32(fused_now):
     x, y, h = (t.detach() for t in data(torch.float32, N=300, M=170)[:3])
     ref = naive("softmin", x.double(), y.double(), h.double(), None, 0.01, SQ)
     out = R.softmin(x, y, h, 0.01, SQ, "blocked")
-    assert _compiled.failure() is None and _compiled._compiled is not None
-    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-    # autograd records this call: the blocked path's hand-written backward serves it
-    xg = x.clone().requires_grad_()
-    (gx,) = torch.autograd.grad(R.softmin(xg, y, h, 0.01, SQ, "blocked").sum(), xg)
-    assert torch.isfinite(gx).all()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
-def test_compiled_softmin_falls_back_to_the_blocked_path_with_one_warning(monkeypatch):
+def test_fused_loops_wait_until_the_blocked_path_has_taken_long_enough(monkeypatch):
     from otreg import _compiled
 
-    def broken(*args):
-        raise RuntimeError("no C++ compiler")
-
     monkeypatch.setattr(_compiled, "MIN_PAIRS", 0)
-    monkeypatch.setattr(_compiled, "_compiled", broken)
-    monkeypatch.setattr(_compiled, "_failure", None)
-    x, y, h = (t.detach() for t in data(torch.float32, N=40, M=30)[:3])
-    with pytest.warns(RuntimeWarning, match="fused CPU softmin is off.*no C\\+\\+ compiler"):
+    monkeypatch.setattr(_compiled, "TIER_UP_SECONDS", 1e9)
+    monkeypatch.setattr(_compiled, "_seconds", {})
+    monkeypatch.setattr(_compiled, "_fused", set())
+    x, y, h, _ = data(torch.float64, N=40, M=30)
+    R.softmin(x, y, h, 0.1, SQ, "blocked").sum().backward()
+    key = _compiled.signature("softmin", "forward", x, y, h)
+    back = _compiled.signature("softmin", "backward", x, y, h)
+    assert set(_compiled._seconds) == {key, back}  # timed per kind, direction and sizes
+    assert _compiled._seconds[key] > 0 and not _compiled.ready(key)
+    monkeypatch.setattr(_compiled, "TIER_UP_SECONDS", _compiled._seconds[key])
+    assert _compiled.ready(key)
+    # other costs and the softmax average never count: they have no fused loop
+    R.softmin(x, y, h, 0.1, get_cost("euclidean", "t"), "blocked")
+    R.softmax_average(x, y, h, h[..., None], 0.1, SQ, "blocked")
+    assert set(_compiled._seconds) == {key, back}
+    # at most MAX_SHAPES reductions go fused in a process
+    monkeypatch.setattr(_compiled, "MAX_SHAPES", 1)
+    monkeypatch.setattr(_compiled, "TIER_UP_SECONDS", 0.0)
+    assert _compiled.ready(key) and not _compiled.ready(back)
+
+
+def test_fused_loops_fall_back_to_the_blocked_path_with_one_warning(fused_now, monkeypatch):
+    def broken(fn):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(fused_now, "_compile", broken)
+    monkeypatch.setattr(fused_now, "_kernels", {})
+    monkeypatch.setattr(fused_now, "_failure", None)
+    x, y, h, _ = data(torch.float64, N=40, M=30)
+    with pytest.warns(RuntimeWarning, match="fused CPU reductions are off.*no C\\+\\+ compiler"):
         out = R.softmin(x, y, h, 0.1, SQ, "blocked")
-    assert "no C++ compiler" in _compiled.failure()
+    assert "no C++ compiler" in fused_now.failure()
+    (gx,) = torch.autograd.grad(out.sum(), x)  # the blocked backward, without a warning
     monkeypatch.setattr(R, "COMPILED", False)
-    assert torch.equal(out, R.softmin(x, y, h, 0.1, SQ, "blocked"))
+    ref = R.softmin(x, y, h, 0.1, SQ, "blocked")
+    assert torch.equal(out, ref)
+    assert torch.equal(gx, torch.autograd.grad(ref.sum(), x)[0])
