@@ -236,6 +236,21 @@ def test_fused_loops_and_their_gradients_equal_the_naive_formulas(kind, fused_no
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11 * float(r.abs().max()))
 
 
+@pytest.mark.parametrize("kind", ["softmin", "kernel_product"])
+def test_fused_gradients_for_one_input_at_a_time(kind, fused_now):
+    x, y, h, v = (t.detach() for t in data(torch.float64, N=300, M=170, E=3))
+    for k in range(3):
+        inputs = [x, y, h] if kind == "softmin" else [x, y, v]
+        inputs = [t.clone().requires_grad_(j == k) for j, t in enumerate(inputs)]
+        a, b, w = inputs
+        hw, vw = (w, v) if kind == "softmin" else (h, w)
+        out = call(kind, "blocked", a, b, hw, vw, 0.01, SQ)
+        ref = naive(kind, a, b, hw, vw, 0.01, SQ)
+        (got,) = torch.autograd.grad(out.sum(), inputs[k])
+        (want,) = torch.autograd.grad(ref.sum(), inputs[k])
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11 * float(want.abs().max()))
+
+
 def test_fused_softmin_in_float32(fused_now):
     x, y, h = (t.detach() for t in data(torch.float32, N=300, M=170)[:3])
     ref = naive("softmin", x.double(), y.double(), h.double(), None, 0.01, SQ)
