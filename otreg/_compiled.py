@@ -10,7 +10,7 @@ inductor compiles the whole reduction into one C++ loop nest that keeps the scor
 registers. Each formula below is such a chunk: the forward softmin and kernel product, and
 the row and column sweeps of their gradients (the column sweeps take chunks of y against
 all of x). Measured on 2 cores (N = M = 30,000, ``benchmarks/reductions.py``), against the
-blocked path: float32 1.9 (softmin) and 1.7 (kernel product) times forward, 2.1 and 1.6
+blocked path: float32 1.8 (softmin) and 1.7 (kernel product) times forward, 2.1 and 1.6
 times with the gradient; float64 2.2 to 2.9 times forward, 2.1 to 2.6 with the gradient
 (docs/performance.md).
 
@@ -34,6 +34,8 @@ import warnings
 
 import torch
 
+from . import _dense
+
 __all__ = ["MIN_PAIRS", "TIER_UP_SECONDS", "MAX_SHAPES", "forward", "backward", "signature",
            "ready", "spent", "failure"]
 
@@ -44,8 +46,9 @@ TIER_UP_SECONDS = 5.0
 #: rows a chunk, at most: chunks of rows x M scores beyond about 2^22 ran 4x slower
 MAX_ROWS = 256
 CHUNK_ELEMENTS = 1 << 22
-#: exponents of terms that multiply weights are clamped here (e^-50 and e^-600: negligible,
-#: and their products stay normal numbers, which keeps x86 at full speed)
+#: in the gradients, exponents of terms that multiply weights are clamped here (e^-50 and
+#: e^-600, as the blocked backward does: their products stay normal numbers, which keeps x86
+#: at full speed; the forward kernel product clamps at _dense.exp_floor, -80 and -700)
 _FLOOR = {torch.float32: -50.0, torch.float64: -600.0}
 _TINY = {torch.float32: 1e-12, torch.float64: 1e-30}
 
@@ -122,7 +125,8 @@ def _compile(fn):
 
 def _sweep(name: str, rows: list, cols: list, *consts) -> torch.Tensor:
     """The formula ``name`` over chunks of ``rows`` (tensors with N leading rows) against all
-    of ``cols`` (M leading rows, a dynamic size): (N,) or (N, K)."""
+    of ``cols`` (M leading rows): (N,) or (N, K). Sizes are static: each new (rows, M)
+    compiles once."""
     fn = _kernels.get(name)
     if fn is None:
         fn = _kernels[name] = _compile(_FORMULAS[name])
@@ -159,7 +163,7 @@ def _run(fn, *args):
     try:
         return fn(*args)
     except Exception as err:  # inductor needs a working C++ compiler
-        _failure = f"torch.compile failed ({type(err).__name__}: {str(err)[:300]})"
+        _failure = f"the compiled code failed ({type(err).__name__}: {str(err)[:300]})"
         warnings.warn(f"otreg: the fused CPU reductions are off: {_failure}; the blocked "
                       "path runs instead (about half as fast)", RuntimeWarning, stacklevel=5)
         return None
@@ -171,9 +175,9 @@ def _forward(kind, x, y, rest, eps):
     for b in range(x.shape[0]):
         if kind == "softmin":
             outs.append(_sweep("_lse_rows", [x[b]], [y[b], rest[0][b]], inv_eps) * -eps)
-        else:
-            outs.append(_sweep("_kp_rows", [x[b]], [y[b], rest[0][b]], _FLOOR[x.dtype],
-                               inv_eps))
+        else:  # clamped where the blocked forward clamps (a product is not normalised)
+            outs.append(_sweep("_kp_rows", [x[b]], [y[b], rest[0][b]],
+                               _dense.exp_floor(x.dtype), inv_eps))
     return torch.stack(outs)
 
 
@@ -184,7 +188,8 @@ def _backward(kind, x, y, rest, eps, out, grad_out, needs):
     gy = torch.zeros_like(y) if needs[1] else None
     gr = torch.zeros_like(rest[0]) if needs[2] else None
     for b in range(x.shape[0]):
-        xb, yb, wb, G = x[b], y[b], rest[0][b], grad_out[b]
+        c = y[b].mean(0)  # centred: the formulas below subtract coordinates
+        xb, yb, wb, G = x[b] - c, y[b] - c, rest[0][b], grad_out[b]
         if kind == "softmin":  # out = -eps lse; P_ij = exp(h_j - C_ij / eps - lse_i)
             lse = out[b] * (-1.0 / eps)
             if gx is not None:  # G_i (x_i - sum_j P_ij y_j)
@@ -219,13 +224,14 @@ def forward(kind: str, x: torch.Tensor, y: torch.Tensor, rest: tuple, eps: float
             ) -> torch.Tensor | None:
     """The fused ``softmin`` (rest = (h,)) or ``kernel_product`` (rest = (v,)) of x (B, N, D)
     and y (B, M, D), without autograd; None if the compiled code is not available."""
-    return _run(_forward, kind, x, y, rest, eps)
+    return _run(_forward, kind, x.detach(), y.detach(), tuple(t.detach() for t in rest), eps)
 
 
 def backward(kind: str, x, y, rest: tuple, eps: float, out, grad_out, needs) -> list | None:
     """Gradients with respect to (x, y, rest[0]) (None where ``needs`` is False), or None if
     the compiled code is not available."""
-    return _run(_backward, kind, x, y, rest, eps, out, grad_out.contiguous(), needs)
+    return _run(_backward, kind, x.detach(), y.detach(), tuple(t.detach() for t in rest), eps,
+                out.detach(), grad_out.detach().contiguous(), needs)
 
 
 def signature(kind: str, direction: str, x: torch.Tensor, y: torch.Tensor,

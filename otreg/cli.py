@@ -254,7 +254,8 @@ def distance(source: str, target: str, blur: float, scaling: float, tol: float, 
     out = {"source": source, "target": target, "divergence_mm2": value,
            "sqrt_2d_mm": math.sqrt(max(0.0, 2 * value)), "blur_mm": blur,
            "iterations": res.n_iter, "converged": res.converged, "stopped": res.stopped,
-           "marginal_error": res.marginal_error, "seconds": time.perf_counter() - start}
+           "marginal_error": res.marginal_error if math.isfinite(res.marginal_error) else None,
+           "seconds": time.perf_counter() - start}
     if as_json:
         click.echo(json.dumps(out))
         return

@@ -1,5 +1,7 @@
 """Every backend of every reduction against a naive broadcast reference, with gradients."""
 
+import math
+
 import pytest
 import torch
 
@@ -249,6 +251,30 @@ def test_fused_gradients_for_one_input_at_a_time(kind, fused_now):
         (got,) = torch.autograd.grad(out.sum(), inputs[k])
         (want,) = torch.autograd.grad(ref.sum(), inputs[k])
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["softmin", "kernel_product"])
+def test_fused_float32_gradients_far_from_the_origin(kind, fused_now, monkeypatch):
+    # the gradients subtract coordinates: the clouds are centred first, as the blocked path does
+    x, y, h, v = (t.detach() for t in data(torch.float64, N=300, M=170, E=3))
+    x, y = x + 1000.0, y + 1000.0
+    inputs = [t.float().requires_grad_() for t in ((x, y, h) if kind == "softmin" else (x, y, v))]
+    a, b, w = inputs
+    out = call(kind, "blocked", a, b, w, w, 0.01, SQ)
+    got = torch.autograd.grad((out ** 2).sum(), inputs)
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    ref = naive(kind, ref_in[0], ref_in[1], ref_in[2] if kind == "softmin" else h,
+                ref_in[2], 0.01, SQ)
+    want = torch.autograd.grad((ref ** 2).sum(), ref_in)
+    for g, r in zip(got, want):
+        assert float((g.double() - r).abs().max()) < 1e-4 * float(r.abs().max())
+
+
+def test_fused_kernel_product_keeps_tiny_kernel_values(fused_now):
+    # exp(-60.5): far below the gradients' clamp at e^-50, but the value is the answer here
+    x, y = torch.zeros(1, 1, 3), torch.tensor([[[1.1, 0.0, 0.0]]])
+    out = R.kernel_product(x, y, torch.ones(1, 1, 1), 0.01, SQ, "blocked")
+    assert float(out) == pytest.approx(math.exp(-60.5), rel=1e-4)
 
 
 def test_fused_softmin_in_float32(fused_now):

@@ -79,7 +79,8 @@ class SinkhornResult:
             (converged), ``"stalled"`` (the error stopped decreasing: the dtype's rounding
             floor), ``"diverged"`` (a non-finite error) or ``"max_iter"``.
         marginal_error: relative L1 violation of the optimality (marginal) conditions, the
-            largest over the batch.
+            largest over the batch; NaN when no iteration ran at the final eps (max_iter
+            spent on the eps-scaling).
         eps: the final entropic regularisation ``blur ** p``.
         backend: the reduction backend that ran (``"auto"`` resolved), ``"multiscale"``
             when the multiscale solver's truncated reductions did (the plan's own reductions
@@ -250,21 +251,22 @@ class StoppingRule:
     u max|f, g| / eps (u the dtype's machine epsilon): the rounding of the potentials, seen
     through exp(f / eps) in the plan's marginals. In float32 at small eps it can be above
     ``tol``: on two noisy spheres at blur 0.02 the estimate is 1.0e-4 and the error hovers
-    at 1.9e-4, where float64 converges to 1e-4 in 284 iterations. The estimate is rough
-    (the roundings partly cancel), hence the patience: an error that oscillates while it
-    converges (over-relaxed, or with the multiscale solver's changing truncation) sets a new
-    low every few dozen iterations. ``"diverged"``: the error is not finite (a fixed
+    at 1.9e-4 (at blur 0.01: 4.1e-4 and 1.6e-3), where float64 converges to 1e-4 in 284
+    iterations. The estimate is rough (the scores' own rounding, C / eps, adds to it), hence
+    the factor and the patience: an error that oscillates while it converges
+    (over-relaxed, or with the multiscale solver's changing truncation) sets a new low
+    every few dozen iterations. ``"diverged"``: the error is not finite (a fixed
     relaxation weight too large far from the solution). ``"max_iter"``: the budget ran out.
     With ``tol = 0`` only ``max_iter`` stops the loop (a fixed iteration count).
     """
 
     PATIENCE = 100
     PROGRESS = 0.99
-    FLOOR = 3.0
+    FLOOR = 10.0
 
     def __init__(self, tol: float) -> None:
         self.tol = tol
-        self.error = math.inf
+        self.error = math.nan  # not measured until an update at the final eps
         self.reason = "max_iter"
         self._best, self._since = math.inf, 0
 
@@ -507,12 +509,19 @@ def _pair_step(p: _Problem):
 
 def _warn_if_unconverged(fn: str, what: str, p: _Problem, n_iter: int,
                          rule: StoppingRule) -> bool:
+    """Whether ``tol`` was reached; if not, a ConvergenceWarning that says why (none for
+    ``tol=0``: a fixed iteration count was asked for)."""
     err = rule.error
-    converged = err < p.tol
-    if converged:
+    if err < p.tol:
         return True
+    if p.tol == 0:
+        return False
     head = f"{fn}: {what} stopped after {n_iter} iterations with marginal error {err:.3g}"
-    if rule.reason == "stalled":
+    if math.isnan(err):
+        head = f"{fn}: {what} stopped after {n_iter} iterations"
+        hint = ("the eps-scaling used all of max_iter, so the marginal error was not measured; "
+                "raise max_iter")
+    elif rule.reason == "stalled":
         hint = (f"it stopped decreasing {StoppingRule.PATIENCE} iterations before: the "
                 f"rounding floor of {p.x.dtype} at eps={p.eps:.3g}. Use float64 points, a "
                 f"tol above {err:.2g}, or a larger blur")

@@ -1,6 +1,7 @@
 """otreg.sinkhorn against POT, closed forms, finite differences and an unrolled loop."""
 
 import math
+import warnings
 
 import numpy as np
 import ot
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import otreg
-from otreg.costs import get_cost
+from otreg.costs import diameter, epsilon_schedule, get_cost
 from otreg.datasets import noisy_sphere
 from otreg.ot.sinkhorn import Relaxation, StoppingRule
 from tests.conftest import clouds
@@ -176,6 +177,21 @@ def test_float32_stops_at_its_rounding_floor_and_says_so():
     assert r32.stopped == "stalled" and not r32.converged and r32.n_iter < 700
     assert 1e-4 < r32.marginal_error < 1e-3
     assert float(r32.cost) == pytest.approx(float(r64.cost), rel=1e-5)
+
+
+def test_a_fixed_iteration_count_does_not_warn():
+    x, y, _, _ = clouds()
+    steps = len(epsilon_schedule(2, diameter(x[None], y[None]), 0.05, 0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = otreg.sinkhorn(x, y, blur=0.05, tol=0, max_iter=steps + 5)
+        assert res.stopped == "max_iter" and res.n_iter == steps + 5
+        assert 0 < res.marginal_error < 1 and not res.converged
+        # every iteration spent on the eps-scaling: the error was not measured
+        res = otreg.sinkhorn(x, y, blur=0.05, tol=0, max_iter=steps)
+    assert math.isnan(res.marginal_error)
+    with pytest.warns(otreg.ConvergenceWarning, match="not measured; raise max_iter"):
+        otreg.sinkhorn(x, y, blur=0.05, max_iter=steps)
 
 
 def test_a_diverging_fixed_relaxation_stops_and_says_so():
