@@ -23,8 +23,6 @@ forward and backward run as its fused loops instead of the sweeps above.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from . import _compiled, _dense
@@ -75,35 +73,12 @@ class _Blocks:
         return s, 0.0, C
 
 
-# Products of the exponentials with gradients and coordinates must stay normal numbers:
-# a matrix product over denormals runs 100 times slower on x86 (measured: 80 ms instead of
-# 0.6 ms for a (1400, 3000) @ (3000, 3) product), and flushing them to zero
-# (torch.set_flush_denormal) reaches the calling thread only, not torch's worker threads.
-# So exp(s - max) is clamped at e^-50 (float32) or e^-600 (float64), negligible next to the
-# row's largest term 1 (a million such terms add 2e-16 relative), and gradient weights are
-# scaled to at most 1 with the negligible ones (below _TINY) set to 0.
-_PRODUCT_FLOOR = {torch.float32: -50.0, torch.float64: -600.0}
-_TINY = {torch.float32: 1e-12, torch.float64: 1e-30}
-
-
-def _product_floor(dtype: torch.dtype) -> float:
-    return _PRODUCT_FLOOR.get(dtype, _dense.exp_floor(dtype))
-
-
 def _softmax_(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """In place: s <- exp(s - m) (clamped), returns (s, m, row sums)."""
     m = s.amax(dim=2, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    s.sub_(m).clamp_(min=_product_floor(s.dtype)).exp_()
+    s.sub_(m).clamp_(min=_dense.product_floor(s.dtype)).exp_()
     return s, m, s.sum(2, keepdim=True)
-
-
-def _scaled(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(u / scale, scale)`` with max |u / scale| = 1 and the entries below _TINY set to 0
-    (their products with the exponentials would be denormal)."""
-    scale = u.abs().amax().clamp_min(torch.finfo(u.dtype).tiny)
-    us = u / scale
-    return us.masked_fill_(us.abs() < _TINY.get(u.dtype, 0.0), 0.0), scale
 
 
 def _forward(kind: str, blocks: _Blocks, v) -> torch.Tensor:
@@ -132,20 +107,20 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
     gh = torch.zeros_like(blocks.y_sq) if needs[2] else None
     gv = torch.zeros_like(v) if needs[3] else None
     if kind == "kernel_product":
-        vs, v_scale = _scaled(v)  # once: v is the same for every block
+        vs, v_scale = _dense.scaled(v)  # once: v is the same for every block
     for sl in blocks.slices():
         G = grad_out[:, sl]
         s, r, C = blocks.scores(sl)
         if kind == "kernel_product":  # K, G and v scaled so that their products stay normal
-            K = s.add_(r).clamp_(min=_product_floor(s.dtype)).exp_()
-            Gs, scale = _scaled(G)
+            K = s.add_(r).clamp_(min=_dense.product_floor(s.dtype)).exp_()
+            Gs, scale = _dense.scaled(G)
             if gv is not None:
                 gv.add_(torch.bmm(K.transpose(1, 2), Gs), alpha=float(scale))
             W = K.mul_(torch.bmm(Gs, vs.transpose(1, 2)))
             scale = scale * v_scale * (-1.0 / eps)
         elif kind == "softmin":  # W = P G = z (G / total), scaled to stay normal
             z, _, total = _softmax_(s)
-            u, scale = _scaled(G.unsqueeze(2) / total)
+            u, scale = _dense.scaled(G.unsqueeze(2) / total)
             W = z.mul_(u)
             if gh is not None:
                 gh.add_(W.sum(1), alpha=-eps * float(scale))
@@ -175,16 +150,11 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
 class _BlockedReduction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kind, eps, cost, block_elements, fused, x, y, h, v):
-        out = None
         w = h if v is None else v
-        key = _compiled.signature(kind, "forward", x, y, w) if fused else None
-        if fused and _compiled.ready(key):
-            out = _compiled.forward(kind, x, y, (w,), eps)
-        if out is None:
-            start = time.perf_counter()
-            out = _forward(kind, _Blocks(x, y, h, eps, cost, block_elements), v)
-            if fused:
-                _compiled.spent(key, time.perf_counter() - start)
+        out = _compiled.tiered(
+            _compiled.signature(kind, "forward", x, y, w) if fused else None,
+            lambda: _compiled.forward(kind, x, y, (w,), eps),
+            lambda: _forward(kind, _Blocks(x, y, h, eps, cost, block_elements), v))
         ctx.kind, ctx.eps, ctx.cost, ctx.block_elements = kind, eps, cost, block_elements
         ctx.fused = fused
         ctx.save_for_backward(x, y, h, v, out)
@@ -197,20 +167,19 @@ class _BlockedReduction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: differentiate the dense formulas
             grads = _autograd_backward(ctx, x, y, h, v, grad_out, needs)
             return (None, None, None, None, None, *grads)
-        grads = None
         w, need_w = (h, needs[2]) if v is None else (v, needs[3])
-        key = _compiled.signature(ctx.kind, "backward", x, y, w) if ctx.fused else None
-        if ctx.fused and _compiled.ready(key):
+
+        def fused():
             got = _compiled.backward(ctx.kind, x, y, (w,), ctx.eps, out, grad_out,
                                      (needs[0], needs[1], need_w))
-            if got is not None:
-                grads = got[:2] + ([got[2], None] if v is None else [None, got[2]])
-        if grads is None:
-            start = time.perf_counter()
-            blocks = _Blocks(x, y, h, ctx.eps, ctx.cost, ctx.block_elements)
-            grads = _backward(ctx.kind, blocks, v, out, grad_out.contiguous(), needs)
-            if ctx.fused:
-                _compiled.spent(key, time.perf_counter() - start)
+            if got is None:
+                return None
+            return got[:2] + ([got[2], None] if v is None else [None, got[2]])
+
+        grads = _compiled.tiered(
+            _compiled.signature(ctx.kind, "backward", x, y, w) if ctx.fused else None, fused,
+            lambda: _backward(ctx.kind, _Blocks(x, y, h, ctx.eps, ctx.cost, ctx.block_elements),
+                              v, out, grad_out.contiguous(), needs))
         return (None, None, None, None, None, *grads)
 
 

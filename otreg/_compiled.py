@@ -30,6 +30,7 @@ turns it off. A second derivative (``create_graph=True``) goes through the block
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -37,7 +38,7 @@ import torch
 from . import _dense
 
 __all__ = ["MIN_PAIRS", "TIER_UP_SECONDS", "MAX_SHAPES", "forward", "backward", "signature",
-           "ready", "spent", "failure"]
+           "ready", "spent", "tiered", "failure"]
 
 #: calls with fewer pairs B * N * M stay on the blocked path (per-chunk overheads)
 MIN_PAIRS = 10_000_000
@@ -46,11 +47,6 @@ TIER_UP_SECONDS = 5.0
 #: rows a chunk, at most: chunks of rows x M scores beyond about 2^22 ran 4x slower
 MAX_ROWS = 256
 CHUNK_ELEMENTS = 1 << 22
-#: in the gradients, exponents of terms that multiply weights are clamped here (e^-50 and
-#: e^-600, as the blocked backward does: their products stay normal numbers, which keeps x86
-#: at full speed; the forward kernel product clamps at _dense.exp_floor, -80 and -700)
-_FLOOR = {torch.float32: -50.0, torch.float64: -600.0}
-_TINY = {torch.float32: 1e-12, torch.float64: 1e-30}
 
 #: at most this many reductions (sizes, dtype, direction) go fused in a process: the formulas
 #: are compiled for fixed sizes (a dynamic column count ran 1.7 times slower), so each new
@@ -146,14 +142,6 @@ def _sweep(name: str, rows: list, cols: list, *consts) -> torch.Tensor:
     return out
 
 
-def _scaled(u: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """``(u / scale, scale)`` with max |u / scale| = 1, entries below _TINY set to 0 (their
-    products with the exponentials would be denormal, which x86 computes 100 times slower)."""
-    scale = float(u.abs().amax().clamp_min(torch.finfo(u.dtype).tiny))
-    us = u / scale
-    return us.masked_fill_(us.abs() < _TINY[u.dtype], 0.0), scale
-
-
 # ----------------------------------------------------------------- the two passes
 def _run(fn, *args):
     """fn(*args), or None (with one warning) if the compiled code fails."""
@@ -183,7 +171,7 @@ def _forward(kind, x, y, rest, eps):
 
 def _backward(kind, x, y, rest, eps, out, grad_out, needs):
     inv_eps = torch.tensor(1.0 / eps, dtype=x.dtype)
-    floor = _FLOOR[x.dtype]
+    floor = _dense.product_floor(x.dtype)  # as the blocked backward (see _dense)
     gx = torch.zeros_like(x) if needs[0] else None
     gy = torch.zeros_like(y) if needs[1] else None
     gr = torch.zeros_like(rest[0]) if needs[2] else None
@@ -196,7 +184,7 @@ def _backward(kind, x, y, rest, eps, out, grad_out, needs):
                 ybar = _sweep("_softmin_grad_rows", [xb, lse], [yb, wb], floor, inv_eps)
                 gx[b] = G[:, None] * (xb - ybar)
             if gy is not None or gr is not None:
-                Gs, scale = _scaled(G)
+                Gs, scale = _dense.scaled(G)
                 cols = _sweep("_softmin_grad_cols", [yb, wb], [xb, lse, Gs], floor,
                               inv_eps) * scale
                 if gr is not None:  # -eps sum_i G_i P_ij
@@ -204,8 +192,8 @@ def _backward(kind, x, y, rest, eps, out, grad_out, needs):
                 if gy is not None:  # sum_i G_i P_ij (y_j - x_i)
                     gy[b] = yb * cols[:, :1] - cols[:, 1:]
         else:  # out_i = sum_j K_ij v_j
-            Gs, scale = _scaled(G)
-            vs, v_scale = _scaled(wb)
+            Gs, scale = _dense.scaled(G)
+            vs, v_scale = _dense.scaled(wb)
             if gx is not None:  # -(1 / eps) sum_j K_ij <G_i, v_j> (x_i - y_j)
                 rows = _sweep("_kp_grad_rows", [xb, Gs], [yb, vs], floor, inv_eps)
                 gx[b] = (xb * rows[:, :1] - rows[:, 1:]) * (-scale * v_scale / eps)
@@ -255,6 +243,20 @@ def ready(key: tuple) -> bool:
 def spent(key: tuple, seconds: float) -> None:
     """Count time the blocked path spent on a reduction that could run fused."""
     _seconds[key] = _seconds.get(key, 0.0) + seconds
+
+
+def tiered(key: tuple | None, fused_call, blocked_call):
+    """``fused_call()`` once the reduction ``key`` is :func:`ready` (and if it works), else
+    ``blocked_call()``, timed towards the tier-up; ``key`` None: the blocked path only."""
+    if key is not None and ready(key):
+        out = fused_call()
+        if out is not None:
+            return out
+    start = time.perf_counter()
+    out = blocked_call()
+    if key is not None:
+        spent(key, time.perf_counter() - start)
+    return out
 
 
 def failure() -> str | None:

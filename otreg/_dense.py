@@ -67,3 +67,28 @@ def softmax_average(x, y, h, v, eps, cost):
     s, _ = scores(x, y, h, eps, cost)  # a row constant does not change a softmax
     z, _ = exp_shifted(s)
     return torch.bmm(z, v) / z.sum(2, keepdim=True)
+
+
+# Products of the exponentials with gradients and coordinates must stay normal numbers:
+# a matrix product over denormals runs 100 times slower on x86 (measured: 80 ms instead of
+# 0.6 ms for a (1400, 3000) @ (3000, 3) product), and flushing them to zero
+# (torch.set_flush_denormal) reaches the calling thread only, not torch's worker threads.
+# So exp(s - max) is clamped at e^-50 (float32) or e^-600 (float64), negligible next to the
+# row's largest term 1 (a million such terms add 2e-16 relative), and gradient weights are
+# scaled to at most 1 with the negligible ones (below _TINY) set to 0. Used by the blocked,
+# block-sparse and fused (compiled) paths.
+_PRODUCT_FLOOR = {torch.float32: -50.0, torch.float64: -600.0}
+_TINY = {torch.float32: 1e-12, torch.float64: 1e-30}
+
+
+def product_floor(dtype: torch.dtype) -> float:
+    """Where exponents of terms that multiply weights are clamped (see above)."""
+    return _PRODUCT_FLOOR.get(dtype, exp_floor(dtype))
+
+
+def scaled(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(u / scale, scale)`` with max |u / scale| = 1 and the entries below _TINY set to 0
+    (their products with the exponentials would be denormal)."""
+    scale = u.abs().amax().clamp_min(torch.finfo(u.dtype).tiny)
+    us = u / scale
+    return us.masked_fill_(us.abs() < _TINY.get(u.dtype, 0.0), 0.0), scale

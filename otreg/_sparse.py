@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._blocked import _product_floor, _softmax_
+from . import _dense
+from ._blocked import _softmax_
 
 __all__ = ["Clusters", "grid_clusters", "grid_labels", "clusters_by_label", "BlockSparse"]
 
@@ -271,7 +272,7 @@ class _SparseSoftmin(torch.autograd.Function):
         px, py, ph = kernel._padded(x, y, h)
         gx, gy, gh = torch.zeros_like(px), torch.zeros_like(py), torch.zeros_like(ph)
         pad_g = torch.cat([grad_out, grad_out.new_zeros(1)])
-        floor = _product_floor(x.dtype)
+        floor = _dense.product_floor(x.dtype)
         for k, (clusters, row_idx, _) in enumerate(kernel.chunks):
             col_idx = kernel._column_indices(k)
             c = kernel.rows.centres[clusters].unsqueeze(1)

@@ -55,6 +55,7 @@ from .._checks import (
 )
 from ..costs import Cost, epsilon_schedule, get_cost
 from ..costs import diameter as _diameter
+from .convergence import Relaxation, StoppingRule, rounding_floor
 from .multiscale import FIRST_MARGIN, REFRESH, auto_cluster_scale, use_multiscale
 from .plan import TransportPlan
 
@@ -75,9 +76,10 @@ class SinkhornResult:
             respect to the points and weights (envelope theorem).
         n_iter: iterations run, the eps-scaling ones included.
         converged: whether the marginal error fell below ``tol``.
-        stopped: why the loop at the final eps stopped (:class:`StoppingRule`): ``"tol"``
-            (converged), ``"stalled"`` (the error stopped decreasing: the dtype's rounding
-            floor), ``"diverged"`` (a non-finite error) or ``"max_iter"``.
+        stopped: why the loop at the final eps stopped
+            (:class:`~otreg.ot.convergence.StoppingRule`): ``"tol"`` (converged),
+            ``"stalled"`` (the error stopped decreasing: the dtype's rounding floor),
+            ``"diverged"`` (a non-finite error) or ``"max_iter"``.
         marginal_error: relative L1 violation of the optimality (marginal) conditions, the
             largest over the batch; NaN when no iteration ran at the final eps (max_iter
             spent on the eps-scaling).
@@ -196,107 +198,6 @@ def _validate(fn: str, x, y, a, b, *, blur=0.05, reach=None, diameter=None, scal
 
 
 # ------------------------------------------------------------------ the loop
-class Relaxation:
-    """The over-relaxation weight w of the updates at the final eps: fixed, or adapted.
-
-    With ``"auto"``, w starts at 1 (plain Sinkhorn) and follows the observed contraction
-    rate of the marginal error, as adaptive SOR does (Hageman and Young, *Applied Iterative
-    Methods*, 1981, ch. 9): after ``SETTLE`` iterations at a new w (its transient), the
-    error shrinks by a rate r a step over the next ``WINDOW``; the plain iteration's rate
-    theta is then (r + w - 1)^2 / (r w^2) (theta = r at w = 1), and the weight that
-    minimises the rate is w* = 2 / (1 + sqrt(1 - theta)) (Thibault et al. 2017, Lehmann et
-    al. 2021, for Sinkhorn's two alternating half-steps). w only increases, to at most
-    ``W_MAX``; at w > w* the rate is w - 1 and the estimate returns w itself, so w settles.
-    If the error has not gone below its value at the last change after ``3 * WINDOW``
-    iterations, w is pulled halfway back to 1.
-    """
-
-    SETTLE = 5
-    WINDOW = 10
-    W_MAX = 1.95
-    MIN_STEP = 0.02
-
-    def __init__(self, setting: float | str) -> None:
-        self.auto = setting == "auto"
-        self.w = 1.0 if self.auto else float(setting)
-        self._errors: list[float] = []
-
-    def _set(self, w: float) -> None:
-        self.w, self._errors = w, self._errors[-1:]
-
-    def observe(self, err: float) -> None:
-        """Take the marginal error after an update made with the current ``w``."""
-        if not self.auto or not math.isfinite(err) or err <= 0:
-            return
-        e = self._errors
-        e.append(err)
-        if len(e) > 3 * self.WINDOW and min(e[-self.WINDOW:]) >= e[0] and self.w > 1:
-            self._set(1 + (self.w - 1) / 2)  # no progress at this w: back off
-            return
-        if len(e) <= self.SETTLE + self.WINDOW or e[-1] >= e[-1 - self.WINDOW]:
-            return
-        r, w = (e[-1] / e[-1 - self.WINDOW]) ** (1 / self.WINDOW), self.w
-        theta = min((r + w - 1) ** 2 / (r * w * w), 1.0)
-        best = min(self.W_MAX, 2 / (1 + math.sqrt(1 - theta)))
-        if best >= w + self.MIN_STEP:
-            self._set(best)
-
-
-class StoppingRule:
-    """When the alternating updates at the final eps stop.
-
-    ``"tol"``: the marginal error is below ``tol`` (converged). ``"stalled"``: the error is
-    within ``FLOOR`` times its rounding floor and has not reached a new low (by 1%) for
-    ``PATIENCE`` iterations: further iterations would change nothing. The floor is
-    u max|f, g| / eps (u the dtype's machine epsilon): the rounding of the potentials, seen
-    through exp(f / eps) in the plan's marginals. In float32 at small eps it can be above
-    ``tol``: on two noisy spheres at blur 0.02 the estimate is 1.0e-4 and the error hovers
-    at 1.9e-4 (at blur 0.01: 4.1e-4 and 1.6e-3), where float64 converges to 1e-4 in 284
-    iterations. The estimate is rough (the scores' own rounding, C / eps, adds to it), hence
-    the factor and the patience: an error that oscillates while it converges
-    (over-relaxed, or with the multiscale solver's changing truncation) sets a new low
-    every few dozen iterations. ``"diverged"``: the error is not finite (a fixed
-    relaxation weight too large far from the solution). ``"max_iter"``: the budget ran out.
-    With ``tol = 0`` only ``max_iter`` stops the loop (a fixed iteration count).
-    """
-
-    PATIENCE = 100
-    PROGRESS = 0.99
-    FLOOR = 10.0
-
-    def __init__(self, tol: float) -> None:
-        self.tol = tol
-        self.error = math.nan  # not measured until an update at the final eps
-        self.reason = "max_iter"
-        self._best, self._since = math.inf, 0
-
-    def stop(self, err: float, floor: float = 0.0) -> bool:
-        """Take the marginal error after an update and its rounding floor; True to stop."""
-        self.error = err
-        if self.tol <= 0:
-            return False
-        if not math.isfinite(err):
-            self.reason = "diverged"
-            return True
-        if err < self.tol:
-            self.reason = "tol"
-            return True
-        if err < self.PROGRESS * self._best:
-            self._best, self._since = err, 0
-        else:
-            self._since += 1
-        if self._since >= self.PATIENCE and err < self.FLOOR * floor:
-            self.reason = "stalled"
-            return True
-        return False
-
-
-def _rounding_floor(eps: float, *potentials: torch.Tensor) -> float:
-    """u max |potential| / eps: the rounding noise of the marginals exp((f - s) / eps)."""
-    top = max(float(t.abs().max()) for t in potentials)
-    return torch.finfo(potentials[0].dtype).eps * top / eps
-
-
 def _softmin(p: _Problem, eps: float, x, y, w_log, pot) -> torch.Tensor:
     """-eps log sum_j w_j exp((pot_j - C(x_i, y_j))/eps) in the problem's form."""
     if p.form == "log":
@@ -385,7 +286,7 @@ def _solve_pair(p: _Problem, x, y, a, b, init=None):
         err = float(_residual(p, eps, b, g, sg).max())
         g = lam * sg if w == 1 else torch.lerp(g, lam * sg, w)
         n_iter += 1
-        if rule.stop(err, _rounding_floor(eps, f, g)):
+        if rule.stop(err, lambda f=f, g=g: rounding_floor(eps, f, g)):
             break
         relax.observe(err)
     if ms is not None:
@@ -397,7 +298,8 @@ def _solve_pair(p: _Problem, x, y, a, b, init=None):
 def _solve_self(p: _Problem, x, a, init=None):
     """The symmetric potential f = f_aa of OT(a, a), without autograd (``init``: a warm
     start at the final eps, as in :func:`_solve_pair`). Returns ``(f, n_iter, rule, ms)``
-    (``rule``: the :class:`StoppingRule` with the final error and why the loop stopped)."""
+    (``rule``: the :class:`~otreg.ot.convergence.StoppingRule` with the final error and why
+    the loop stopped)."""
     ms = _multiscale(p, x, a)
     if ms is not None:
         a = ms.a[None]
@@ -438,7 +340,7 @@ def _solve_self(p: _Problem, x, a, init=None):
         err = float(_residual(p, eps, a, f, sf).max())
         f = (f + lam * sf) / 2
         n_iter += 1
-        if rule.stop(err, _rounding_floor(eps, f)):
+        if rule.stop(err, lambda f=f: rounding_floor(eps, f)):
             break
     if ms is not None:
         ms.finish(f[0], f[0], eps)
@@ -626,7 +528,8 @@ def sinkhorn(
             same fixed point, reached in far fewer iterations when plain updates crawl
             (balanced OT at a blur much smaller than the data). ``"auto"`` (default): w
             starts at 1 and follows the measured convergence rate towards the optimal weight
-            (:class:`Relaxation`); a number in [1, 2) fixes w (1: plain Sinkhorn).
+            (:class:`~otreg.ot.convergence.Relaxation`); a number in [1, 2) fixes w (1: plain
+            Sinkhorn).
         multiscale: solve coarse-to-fine with truncated kernels
             (:mod:`otreg.ot.multiscale`): the eps-scaling starts on grid clusters of side
             ``cluster_scale``, then each reduction sums only over the pairs of clusters
