@@ -32,40 +32,40 @@ def _describe(x: object) -> str:
     return f"{type(x).__name__} {x!r}"[:120]
 
 
-def as_points(fn: str, name: str, x: object) -> tuple[torch.Tensor, bool]:
+def as_points(caller: str, name: str, x: object) -> tuple[torch.Tensor, bool]:
     """Validate a point cloud and return it batched, ``(B, N, D)``, and whether it was batched.
 
     Accepts ``(N, D)`` or ``(B, N, D)`` floating tensors with N >= 1, D >= 1, all finite.
     """
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor of shape (N, D) or (B, N, D), "
+        raise TypeError(f"{caller}: {name} must be a torch.Tensor of shape (N, D) or (B, N, D), "
                         f"got {_describe(x)}")
     if not x.is_floating_point():
-        raise TypeError(f"{fn}: {name} has dtype {x.dtype}; points must be floating point "
+        raise TypeError(f"{caller}: {name} has dtype {x.dtype}; points must be floating point "
                         "(float32 or float64)")
     if x.dim() not in (2, 3):
-        raise ValueError(f"{fn}: {name} has shape {tuple(x.shape)}; points must be (N, D) "
+        raise ValueError(f"{caller}: {name} has shape {tuple(x.shape)}; points must be (N, D) "
                          "or (B, N, D)")
     if x.shape[-2] == 0:
-        raise ValueError(f"{fn}: {name} is empty (shape {tuple(x.shape)}); a point cloud needs "
+        raise ValueError(f"{caller}: {name} is empty (shape {tuple(x.shape)}); a point cloud needs "
                          "at least one point")
     if x.shape[-1] == 0 or (x.dim() == 3 and x.shape[0] == 0):
-        raise ValueError(f"{fn}: {name} has shape {tuple(x.shape)}; dimensions must be >= 1")
-    _check_finite(fn, name, x)
+        raise ValueError(f"{caller}: {name} has shape {tuple(x.shape)}; dimensions must be >= 1")
+    _check_finite(caller, name, x)
     batched = x.dim() == 3
     return (x if batched else x.unsqueeze(0)), batched
 
 
-def _check_finite(fn: str, name: str, x: torch.Tensor) -> None:
+def _check_finite(caller: str, name: str, x: torch.Tensor) -> None:
     bad = ~torch.isfinite(x.detach())
     if bool(bad.any()):
         n_nan = int(torch.isnan(x.detach()).sum())
         n_inf = int(bad.sum()) - n_nan
-        raise ValueError(f"{fn}: {name} has {n_nan} NaN and {n_inf} infinite entries; "
+        raise ValueError(f"{caller}: {name} has {n_nan} NaN and {n_inf} infinite entries; "
                          "all entries must be finite")
 
 
-def as_weights(fn: str, name: str, w: object, points: torch.Tensor,
+def as_weights(caller: str, name: str, w: object, points: torch.Tensor,
                points_name: str) -> torch.Tensor:
     """Validate weights for batched points ``(B, N, D)``; return them as ``(B, N)``.
 
@@ -76,41 +76,41 @@ def as_weights(fn: str, name: str, w: object, points: torch.Tensor,
     if w is None:
         return torch.full((B, N), 1.0 / N, dtype=points.dtype, device=points.device)
     if not isinstance(w, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor of shape ({N},) or ({B}, {N}) "
+        raise TypeError(f"{caller}: {name} must be a torch.Tensor of shape ({N},) or ({B}, {N}) "
                         f"or None, got {_describe(w)}")
     if not w.is_floating_point():
-        raise TypeError(f"{fn}: {name} has dtype {w.dtype}; weights must be floating point")
+        raise TypeError(f"{caller}: {name} has dtype {w.dtype}; weights must be floating point")
     given = tuple(w.shape)
     if w.dim() == 1:
         w = w.unsqueeze(0)
     if w.dim() != 2 or w.shape[1] != N or w.shape[0] not in (1, B):
-        raise ValueError(f"{fn}: {name} has shape {given} but {points_name} has {N} points "
+        raise ValueError(f"{caller}: {name} has shape {given} but {points_name} has {N} points "
                          f"(batch {B}); weights must be ({N},) or ({B}, {N})")
-    check_same_device_dtype(fn, {points_name: points, name: w})
-    _check_finite(fn, name, w)
+    check_same_device_dtype(caller, {points_name: points, name: w})
+    _check_finite(caller, name, w)
     n_neg = int((w.detach() < 0).sum())
     if n_neg:
-        raise ValueError(f"{fn}: {name} has {n_neg} negative entries; weights must be >= 0")
+        raise ValueError(f"{caller}: {name} has {n_neg} negative entries; weights must be >= 0")
     mass = w.detach().sum(dim=1)
     if bool((mass <= 0).any()):
-        raise ValueError(f"{fn}: {name} has zero total mass; weights need a positive sum")
+        raise ValueError(f"{caller}: {name} has zero total mass; weights need a positive sum")
     return w.expand(B, N)
 
 
-def check_same_device_dtype(fn: str, tensors: dict[str, torch.Tensor]) -> None:
+def check_same_device_dtype(caller: str, tensors: dict[str, torch.Tensor]) -> None:
     """All tensors share one dtype and one device."""
     items = list(tensors.items())
     name0, t0 = items[0]
     for name, t in items[1:]:
         if t.dtype != t0.dtype:
-            raise TypeError(f"{fn}: {name} has dtype {t.dtype} but {name0} has {t0.dtype}; "
+            raise TypeError(f"{caller}: {name} has dtype {t.dtype} but {name0} has {t0.dtype}; "
                             f"convert them to one dtype (e.g. {name}.to({name0}.dtype))")
         if t.device != t0.device:
-            raise ValueError(f"{fn}: {name} is on {t.device} but {name0} is on {t0.device}; "
+            raise ValueError(f"{caller}: {name} is on {t.device} but {name0} is on {t0.device}; "
                              "move them to one device")
 
 
-def check_positive(fn: str, name: str, value: object, *, allow_none: bool = False,
+def check_positive(caller: str, name: str, value: object, *, allow_none: bool = False,
                    allow_zero: bool = False) -> float | None:
     """A finite real number > 0 (or >= 0 with allow_zero; or None with allow_none)."""
     if value is None and allow_none:
@@ -119,27 +119,27 @@ def check_positive(fn: str, name: str, value: object, *, allow_none: bool = Fals
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = float(value)
         else:
-            raise TypeError(f"{fn}: {name} must be a number, got {_describe(value)}")
+            raise TypeError(f"{caller}: {name} must be a number, got {_describe(value)}")
     value = float(value)
     ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
     if not ok:
         need = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{fn}: {name} is {value!r}; it must be a finite number {need}")
+        raise ValueError(f"{caller}: {name} is {value!r}; it must be a finite number {need}")
     return value
 
 
-def check_int(fn: str, name: str, value: object, minimum: int) -> int:
+def check_int(caller: str, name: str, value: object, minimum: int) -> int:
     """An integer >= minimum."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{fn}: {name} must be an integer, got {_describe(value)}")
+        raise TypeError(f"{caller}: {name} must be an integer, got {_describe(value)}")
     if value < minimum:
-        raise ValueError(f"{fn}: {name} is {value}; it must be >= {minimum}")
+        raise ValueError(f"{caller}: {name} is {value}; it must be >= {minimum}")
     return value
 
 
-def check_choice(fn: str, name: str, value: object, choices: Sequence[str]) -> str:
+def check_choice(caller: str, name: str, value: object, choices: Sequence[str]) -> str:
     """One of a fixed set of names."""
     if value not in choices:
         names = ", ".join(map(repr, choices))
-        raise ValueError(f"{fn}: {name} is {value!r}; choose one of {names}")
+        raise ValueError(f"{caller}: {name} is {value!r}; choose one of {names}")
     return value  # type: ignore[return-value]

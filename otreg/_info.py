@@ -7,8 +7,7 @@ import sys
 
 import torch
 
-from . import _compiled
-from . import reductions as R
+from . import reductions
 
 __all__ = ["info"]
 
@@ -27,7 +26,7 @@ def _try_backend(name: str) -> str:
 
     x = torch.rand(1, 5, 3)
     try:
-        out = R.softmin(x, x, torch.zeros(1, 5), 0.1, get_cost("sqeuclidean"), name)
+        out = reductions.softmin(x, x, torch.zeros(1, 5), 0.1, get_cost("sqeuclidean"), name)
         return "ok" if bool(torch.isfinite(out).all()) else "gives non-finite values"
     except Exception as err:
         return f"fails: {type(err).__name__}: {str(err)[:200]}"
@@ -53,11 +52,10 @@ def info(check_keops: bool = True, file=None) -> dict:
         "numpy": _version("numpy"),
         "pykeops": _version("pykeops"),
     }
-    ok, reason = R.keops_status()
+    status = reductions.status()
+    ok, reason = status["keops"]
     if ok:
-        import pykeops
-
-        report["keops cache"] = pykeops.get_build_folder()
+        report["keops cache"] = status["keops build folder"]
     backends = {"tensorized": "ok", "blocked": "ok"}
     if not ok:
         backends["keops"] = f"unavailable: {reason}"
@@ -66,17 +64,15 @@ def info(check_keops: bool = True, file=None) -> dict:
     else:
         backends["keops"] = "importable (not compiled: check_keops=False)"
     key = "blocked, fused loops"
-    if not R.COMPILED:
-        backends[key] = "off (otreg.reductions.COMPILED = False)"
-    elif _compiled.failure():
-        backends[key] = f"off: {_compiled.failure()}"
+    if status["fused"]:
+        backends[key] = f"off: {status['fused']}"
     else:
-        backends[key] = (f"on for softmin and kernel products from {_compiled.MIN_PAIRS:.0e} "
-                         f"pairs, float32/64 (torch.compile, after "
-                         f"{_compiled.TIER_UP_SECONDS:g} s on the blocked path)")
+        backends[key] = (f"on for softmin and kernel products from "
+                         f"{status['fused min pairs']:.0e} pairs, float32/64 (torch.compile, "
+                         f"after {status['fused tier-up seconds']:g} s on the blocked path)")
     report["backends"] = backends
-    report["auto backend for large problems"] = R.resolve_backend(
-        "auto", R.TENSORIZED_MAX_PAIRS + 1, torch.device("cpu"))
+    report["auto backend for large problems"] = reductions.resolve_backend(
+        "auto", reductions.TENSORIZED_MAX_PAIRS + 1, torch.device("cpu"))
     if file is not False:
         out = file or sys.stdout
         for key, value in report.items():

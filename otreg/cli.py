@@ -234,7 +234,8 @@ def distance(source: str, target: str, blur: float, scaling: float, tol: float, 
     SOURCE and TARGET are meshes, point clouds or volumes (with --label or --level).
     """
     from . import ConvergenceWarning
-    from .ot.divergence import _divergence
+    from .ot.divergence import divergence
+    from .ot.problem import SinkhornOptions
 
     try:
         shapes = [_load(p, label, level, None) for p in (source, target)]
@@ -245,9 +246,9 @@ def distance(source: str, target: str, blur: float, scaling: float, tol: float, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)  # reported below instead
         try:
-            value, res = _divergence("otreg distance", x, y, a / a.sum(), b / b.sum(),
-                                     blur=blur, reach=reach, scaling=scaling, tol=tol,
-                                     max_iter=max_iter, relaxation=relaxation)
+            options = SinkhornOptions(blur=blur, reach=reach, scaling=scaling, tol=tol,
+                                      max_iter=max_iter, relaxation=relaxation)
+            value, res = divergence("otreg distance", x, y, a / a.sum(), b / b.sum(), options)
         except (ValueError, TypeError) as err:
             raise click.ClickException(str(err)) from err
     value = float(value.detach())

@@ -19,7 +19,7 @@ import torch
 
 __all__ = ["Cost", "COSTS", "get_cost", "epsilon_schedule", "diameter"]
 
-_SQRT_FLOOR = 1e-20
+SQRT_FLOOR = 1e-20
 
 
 def _sq_dists(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -45,25 +45,25 @@ class Cost:
         sq = _sq_dists(x, y)
         if self.p == 2:
             return sq / 2
-        return torch.sqrt(sq + _SQRT_FLOOR)
+        return torch.sqrt(sq + SQRT_FLOOR)
 
     def keops(self, x_i: Any, y_j: Any) -> Any:
         """The same formula on KeOps LazyTensors (symbolic, never stored)."""
         sq = ((x_i - y_j) ** 2).sum(-1)
         if self.p == 2:
             return sq / 2
-        return (sq + _SQRT_FLOOR).sqrt()
+        return (sq + SQRT_FLOOR).sqrt()
 
 
 COSTS = {"sqeuclidean": Cost("sqeuclidean", 2), "euclidean": Cost("euclidean", 1)}
 
 
-def get_cost(name: str | Cost, fn: str = "otreg") -> Cost:
+def get_cost(name: str | Cost, caller: str = "otreg") -> Cost:
     """The Cost of that name (``"sqeuclidean"`` or ``"euclidean"``)."""
     if isinstance(name, Cost):
         return name
     if name not in COSTS:
-        raise ValueError(f"{fn}: cost is {name!r}; choose one of {', '.join(map(repr, COSTS))}")
+        raise ValueError(f"{caller}: cost is {name!r}; choose one of {', '.join(map(repr, COSTS))}")
     return COSTS[name]
 
 

@@ -44,44 +44,44 @@ class Shape:
     source: str | None = None
 
     def __post_init__(self) -> None:
-        fn = "Shape"
+        caller = "Shape"
         pts = _as_tensor(self.points)
         if not pts.is_floating_point():
             pts = pts.to(torch.get_default_dtype())
         if pts.dim() != 2 or pts.shape[1] < 1:
-            raise ValueError(f"{fn}: points has shape {tuple(pts.shape)}; it must be (N, D)")
+            raise ValueError(f"{caller}: points has shape {tuple(pts.shape)}; it must be (N, D)")
         if pts.shape[0] == 0:
-            raise ValueError(f"{fn}: points is empty; a shape needs at least one point")
+            raise ValueError(f"{caller}: points is empty; a shape needs at least one point")
         bad = ~torch.isfinite(pts.detach())
         if bool(bad.any()):
             rows = int(bad.any(1).sum())
-            raise ValueError(f"{fn}: points has {rows} rows with NaN or infinite coordinates; "
+            raise ValueError(f"{caller}: points has {rows} rows with NaN or infinite coordinates; "
                              "all coordinates must be finite")
         self.points = pts
         if self.faces is not None:
             faces = _as_tensor(self.faces)
             if faces.is_floating_point() or faces.dtype == torch.bool:
-                raise TypeError(f"{fn}: faces has dtype {faces.dtype}; it must be integer")
+                raise TypeError(f"{caller}: faces has dtype {faces.dtype}; it must be integer")
             faces = faces.long()
             if faces.dim() != 2 or faces.shape[1] != 3:
-                raise ValueError(f"{fn}: faces has shape {tuple(faces.shape)}; triangles are "
+                raise ValueError(f"{caller}: faces has shape {tuple(faces.shape)}; triangles are "
                                  "(F, 3)")
             if faces.numel() and (int(faces.min()) < 0 or int(faces.max()) >= pts.shape[0]):
-                raise ValueError(f"{fn}: faces index vertices {int(faces.min())} to "
+                raise ValueError(f"{caller}: faces index vertices {int(faces.min())} to "
                                  f"{int(faces.max())} but there are {pts.shape[0]} points")
             self.faces = faces.to(pts.device)
         if self.weights is not None:
             w = _as_tensor(self.weights, pts.dtype).to(pts.device)
             if w.shape != (pts.shape[0],):
-                raise ValueError(f"{fn}: weights has shape {tuple(w.shape)}; it must be "
+                raise ValueError(f"{caller}: weights has shape {tuple(w.shape)}; it must be "
                                  f"({pts.shape[0]},)")
             if bool((w < 0).any()) or not bool(torch.isfinite(w).all()):
-                raise ValueError(f"{fn}: weights must be finite and >= 0")
+                raise ValueError(f"{caller}: weights must be finite and >= 0")
             self.weights = w
         for key, value in list(self.data.items()):
             value = _as_tensor(value).to(pts.device)
             if value.shape[0] != pts.shape[0]:
-                raise ValueError(f"{fn}: data[{key!r}] has {value.shape[0]} rows but there "
+                raise ValueError(f"{caller}: data[{key!r}] has {value.shape[0]} rows but there "
                                  f"are {pts.shape[0]} points")
             self.data[key] = value
 
@@ -165,10 +165,10 @@ class Shape:
     @property
     def point_normals(self) -> torch.Tensor:
         """Unit vertex normals ``(N, 3)``: the area-weighted mean of adjacent triangles'."""
-        fn = self.face_normals
+        normals = self.face_normals
         acc = torch.zeros_like(self.points)
         for k in range(3):
-            acc = acc.index_add(0, self.faces[:, k], fn)
+            acc = acc.index_add(0, self.faces[:, k], normals)
         return acc / acc.norm(dim=1, keepdim=True).clamp_min(1e-30)
 
     @property

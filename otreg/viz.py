@@ -22,7 +22,7 @@ def plot_shapes(shapes: dict[str, Shape], path: str | Path, colors: dict[str, st
     """
     import pyvista as pv
 
-    from .io._files import atomic_write
+    from .io import atomic_write
 
     colors, scalars = colors or {}, scalars or {}
     names = list(shapes)
@@ -60,7 +60,7 @@ def plot_history(history: list[dict], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .io._files import atomic_write
+    from .io import atomic_write
 
     keys: list[str] = []
     for h in history:  # levels may have different data terms

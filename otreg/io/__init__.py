@@ -22,8 +22,9 @@ import torch
 
 from ..shapes import Shape
 from . import _files, _volume
+from ._files import atomic_write
 
-__all__ = ["load_shape", "save_shape", "VOLUME_EXTS", "MESH_EXTS"]
+__all__ = ["load_shape", "save_shape", "atomic_write", "VOLUME_EXTS", "MESH_EXTS"]
 
 VOLUME_EXTS = (".nii", ".nii.gz", ".mgz")
 MESH_EXTS = (*_files.PYVISTA_EXTS, ".gii", ".gii.gz", ".csv", ".npy")
@@ -55,36 +56,36 @@ def load_shape(path: str | Path, label: int | float | None = None, *,
     Returns:
         :class:`~otreg.shapes.Shape` with ``source`` set to the file.
     """
-    fn = "load_shape"
+    caller = "load_shape"
     if not isinstance(path, (str, Path)):
-        raise TypeError(f"{fn}: path must be a str or Path, got {type(path).__name__}")
+        raise TypeError(f"{caller}: path must be a str or Path, got {type(path).__name__}")
     path = Path(path)
     if not isinstance(smooth, int) or isinstance(smooth, bool) or smooth < 0:
-        raise ValueError(f"{fn}: smooth is {smooth!r}; it must be a number of Taubin smoothing "
+        raise ValueError(f"{caller}: smooth is {smooth!r}; it must be a number of Taubin smoothing "
                          "iterations, an integer >= 0")
     if not path.exists():
-        raise FileNotFoundError(f"{fn}: {path} does not exist")
+        raise FileNotFoundError(f"{caller}: {path} does not exist")
     if path.is_dir():
-        raise ValueError(f"{fn}: {path} is a folder; give a file")
+        raise ValueError(f"{caller}: {path} is a folder; give a file")
     if path.stat().st_size == 0:
-        raise ValueError(f"{fn}: {path} is empty (0 bytes)")
+        raise ValueError(f"{caller}: {path} is empty (0 bytes)")
     ext = _ext(path)
     if ext in VOLUME_EXTS:
-        shape = _volume.volume_to_shape(path, fn, label=label, level=level, dtype=dtype)
+        shape = _volume.volume_to_shape(path, caller, label=label, level=level, dtype=dtype)
     else:
         if label is not None or level is not None:
-            raise ValueError(f"{fn}: label= and level= apply to volumes "
+            raise ValueError(f"{caller}: label= and level= apply to volumes "
                              f"({', '.join(VOLUME_EXTS)}), not to {path.name}")
         if ext in _files.PYVISTA_EXTS:
-            shape = _files.read_pyvista(path, fn, dtype)
+            shape = _files.read_pyvista(path, caller, dtype)
         elif ext in (".gii", ".gii.gz"):
-            shape = _files.read_gifti(path, fn, dtype)
+            shape = _files.read_gifti(path, caller, dtype)
         elif ext in (".csv", ".npy"):
-            shape = _files.read_points(path, fn, dtype)
+            shape = _files.read_points(path, caller, dtype)
         elif _files.is_freesurfer_surface(path):
-            shape = _files.read_freesurfer(path, fn, dtype)
+            shape = _files.read_freesurfer(path, caller, dtype)
         else:
-            raise ValueError(f"{fn}: {path.name} has an unknown format; otreg reads volumes "
+            raise ValueError(f"{caller}: {path.name} has an unknown format; otreg reads volumes "
                              f"({', '.join(VOLUME_EXTS)}), meshes ({', '.join(MESH_EXTS)}) and "
                              "FreeSurfer surfaces (lh.pial, rh.white, ...)")
     if smooth:
@@ -102,13 +103,13 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
     ``.surf`` (FreeSurfer, coordinates as scanner RAS); point clouds: .csv, .npy.
     Refuses to overwrite ``shape.source`` (the file it was read from).
     """
-    fn = "save_shape"
+    caller = "save_shape"
     if not isinstance(shape, Shape):
-        raise TypeError(f"{fn}: shape must be an otreg Shape, got {type(shape).__name__}")
+        raise TypeError(f"{caller}: shape must be an otreg Shape, got {type(shape).__name__}")
     path = Path(path)
     if shape.source is not None and path.exists() and path.resolve() == Path(
             shape.source).resolve():
-        raise ValueError(f"{fn}: {path} is the file this shape was read from; otreg never "
+        raise ValueError(f"{caller}: {path} is the file this shape was read from; otreg never "
                          "overwrites an input: choose another path")
     ext = _ext(path)
     if ext in _files.PYVISTA_EXTS:
@@ -120,14 +121,14 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
     elif ext == ".surf" or path.name.startswith(("lh.", "rh.")):
         fmt = "freesurfer"
     else:
-        raise ValueError(f"{fn}: cannot write {path.name}: use one of "
+        raise ValueError(f"{caller}: cannot write {path.name}: use one of "
                          f"{', '.join(_files.PYVISTA_EXTS)}, .gii, .csv, .npy, or a FreeSurfer "
                          "name (lh.NAME, rh.NAME, *.surf)")
     needs_faces = fmt in ("gifti", "freesurfer") or ext == ".stl"  # STL stores triangles only
     if needs_faces and (shape.faces is None or shape.n_faces == 0):
-        raise ValueError(f"{fn}: {path.name} is a surface format but the shape has no "
+        raise ValueError(f"{caller}: {path.name} is a surface format but the shape has no "
                          "triangles; save point clouds as .csv, .npy or .vtk")
     if fmt in ("gifti", "freesurfer") and shape.dim != 3:
-        raise ValueError(f"{fn}: {path.name} needs 3-D points, the shape's are {shape.dim}-D")
+        raise ValueError(f"{caller}: {path.name} needs 3-D points, the shape's are {shape.dim}-D")
     _files.write_shape(shape, path, fmt)
     return path

@@ -28,7 +28,7 @@ _PLY_SIZES = {"char": 1, "uchar": 1, "int8": 1, "uint8": 1, "short": 2, "ushort"
               "float": 4, "float32": 4, "double": 8, "float64": 8}
 
 
-def check_ply_size(path: Path, fn: str) -> None:
+def check_ply_size(path: Path, caller: str) -> None:
     """Refuse a PLY file shorter than its header says (VTK's reader crashes on those).
 
     The bound is a lower one: list properties (faces) count at least their length byte and
@@ -38,7 +38,7 @@ def check_ply_size(path: Path, fn: str) -> None:
         head = fh.read(65536)
     end = head.find(b"end_header")
     if not head.startswith(b"ply") or end < 0:
-        raise ValueError(f"{fn}: {path} is not a PLY file (no 'ply' ... 'end_header' header)")
+        raise ValueError(f"{caller}: {path} is not a PLY file (no 'ply' ... 'end_header' header)")
     body = len(head[:end]) + len(b"end_header") + 1
     lines = head[:end].decode("ascii", "replace").splitlines()
     binary = any(ln.startswith("format binary") for ln in lines)
@@ -61,16 +61,16 @@ def check_ply_size(path: Path, fn: str) -> None:
             fh.seek(body)
             have = sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
     if have < (need if binary else rows):
-        raise ValueError(f"{fn}: {path} is truncated: its header announces more data "
+        raise ValueError(f"{caller}: {path} is truncated: its header announces more data "
                          f"({need if binary else rows:,} {'bytes' if binary else 'lines'} at "
                          f"least) than the file holds")
 
 
-def read_pyvista(path: Path, fn: str, dtype) -> Shape:
+def read_pyvista(path: Path, caller: str, dtype) -> Shape:
     import pyvista as pv
 
     if path.suffix.lower() == ".ply":
-        check_ply_size(path, fn)
+        check_ply_size(path, caller)
 
     try:
         # VTK's readers report a truncated or corrupt file as an error message, not an
@@ -82,14 +82,14 @@ def read_pyvista(path: Path, fn: str, dtype) -> Shape:
                 mesh = pv.read(str(path))
     except Exception as err:
         text = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
-        raise ValueError(f"{fn}: {path} could not be read as a mesh; it may be truncated or "
+        raise ValueError(f"{caller}: {path} could not be read as a mesh; it may be truncated or "
                          f"corrupt ({type(err).__name__}: {text})") from err
     if mesh.n_points == 0:
-        raise ValueError(f"{fn}: {path} has no points")
+        raise ValueError(f"{caller}: {path} has no points")
     return Shape.from_pyvista(mesh, dtype=dtype, source=str(path))
 
 
-def read_gifti(path: Path, fn: str, dtype) -> Shape:
+def read_gifti(path: Path, caller: str, dtype) -> Shape:
     import nibabel as nib
 
     try:
@@ -98,29 +98,29 @@ def read_gifti(path: Path, fn: str, dtype) -> Shape:
             raw = gzip.decompress(raw)
         img = nib.GiftiImage.from_bytes(raw)
     except Exception as err:
-        raise ValueError(f"{fn}: {path} could not be read as GIFTI ({type(err).__name__}: "
+        raise ValueError(f"{caller}: {path} could not be read as GIFTI ({type(err).__name__}: "
                          f"{err})") from err
     points = img.agg_data("pointset")
     faces = img.agg_data("triangle")
     if points is None or len(np.shape(points)) != 2:
-        raise ValueError(f"{fn}: {path} holds no surface (no NIFTI_INTENT_POINTSET array)")
+        raise ValueError(f"{caller}: {path} holds no surface (no NIFTI_INTENT_POINTSET array)")
     faces = None if faces is None else np.asarray(faces, dtype=np.int64)
     return Shape(torch.as_tensor(np.asarray(points, dtype=np.float64), dtype=dtype),
                  None if faces is None else torch.as_tensor(faces), source=str(path))
 
 
-def read_freesurfer(path: Path, fn: str, dtype) -> Shape:
+def read_freesurfer(path: Path, caller: str, dtype) -> Shape:
     """A FreeSurfer surface, moved from tkr-RAS to scanner RAS by its volume info's c_ras."""
     import nibabel.freesurfer as fs
 
     try:
         coords, faces, meta = fs.read_geometry(str(path), read_metadata=True)
     except Exception as err:
-        raise ValueError(f"{fn}: {path} could not be read as a FreeSurfer surface "
+        raise ValueError(f"{caller}: {path} could not be read as a FreeSurfer surface "
                          f"({type(err).__name__}: {err})") from err
     cras = meta.get("cras") if meta else None
     if cras is None:
-        warnings.warn(f"{fn}: {path} carries no volume info: its coordinates are left in "
+        warnings.warn(f"{caller}: {path} carries no volume info: its coordinates are left in "
                       "FreeSurfer's tkr-RAS frame, which may be shifted from scanner RAS (the "
                       "frame of the subject's NIfTI volumes)", UserWarning, stacklevel=3)
     else:
@@ -129,7 +129,7 @@ def read_freesurfer(path: Path, fn: str, dtype) -> Shape:
                  source=str(path))
 
 
-def read_points(path: Path, fn: str, dtype) -> Shape:
+def read_points(path: Path, caller: str, dtype) -> Shape:
     try:
         if path.suffix == ".npy":
             pts = np.load(path, allow_pickle=False)
@@ -139,10 +139,10 @@ def read_points(path: Path, fn: str, dtype) -> Shape:
             skip = 1 if any(c.isalpha() for c in first) else 0
             pts = np.loadtxt(path, delimiter=",", skiprows=skip, ndmin=2)
     except Exception as err:
-        raise ValueError(f"{fn}: {path} could not be read as a point cloud "
+        raise ValueError(f"{caller}: {path} could not be read as a point cloud "
                          f"({type(err).__name__}: {err})") from err
     if pts.ndim != 2 or pts.shape[0] == 0:
-        raise ValueError(f"{fn}: {path} holds an array of shape {pts.shape}; a point cloud "
+        raise ValueError(f"{caller}: {path} holds an array of shape {pts.shape}; a point cloud "
                          "is (N, D) with N >= 1")
     return Shape(torch.as_tensor(pts.astype(np.float64), dtype=dtype), source=str(path))
 

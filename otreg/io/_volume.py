@@ -10,7 +10,7 @@ import torch
 from ..shapes import Shape
 
 
-def load_volume(path: Path, fn: str):
+def load_volume(path: Path, caller: str):
     """(data as a 3-D array, voxel-to-world affine) with clear errors for bad files."""
     import nibabel as nib
 
@@ -18,21 +18,21 @@ def load_volume(path: Path, fn: str):
         img = nib.load(str(path))
         data = np.asanyarray(img.dataobj)
     except (OSError, EOFError, ValueError, nib.filebasedimages.ImageFileError) as err:
-        raise ValueError(f"{fn}: {path} could not be read as a volume ({type(err).__name__}: "
+        raise ValueError(f"{caller}: {path} could not be read as a volume ({type(err).__name__}: "
                          f"{err}); the file may be truncated or not NIfTI/MGZ") from err
     if data.ndim == 4 and data.shape[3] == 1:
         data = data[..., 0]
     if data.ndim != 3:
-        raise ValueError(f"{fn}: {path} has shape {data.shape}; a surface needs a 3-D volume "
+        raise ValueError(f"{caller}: {path} has shape {data.shape}; a surface needs a 3-D volume "
                          "(select one volume of a 4-D series first)")
     if 0 in data.shape:
-        raise ValueError(f"{fn}: {path} is empty (shape {data.shape})")
+        raise ValueError(f"{caller}: {path} is empty (shape {data.shape})")
     return data, np.asarray(img.affine, dtype=np.float64)
 
 
-def _mask(data: np.ndarray, label, level, path: Path, fn: str) -> np.ndarray:
+def _mask(data: np.ndarray, label, level, path: Path, caller: str) -> np.ndarray:
     if label is not None and level is not None:
-        raise ValueError(f"{fn}: give label= (a segmentation value) or level= (a threshold "
+        raise ValueError(f"{caller}: give label= (a segmentation value) or level= (a threshold "
                          "of a probability map), not both")
     if label is not None:
         mask = data == label
@@ -41,25 +41,25 @@ def _mask(data: np.ndarray, label, level, path: Path, fn: str) -> np.ndarray:
                 np.unique(data)
             shown = ", ".join(f"{v:g}" for v in present[:30])
             more = f" and {present.size - 30} more" if present.size > 30 else ""
-            raise ValueError(f"{fn}: label {label} is absent from {path}; labels present: "
+            raise ValueError(f"{caller}: label {label} is absent from {path}; labels present: "
                              f"{shown}{more}")
         return mask
     if level is not None:
         mask = data >= level
         if not mask.any():
-            raise ValueError(f"{fn}: no voxel of {path} reaches level={level} (max "
+            raise ValueError(f"{caller}: no voxel of {path} reaches level={level} (max "
                              f"{np.nanmax(data):g})")
         return mask
     values = np.unique(data)
     if values.size <= 2 and set(values.tolist()) <= {0, 1}:
         if not (data == 1).any():
-            raise ValueError(f"{fn}: the mask {path} is all zero")
+            raise ValueError(f"{caller}: the mask {path} is all zero")
         return data == 1
-    raise ValueError(f"{fn}: {path} has {values.size} distinct values; give label= for a "
+    raise ValueError(f"{caller}: {path} has {values.size} distinct values; give label= for a "
                      "segmentation or level= for a probability map")
 
 
-def volume_to_shape(path: Path, fn: str, label=None, level=None, step_size: int = 1,
+def volume_to_shape(path: Path, caller: str, label=None, level=None, step_size: int = 1,
                     dtype=torch.float32) -> Shape:
     """Marching cubes (scikit-image) on the mask, mapped through the affine to world mm.
 
@@ -69,8 +69,8 @@ def volume_to_shape(path: Path, fn: str, label=None, level=None, step_size: int 
     import nibabel as nib
     from skimage.measure import marching_cubes
 
-    data, affine = load_volume(path, fn)
-    mask = _mask(data, label, level, path, fn)
+    data, affine = load_volume(path, caller)
+    mask = _mask(data, label, level, path, caller)
     padded = np.pad(mask.astype(np.float32), 1)
     verts, faces, _, _ = marching_cubes(padded, level=0.5, step_size=step_size,
                                         allow_degenerate=False)

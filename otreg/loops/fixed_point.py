@@ -164,19 +164,19 @@ def fixed_point(
     Returns:
         z*, with the structure of x0.
     """
-    fn = "fixed_point"
+    caller = "fixed_point"
     if not callable(step):
-        raise TypeError(f"{fn}: step must be callable, got {type(step).__name__}")
+        raise TypeError(f"{caller}: step must be callable, got {type(step).__name__}")
     if isinstance(params, nn.Module):
-        raise TypeError(f"{fn}: pass tuple(module.parameters()) as params and use them in step")
-    z, single = _as_tuple(fn, x0)
-    tol = check_positive(fn, "tol", tol)
-    max_iter = check_int(fn, "max_iter", max_iter, 1)
-    check_choice(fn, "backward", backward, BACKWARDS)
-    check_choice(fn, "solver", solver, SOLVERS)
-    backward_tol = tol if backward_tol is None else check_positive(fn, "backward_tol",
+        raise TypeError(f"{caller}: pass tuple(module.parameters()) as params and use them in step")
+    z, single = _as_tuple(caller, x0)
+    tol = check_positive(caller, "tol", tol)
+    max_iter = check_int(caller, "max_iter", max_iter, 1)
+    check_choice(caller, "backward", backward, BACKWARDS)
+    check_choice(caller, "solver", solver, SOLVERS)
+    backward_tol = tol if backward_tol is None else check_positive(caller, "backward_tol",
                                                                      backward_tol)
-    backward_max_iter = check_int(fn, "backward_max_iter", backward_max_iter, 1)
+    backward_max_iter = check_int(caller, "backward_max_iter", backward_max_iter, 1)
     params = tuple(params)
     run = _Step(step, params, False, single, z)
     report = {} if report is None else report
@@ -191,7 +191,7 @@ def fixed_point(
                 break
     report.update(n_iter=n, converged=change <= tol, residual=change)
     if change > tol:
-        warnings.warn(f"{fn}: stopped after {n} iterations with relative change {change:.3g} "
+        warnings.warn(f"{caller}: stopped after {n} iterations with relative change {change:.3g} "
                       f"> tol={tol:g}; raise max_iter or check that step contracts",
                       ConvergenceWarning, stacklevel=2)
     if backward == "unroll":

@@ -35,10 +35,10 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "M
 State = torch.Tensor | tuple[torch.Tensor, ...]
 
 
-def parse_bytes(fn: str, memory: int | str) -> int:
+def parse_bytes(caller: str, memory: int | str) -> int:
     """``"500MB"``, ``"2 GiB"`` or an integer number of bytes -> bytes."""
     if isinstance(memory, bool):
-        raise TypeError(f"{fn}: memory must be bytes (int) or a string like '500MB', "
+        raise TypeError(f"{caller}: memory must be bytes (int) or a string like '500MB', "
                         f"got {memory!r}")
     if isinstance(memory, int):
         value = memory
@@ -49,13 +49,13 @@ def parse_bytes(fn: str, memory: int | str) -> int:
         try:
             value = int(float(number) * _UNITS[unit])
         except (ValueError, KeyError):
-            raise ValueError(f"{fn}: memory is {memory!r}; give bytes or a size like '500MB', "
+            raise ValueError(f"{caller}: memory is {memory!r}; give bytes or a size like '500MB', "
                              "'2GB', '512MiB'") from None
     else:
-        raise TypeError(f"{fn}: memory must be bytes (int) or a string like '500MB', "
+        raise TypeError(f"{caller}: memory must be bytes (int) or a string like '500MB', "
                         f"got {type(memory).__name__}")
     if value <= 0:
-        raise ValueError(f"{fn}: memory is {memory!r}; it must be positive")
+        raise ValueError(f"{caller}: memory is {memory!r}; it must be positive")
     return value
 
 
@@ -65,12 +65,12 @@ def state_bytes(state: Sequence[torch.Tensor]) -> int:
 
 
 # ----------------------------------------------------------------------- helpers
-def _as_tuple(fn: str, x0: object) -> tuple[tuple[torch.Tensor, ...], bool]:
+def _as_tuple(caller: str, x0: object) -> tuple[tuple[torch.Tensor, ...], bool]:
     if isinstance(x0, torch.Tensor):
         return (x0,), True
     if isinstance(x0, (tuple, list)) and x0 and all(isinstance(t, torch.Tensor) for t in x0):
         return tuple(x0), False
-    raise TypeError(f"{fn}: x0 must be a tensor or a non-empty tuple of tensors, "
+    raise TypeError(f"{caller}: x0 must be a tensor or a non-empty tuple of tensors, "
                     f"got {type(x0).__name__}")
 
 
@@ -261,28 +261,28 @@ def iterate(
     Returns:
         x_n, with the structure of ``x0``.
     """
-    fn = "iterate"
+    caller = "iterate"
     if not callable(step):
-        raise TypeError(f"{fn}: step must be callable, got {type(step).__name__}")
-    state, single = _as_tuple(fn, x0)
-    n = check_int(fn, "n_steps", n_steps, 1)
-    check_choice(fn, "strategy", strategy, STRATEGIES)
+        raise TypeError(f"{caller}: step must be callable, got {type(step).__name__}")
+    state, single = _as_tuple(caller, x0)
+    n = check_int(caller, "n_steps", n_steps, 1)
+    check_choice(caller, "strategy", strategy, STRATEGIES)
     module = isinstance(params, nn.Module)
     if module:
         param_t = tuple(p for p in params.parameters() if p.requires_grad)
     else:
         if isinstance(params, torch.Tensor) or not all(isinstance(p, torch.Tensor)
                                                         for p in params):
-            raise TypeError(f"{fn}: params must be a tuple of tensors or an nn.Module")
+            raise TypeError(f"{caller}: params must be a tuple of tensors or an nn.Module")
         param_t = tuple(params)
     run = _Step(step, param_t, module, single, state)
     report = {} if report is None else report
     report.update(strategy=strategy, n_steps=n, state_bytes=state_bytes(state))
     if strategy == "reversible" and not callable(inverse):
-        raise ValueError(f"{fn}: strategy='reversible' needs inverse=, a callable giving "
+        raise ValueError(f"{caller}: strategy='reversible' needs inverse=, a callable giving "
                          "x_k from x_{k+1}")
     if strategy != "checkpoint" and (memory is not None or snapshots is not None):
-        raise ValueError(f"{fn}: memory and snapshots apply to strategy='checkpoint' only, "
+        raise ValueError(f"{caller}: memory and snapshots apply to strategy='checkpoint' only, "
                          f"not {strategy!r}")
 
     if strategy in ("store", "offload"):
@@ -302,7 +302,7 @@ def iterate(
         out = _Reversible.apply(run, inverse, n, report, len(state), *tensors)
         return out[0] if single else tuple(out)
 
-    s = _snapshots(fn, n, state, memory, snapshots)
+    s = _snapshots(caller, n, state, memory, snapshots)
     report["snapshots"] = s
     if s >= n:  # every state fits: checkpointing would recompute nothing
         report.update(recomputations=0)
@@ -310,15 +310,15 @@ def iterate(
     return out[0] if single else tuple(out)
 
 
-def _snapshots(fn: str, n: int, state: tuple, memory, snapshots) -> int:
+def _snapshots(caller: str, n: int, state: tuple, memory, snapshots) -> int:
     if memory is not None and snapshots is not None:
-        raise ValueError(f"{fn}: give memory or snapshots, not both")
+        raise ValueError(f"{caller}: give memory or snapshots, not both")
     if snapshots is not None:
-        return check_int(fn, "snapshots", snapshots, 1)
+        return check_int(caller, "snapshots", snapshots, 1)
     if memory is None:
         return max(1, math.ceil(math.sqrt(n)))
-    budget, size = parse_bytes(fn, memory), max(1, state_bytes(state))
+    budget, size = parse_bytes(caller, memory), max(1, state_bytes(state))
     if budget < size:
-        raise ValueError(f"{fn}: memory budget {budget:,} bytes is smaller than one state "
+        raise ValueError(f"{caller}: memory budget {budget:,} bytes is smaller than one state "
                          f"({size:,} bytes); checkpointing needs room for at least one")
     return budget // size

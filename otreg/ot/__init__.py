@@ -1,7 +1,15 @@
-"""Entropic optimal transport: the Sinkhorn solver, the divergence and the lazy plan."""
+"""Entropic optimal transport: the Sinkhorn solver, the divergence and the lazy plan.
+
+Modules: :mod:`~otreg.ot.problem` (the options objects and the validated problem),
+:mod:`~otreg.ot.solver` (the loop against a kernel, ``sinkhorn``), :mod:`~otreg.ot.multiscale`
+(the truncated kernel and the coarse problem), :mod:`~otreg.ot.convergence` (relaxation and
+stopping rule), :mod:`~otreg.ot.divergence`, :mod:`~otreg.ot.plan`.
+"""
 
 from .divergence import SinkhornLoss, sinkhorn_divergence
 from .plan import TransportPlan
-from .sinkhorn import SinkhornResult, sinkhorn
+from .problem import Implicit, Multiscale, SinkhornOptions, Unroll
+from .solver import SinkhornResult, sinkhorn
 
-__all__ = ["sinkhorn", "SinkhornResult", "sinkhorn_divergence", "SinkhornLoss", "TransportPlan"]
+__all__ = ["sinkhorn", "SinkhornResult", "sinkhorn_divergence", "SinkhornLoss", "TransportPlan",
+           "SinkhornOptions", "Implicit", "Unroll", "Multiscale"]

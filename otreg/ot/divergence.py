@@ -14,22 +14,23 @@ converged potentials, so gradients come from the envelope theorem, with no store
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from .. import reductions as R
 from .plan import TransportPlan
-from .sinkhorn import (
+from .problem import Problem, SinkhornOptions, resolve_options
+from .solver import (
     SinkhornResult,
-    _dual_value,
-    _solve_pair,
-    _solve_self,
-    _unbatch,
-    _validate,
-    _warn_if_unconverged,
+    backend_used,
+    dual_value,
+    report_convergence,
+    solve,
+    unbatch,
 )
 
-__all__ = ["sinkhorn_divergence", "SinkhornLoss"]
+__all__ = ["sinkhorn_divergence", "SinkhornLoss", "divergence"]
 
 
 def _fits(t, like) -> bool:
@@ -37,50 +38,52 @@ def _fits(t, like) -> bool:
         t.device == like.device
 
 
-def _divergence(fn: str, x, y, a, b, *, debias: bool = True, warm: dict | None = None,
-                **options):
-    """(value, cross SinkhornResult) for the debiased divergence or the plain OT cost.
+def divergence(caller: str, x, y, a, b, options: SinkhornOptions, *, debias: bool = True,
+               warm: dict | None = None) -> tuple[torch.Tensor, SinkhornResult]:
+    """``(value, result)``: the debiased divergence (or the plain OT cost when ``debias`` is
+    False), ``()`` or ``(B,)``, and the :class:`~otreg.ot.solver.SinkhornResult` of the
+    cross term OT(a, b), whose ``converged`` covers every term. Errors name ``caller``.
 
     ``warm``: a dict of the potentials of a previous call (``f``, ``g``, ``f_aa``, ``g_bb``),
     used as warm starts where their shapes fit (skipping the eps-scaling) and updated.
     """
-    p = _validate(fn, x, y, a, b, **options)
-    if options.get("backward", "envelope") != "envelope":
-        raise ValueError(f"{fn}: backward is {options['backward']!r}; the divergence's "
+    if options.backward_kind != "envelope":
+        raise ValueError(f"{caller}: backward is {options.backward!r}; the divergence's "
                          "gradient is exact with 'envelope'. For differentiable potentials "
                          "use otreg.sinkhorn(..., backward='implicit')")
+    p = Problem.build(caller, x, y, a, b, options)
     xd, yd, ad, bd = p.x.detach(), p.y.detach(), p.a.detach(), p.b.detach()
     w = {} if warm is None else warm
+
+    def warm_start(f_name: str, g_name: str, f_like, g_like):
+        f0, g0 = w.get(f_name), w.get(g_name)
+        return (f0, g0) if _fits(f0, f_like) and _fits(g0, g_like) else None
+
     with torch.no_grad():
-        init = (w["f"], w["g"]) if _fits(w.get("f"), ad) and _fits(w.get("g"), bd) else None
-        f, g, n_iter, rule, ms = _solve_pair(p, xd, yd, ad, bd, init)
+        xy = solve(p, xd, ad, yd, bd, init=warm_start("f", "g", ad, bd))
         if debias:
-            f_aa, n_aa, rule_aa, ms_aa = _solve_self(p, xd, ad, w["f_aa"] if _fits(
-                w.get("f_aa"), ad) else None)
-            g_bb, n_bb, rule_bb, ms_bb = _solve_self(p, yd, bd, w["g_bb"] if _fits(
-                w.get("g_bb"), bd) else None)
-            w.update(f_aa=f_aa, g_bb=g_bb)
-        w.update(g=g)
-    cross, f = _dual_value(p, p.x, p.y, p.a, p.b, g, ms)
+            aa = solve(p, xd, ad, init=warm_start("f_aa", "f_aa", ad, ad))
+            bb = solve(p, yd, bd, init=warm_start("g_bb", "g_bb", bd, bd))
+            w.update(f_aa=aa.f, g_bb=bb.f)
+        w.update(g=xy.g)
+    cross, f = dual_value(p, p.x, p.y, p.a, p.b, xy.g, xy.kernel)
     w["f"] = f
     value = cross
-    converged = _warn_if_unconverged(fn, "OT(a, b)", p, n_iter, rule)
+    converged = report_convergence(caller, "OT(a, b)", p, xy.n_iter, xy.rule)
     if debias:
-        value = value - 0.5 * (_dual_value(p, p.x, p.x, p.a, p.a, f_aa, ms_aa)[0]
-                               + _dual_value(p, p.y, p.y, p.b, p.b, g_bb, ms_bb)[0])
+        value = value - 0.5 * (dual_value(p, p.x, p.x, p.a, p.a, aa.f, aa.kernel)[0]
+                               + dual_value(p, p.y, p.y, p.b, p.b, bb.f, bb.kernel)[0])
         value = value + p.eps / 2 * (p.a.sum(1) - p.b.sum(1)) ** 2
-        converged &= _warn_if_unconverged(fn, "OT(a, a)", p, n_aa, rule_aa)
-        converged &= _warn_if_unconverged(fn, "OT(b, b)", p, n_bb, rule_bb)
-    backend = R.resolve_backend(p.backend, p.x.shape[0] * p.x.shape[1] * p.y.shape[1],
-                                p.x.device)
-    plan = TransportPlan(xd, yd, ad, bd, f, g, p.eps, p.cost, backend, p.batched)
+        converged &= report_convergence(caller, "OT(a, a)", p, aa.n_iter, aa.rule)
+        converged &= report_convergence(caller, "OT(b, b)", p, bb.n_iter, bb.rule)
+    backend = backend_used(p)
+    plan = TransportPlan(xd, yd, ad, bd, f, xy.g, p.eps, p.cost, backend, p.batched)
     result = SinkhornResult(
-        f=_unbatch(f, p.batched), g=_unbatch(g, p.batched), cost=_unbatch(cross, p.batched),
-        n_iter=n_iter,
-        converged=converged, marginal_error=rule.error, eps=p.eps,
+        f=unbatch(f, p.batched), g=unbatch(xy.g, p.batched), cost=unbatch(cross, p.batched),
+        n_iter=xy.n_iter, converged=converged, marginal_error=xy.rule.error, eps=p.eps,
         backend="multiscale" if p.multiscale else backend, form=p.form,
-        stopped=rule.reason, plan=plan)
-    return _unbatch(value, p.batched), result
+        stopped=xy.rule.reason, plan=plan, options=options)
+    return unbatch(value, p.batched), result
 
 
 def sinkhorn_divergence(
@@ -88,21 +91,38 @@ def sinkhorn_divergence(
     y: torch.Tensor,
     a: torch.Tensor | None = None,
     b: torch.Tensor | None = None,
-    **options,
+    options: SinkhornOptions | None = None,
+    **changes,
 ) -> torch.Tensor:
     """The debiased Sinkhorn divergence S_eps(a, b) >= 0 between two weighted point clouds.
 
     Args:
         x, y, a, b: as in :func:`otreg.sinkhorn`.
-        **options: the keyword options of :func:`otreg.sinkhorn` (blur, reach, diameter,
-            scaling, cost, form, backend, tol, max_iter, backward, relaxation, multiscale,
-            truncate, cluster_scale).
+        options: a :class:`~otreg.ot.problem.SinkhornOptions` (default: its defaults, those
+            of :func:`otreg.sinkhorn`).
+        **changes: options to change, by name (blur, reach, diameter, scaling, cost, form,
+            backend, tol, max_iter, relaxation, backward, multiscale).
 
     Returns:
         ``()`` or ``(B,)``, in cost units (mm^2 / 2 for points in mm and the default cost),
         differentiable with respect to the points and the weights.
     """
-    return _divergence("sinkhorn_divergence", x, y, a, b, debias=True, **options)[0]
+    caller = "sinkhorn_divergence"
+    options = resolve_options(caller, options, **_legacy(caller, changes))
+    return divergence(caller, x, y, a, b, options)[0]
+
+
+def _legacy(caller: str, changes: dict) -> dict:
+    """The deprecated ``truncate``/``cluster_scale`` keywords folded into ``multiscale``."""
+    from .solver import _UNSET, _legacy_options
+
+    if "truncate" not in changes and "cluster_scale" not in changes:
+        return changes
+    changes = dict(changes)
+    _, changes["multiscale"] = _legacy_options(
+        caller, "envelope", changes.get("multiscale", "auto"), _UNSET, _UNSET,
+        changes.pop("truncate", _UNSET), changes.pop("cluster_scale", _UNSET))
+    return changes
 
 
 class SinkhornLoss(nn.Module):
@@ -110,39 +130,48 @@ class SinkhornLoss(nn.Module):
 
     ``loss(x, y)`` or ``loss(a, x, b, y)`` returns the debiased Sinkhorn divergence
     (``debias=True``) or the entropic OT cost OT_eps(a, b) (``debias=False``), ``()`` or
-    ``(B,)``. The last solve's :class:`~otreg.ot.sinkhorn.SinkhornResult` (iterations,
+    ``(B,)``. The last solve's :class:`~otreg.ot.solver.SinkhornResult` (iterations,
     convergence, backend, plan) is kept in ``loss.last_result``.
 
     Args:
-        blur, reach: as in :func:`otreg.sinkhorn`.
+        blur: the final length scale, in the points' units (eps = blur ** p): 0.05 suits
+            clouds of unit size; for brain surfaces in mm, 1 to 5 mm.
+        reach: as in :func:`otreg.sinkhorn`.
         debias: subtract the self-transport terms (a divergence: 0 for equal inputs).
         warm_start: start each call's solves from the previous call's potentials (when the
             sizes match), at the final eps without the eps-scaling. In an optimisation loop
             the points move little between calls and fewer iterations reach ``tol`` (86 -> 46
             in the user guide's example). Call :meth:`reset` when the problem changes.
-        **options: the other keyword options of :func:`otreg.sinkhorn`.
+        options: a :class:`~otreg.ot.problem.SinkhornOptions`; ``blur``, ``reach`` and
+            ``**changes`` given here replace its values.
+        **changes: the other options of :func:`otreg.sinkhorn`, by name.
     """
 
-    def __init__(self, blur: float = 0.05, reach: float | None = None, debias: bool = True,
-                 warm_start: bool = False, **options) -> None:
+    def __init__(self, blur: float | None = None, reach: float | None = None,
+                 debias: bool = True, warm_start: bool = False,
+                 options: SinkhornOptions | None = None, **changes) -> None:
         super().__init__()
+        caller = "SinkhornLoss"
         if not isinstance(debias, bool):
-            raise TypeError(f"SinkhornLoss: debias must be True or False, got {debias!r}")
+            raise TypeError(f"{caller}: debias must be True or False, got {debias!r}")
         if not isinstance(warm_start, bool):
-            raise TypeError(f"SinkhornLoss: warm_start must be True or False, got "
+            raise TypeError(f"{caller}: warm_start must be True or False, got "
                             f"{warm_start!r}")
-        self.warm_start = warm_start
+        if blur is not None:
+            changes["blur"] = blur
+        if reach is not None:
+            changes["reach"] = reach
+        self.options = resolve_options(caller, options, **_legacy(caller, changes))
+        self.debias, self.warm_start = debias, warm_start
         self._warm: dict = {}
-        self.options = dict(blur=blur, reach=reach, **options)
-        self.debias = debias
-        # Validate the options now, on a tiny problem, rather than at the first call.
-        probe = torch.zeros(1, 1)
-        _validate("SinkhornLoss", probe, probe, None, None, **self.options)
         self.last_result: SinkhornResult | None = None
 
     def extra_repr(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-        return f"{opts}, debias={self.debias}, warm_start={self.warm_start}"
+        changed = {f.name: getattr(self.options, f.name)
+                   for f in dataclasses.fields(self.options)
+                   if getattr(self.options, f.name) != f.default}
+        opts = "".join(f"{k}={v!r}, " for k, v in changed.items())
+        return f"{opts}debias={self.debias}, warm_start={self.warm_start}"
 
     def reset(self) -> None:
         """Forget the potentials kept for warm starts."""
@@ -157,6 +186,6 @@ class SinkhornLoss(nn.Module):
             raise TypeError(f"SinkhornLoss: call it as loss(x, y) or loss(a, x, b, y), got "
                             f"{len(args)} arguments")
         warm = self._warm if self.warm_start else None
-        value, self.last_result = _divergence("SinkhornLoss", x, y, a, b, debias=self.debias,
-                                              warm=warm, **self.options)
+        value, self.last_result = divergence("SinkhornLoss", x, y, a, b, self.options,
+                                             debias=self.debias, warm=warm)
         return value

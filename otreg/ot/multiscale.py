@@ -9,7 +9,7 @@ r"""Multiscale Sinkhorn: a coarse-to-fine solver with kernel truncation.
    f(x_i) = f_I + <c_I - T_I, x_i - c_I>, where T_I is the barycentre of the coarse plan's
    row I (for the cost |x - y|^2 / 2 the gradient of f is x - T(x)).
 4. The rest of the schedule and the final iterations run on the points, each softmin summing
-   over the cluster pairs a *truncation pattern* keeps (:class:`otreg._sparse.BlockSparse`).
+   over the cluster pairs a *truncation pattern* keeps (:class:`otreg.reductions.sparse.BlockSparse`).
 
 The pattern drops a pair of clusters (I, J) only when every term it holds is below
 ``exp(-truncate)`` times its weight, relative to the row's total. With the slack
@@ -42,11 +42,17 @@ import math
 
 import torch
 
-from .. import reductions as R
-from .._sparse import BlockSparse, Clusters, clusters_by_label, grid_clusters, grid_labels
-from ..costs import diameter as _diameter
+from .. import reductions
+from ..costs import diameter as bounding_diameter
+from ..reductions.sparse import (
+    BlockSparse,
+    Clusters,
+    clusters_by_label,
+    grid_clusters,
+    grid_labels,
+)
 
-__all__ = ["auto_cluster_scale", "use_multiscale", "MultiscaleProblem"]
+__all__ = ["auto_cluster_scale", "worthwhile", "multiscale_unfit", "TruncatedKernel"]
 
 #: pattern rebuilt every this many iterations at the final eps
 REFRESH = 10
@@ -75,29 +81,16 @@ def worthwhile(n_pairs: int, dim: int, blur: float, scale: float) -> bool:
     return dim <= 3 and n_pairs >= MIN_PAIRS and blur < JUMP * scale
 
 
-def use_multiscale(fn: str, multiscale, x, y, cost, form: str, backward: str, diam: float,
-                   blur: float, scale: float | None) -> bool:
-    """Resolve ``multiscale`` ("auto", True or False) for the batched problem x (B, N, D),
-    y (B, M, D); ``True`` where it cannot run raises ``ValueError`` naming why."""
-    if multiscale not in ("auto", True, False):
-        raise ValueError(f"{fn}: multiscale is {multiscale!r}; use 'auto', True or False")
-    if multiscale is False:
-        return False
-    unfit = None
+def multiscale_unfit(cost, form: str, backward: str) -> str | None:
+    """Why options rule the multiscale solver out (``None`` when they do not): it needs the
+    squared Euclidean cost, the log form and the envelope backward."""
     if cost.p != 2:
-        unfit = f"the cost is {cost.name!r} (multiscale needs 'sqeuclidean')"
-    elif x.shape[0] > 1:
-        unfit = f"the inputs are a batch of {x.shape[0]} problems (multiscale solves one)"
-    elif form != "log":
-        unfit = f"form is {form!r} (multiscale needs 'log')"
-    elif backward != "envelope":
-        unfit = f"backward is {backward!r} (multiscale needs 'envelope')"
-    if multiscale is True:
-        if unfit:
-            raise ValueError(f"{fn}: multiscale=True but {unfit}; use multiscale=False")
-        return True
-    scale = scale or auto_cluster_scale(diam, max(x.shape[1], y.shape[1]), x.shape[-1])
-    return unfit is None and worthwhile(x.shape[1] * y.shape[1], x.shape[-1], blur, scale)
+        return f"the cost is {cost.name!r} (multiscale needs 'sqeuclidean')"
+    if form != "log":
+        return f"form is {form!r} (multiscale needs 'log')"
+    if backward != "envelope":
+        return f"backward is {backward!r} (multiscale needs 'envelope')"
+    return None
 
 
 def _pattern_pairs(cx: Clusters, cy: Clusters, fx, gy, dx, dy, threshold: float,
@@ -245,28 +238,60 @@ class _Kernels:
     pairs: tuple[torch.Tensor, torch.Tensor]
 
 
-class MultiscaleProblem:
-    """One multiscale solve between the clouds x (N, D) and y (M, D) (or x with itself).
+class TruncatedKernel:
+    """Softmins over the cluster pairs a truncation pattern keeps, for one problem between
+    the clouds x (1, N, D) and y (1, M, D) (or x with itself): the multiscale solver's
+    kernel, with the interface of :class:`otreg.ot.solver.DenseKernel`.
 
     The clouds are sorted by cluster once; potentials are kept in sorted order during the
-    solve and returned in the caller's order.
+    solve (``to_kernel_order`` / ``to_caller_order`` convert). ``coarse_problem`` describes
+    the problem on the clusters' centroids that the loop solves first; ``extrapolate``
+    extends its potentials to the points.
     """
 
+    refresh_every = REFRESH
+
     def __init__(self, p, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor | None = None,
-                 b: torch.Tensor | None = None, scale: float | None = None,
-                 truncate: float = 5.0) -> None:
-        self.p, self.truncate = p, truncate
-        self.self_problem = y is None
-        self.scale = scale
-        self.cx = grid_clusters(x, a, scale)
-        self.a = a[self.cx.order]
-        if self.self_problem:
+                 b: torch.Tensor | None = None) -> None:
+        self.p = p
+        self.truncate, self.scale = p.multiscale.truncate, p.multiscale.cluster_scale
+        self.symmetric = y is None
+        self.cx = grid_clusters(x[0], a[0], self.scale)
+        self.a = a[:, self.cx.order]
+        if self.symmetric:
             self.cy, self.b = self.cx, self.a
         else:
-            self.cy = grid_clusters(y, b, scale)
-            self.b = b[self.cy.order]
+            self.cy = grid_clusters(y[0], b[0], self.scale)
+            self.b = b[:, self.cy.order]
+        self._a_log, self._b_log = self.a[0].log(), self.b[0].log()
+        self._unsort_x = torch.argsort(self.cx.order)
+        self._unsort_y = self._unsort_x if self.symmetric else torch.argsort(self.cy.order)
+        self._margin = 0.0  # added once, to the first pattern after an extrapolation
         self.kernels: _Kernels | None = None
         self.n_pairs: list[int] = []  # pairs summed by each pattern, for reports
+
+    # -------------------------------------------------------------- reductions
+    def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
+        h = self._b_log + g[0] / eps
+        return self.kernels.xy.softmin(self.cx.points, self.cy.points, h, eps)[None]
+
+    def softmin_yx(self, eps: float, f: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernels.xy if self.symmetric else self.kernels.yx
+        h = self._a_log + f[0] / eps
+        return kernel.softmin(self.cy.points, self.cx.points, h, eps)[None]
+
+    def differentiable_softmin(self, x, y, b, g, eps: float) -> torch.Tensor:
+        """The x -> y softmin of log b + g / eps on the final pattern, differentiable in x,
+        y and b (caller's order in and out, (1, N))."""
+        ox, oy = self.cx.order, self.cy.order
+        h = b[0, oy].log() + g[0, oy] / eps
+        return self.kernels.xy.softmin(x[0, ox], y[0, oy], h, eps)[self._unsort_x][None]
+
+    def to_kernel_order(self, f, g):
+        return f[:, self.cx.order], g[:, self.cy.order]
+
+    def to_caller_order(self, f, g):
+        return f[:, self._unsort_x], g[:, self._unsort_y]
 
     # -------------------------------------------------------------- patterns
     def _bound_potentials(self, f, g, lam):
@@ -274,19 +299,22 @@ class MultiscaleProblem:
         # larger of f and f / lam on each side, which keeps more pairs, never fewer
         return torch.maximum(f, f / lam), torch.maximum(g, g / lam)
 
-    def update_pattern(self, f, g, eps: float, margin: float = 0.0, full: bool = False):
-        """Rebuild the kernels for the potentials f (N,), g (M,) (sorted) at this eps.
+    def refresh(self, f, g, eps: float, full: bool = False) -> None:
+        """Rebuild the kernels for the potentials f (1, N), g (1, M) (sorted) at this eps.
 
         The threshold is ``truncate`` times the final eps, or ``ANNEAL_TRUNCATE`` times the
         current one if larger (the annealing's potentials need less accuracy), plus
-        ``margin`` times eps. Among the previous pattern's pairs, the kernels are rebuilt
-        only if at least a quarter of them can go.
+        ``FIRST_MARGIN`` times eps for the first pattern after an extrapolation. ``full``
+        searches every cluster pair; otherwise only the current pattern's pairs, and the
+        kernels are rebuilt only if at least a quarter of them can go.
         """
+        f, g = f[0], g[0]
         lam = self.p.damping(eps)
         fb, gb = self._bound_potentials(f, g, lam)
         dx = _cluster_gradients(self.cx, f)
-        dy = dx if self.self_problem else _cluster_gradients(self.cy, g)
-        threshold = max(ANNEAL_TRUNCATE * eps, self.truncate * self.p.eps) + margin * eps
+        dy = dx if self.symmetric else _cluster_gradients(self.cy, g)
+        threshold = max(ANNEAL_TRUNCATE * eps, self.truncate * self.p.eps) + self._margin * eps
+        self._margin = 0.0
         refresh = not full and self.kernels is not None
         candidates = self.kernels.pairs if refresh else None
         I, J = _pattern_pairs(self.cx, self.cy, fb, gb, dx, dy, threshold, candidates,
@@ -294,79 +322,57 @@ class MultiscaleProblem:
         if refresh and len(I) > 0.75 * len(candidates[0]):
             return  # the current kernels hold every pair that matters
         xy = BlockSparse(self.cx, self.cy, I, J)
-        yx = xy if self.self_problem else BlockSparse(self.cy, self.cx, J, I)
+        yx = xy if self.symmetric else BlockSparse(self.cy, self.cx, J, I)
         self.kernels = _Kernels(xy, yx, (I, J))
         self.n_pairs.append(xy.n_pairs)
 
     def finish(self, f, g, eps: float) -> None:
-        """The last pattern, for the converged potentials f (N,), g (M,) (sorted); then keep
-        only what the gradient needs: the x -> y kernel (the dual value's one reduction)
-        without its cached geometry, so that finished problems hold little memory while the
-        others are solved."""
-        self.update_pattern(f, g, eps)
+        """The last pattern, for the converged potentials (sorted); then keep only what the
+        gradient needs: the x -> y kernel (the dual value's one reduction) without its
+        cached geometry, so that finished problems hold little memory while the others are
+        solved."""
+        self.refresh(f, g, eps)
         self.kernels.yx = None
         self.kernels.xy.release_geometry()
 
     # -------------------------------------------------------------- coarse stage
-    def coarse_start(self):
-        """Anneal on the clusters while the blur is above the cluster scale; return the
-        extrapolated fine potentials (sorted) and the iterations used."""
-        from .sinkhorn import _solve_pair, _solve_self
-
+    def coarse_problem(self):
+        """``(problem, X, A, Y, B)``: the eps-scaling on the clusters' centroids (masses A,
+        B; Y and B None for a cloud against itself) while the blur is above ``JUMP`` times
+        the cluster scale, no iteration past it; itself multiscale when that pays."""
         p = self.p
         coarse = [e for e in p.schedule[:-1] if e > (JUMP * self.scale) ** p.cost.p]
         if not coarse:
             coarse = p.schedule[:1]
         X, A = self.cx.centres[None], self.cx.masses[None]
-        Yc = X if self.self_problem else self.cy.centres[None]
-        # a coarse problem still too large is itself solved multiscale (recursively)
-        sub_scale = auto_cluster_scale(_diameter(X, Yc), max(X.shape[1], Yc.shape[1]),
+        Y, B = (None, None) if self.symmetric else (self.cy.centres[None], self.cy.masses[None])
+        Yc = X if Y is None else Y
+        sub_scale = auto_cluster_scale(bounding_diameter(X, Yc), max(X.shape[1], Yc.shape[1]),
                                        X.shape[-1])
         recurse = worthwhile(X.shape[1] * Yc.shape[1], X.shape[-1], math.sqrt(coarse[-1]),
                              sub_scale)
-        cp = dataclasses.replace(p, schedule=coarse, max_iter=len(coarse), tol=0.0,
-                                 relaxation=1.0, multiscale=recurse, cluster_scale=sub_scale)
-        if self.self_problem:
-            fc, n_iter, _, _ = _solve_self(cp, X, A)
-            gc, Y, B = fc, X, A
-        else:
-            Y, B = self.cy.centres[None], self.cy.masses[None]
-            fc, gc, n_iter, _, _ = _solve_pair(cp, X, Y, A, B)
-        eps = coarse[-1]
-        # barycentres of the coarse plan's rows and columns: the potentials' gradients
-        tx = R.softmax_average(X, Y, B.log() + gc / eps, Y, eps, p.cost, p.backend)[0]
+        self._coarse_eps = coarse[-1]
+        sub = dataclasses.replace(p.multiscale, cluster_scale=sub_scale, auto=False)
+        problem = dataclasses.replace(p, schedule=coarse, max_iter=len(coarse), tol=0.0,
+                                      relaxation=1.0, multiscale=sub if recurse else None)
+        return problem, X, A, Y, B
+
+    def extrapolate(self, fc: torch.Tensor, gc: torch.Tensor):
+        """The coarse potentials (1, Kx), (1, Ky) extended to the points to first order,
+        sorted, (1, N) and (1, M): f(x_i) = f_I + <c_I - T_I, x_i - c_I> with T_I the
+        barycentre of the coarse plan's row I."""
+        p, eps = self.p, self._coarse_eps
+        X, A = self.cx.centres[None], self.cx.masses[None]
+        Y, B = (X, A) if self.symmetric else (self.cy.centres[None], self.cy.masses[None])
+        tx = reductions.softmax_average(X, Y, B.log() + gc / eps, Y, eps, p.cost, p.backend)[0]
         dx = self.cx.centres - tx
-        if self.self_problem:
+        if self.symmetric:
             dy = dx
         else:
-            ty = R.softmax_average(Y, X, A.log() + fc / eps, X, eps, p.cost, p.backend)[0]
+            ty = reductions.softmax_average(Y, X, A.log() + fc / eps, X, eps, p.cost,
+                                            p.backend)[0]
             dy = self.cy.centres - ty
         f = fc[0][self.cx.labels] + _dot_rel(self.cx, dx)
         g = gc[0][self.cy.labels] + _dot_rel(self.cy, dy)
-        return f, g, n_iter, len(coarse)
-
-    def warm_start(self, f, g):
-        """Potentials (caller's order) of a nearby problem, to start at the final eps."""
-        return f[self.cx.order], (f[self.cx.order] if self.self_problem else g[self.cy.order])
-
-    # -------------------------------------------------------------- reductions
-    def softmin_xy(self, h, eps, x=None, y=None):
-        x = self.cx.points if x is None else x
-        y = self.cy.points if y is None else y
-        return self.kernels.xy.softmin(x, y, h, eps)
-
-    def softmin_yx(self, h, eps, x=None, y=None):
-        x = self.cx.points if x is None else x
-        y = self.cy.points if y is None else y
-        kernel = self.kernels.xy if self.self_problem else self.kernels.yx
-        return kernel.softmin(y, x, h, eps)
-
-    def unsort_x(self, t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(t)
-        out[self.cx.order] = t
-        return out
-
-    def unsort_y(self, t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(t)
-        out[self.cy.order] = t
-        return out
+        self._margin = FIRST_MARGIN
+        return f[None], g[None]

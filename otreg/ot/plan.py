@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import reductions as R
+from .. import reductions
 from ..costs import Cost
 
 __all__ = ["TransportPlan", "DENSE_MAX_ENTRIES"]
@@ -74,13 +74,13 @@ class TransportPlan:
     def _row_mass(self, transpose: bool) -> torch.Tensor:
         """sum_j pi_ij (or sum_i pi_ij), (B, N) or (B, M)."""
         p, q, w, pot, w2, pot2 = self._side(transpose)
-        s = R.softmin(p, q, w2.log() + pot2 / self.eps, self.eps, self.cost, self.backend)
+        s = reductions.softmin(p, q, w2.log() + pot2 / self.eps, self.eps, self.cost, self.backend)
         return w * torch.exp((pot - s) / self.eps)
 
     def _apply(self, v: torch.Tensor, transpose: bool, name: str) -> torch.Tensor:
         p, q, _, _, w2, pot2 = self._side(transpose)
         vb, vector = self._vector(v, q.shape[1], name)
-        avg = R.softmax_average(p, q, w2.log() + pot2 / self.eps, vb, self.eps, self.cost,
+        avg = reductions.softmax_average(p, q, w2.log() + pot2 / self.eps, vb, self.eps, self.cost,
                                 self.backend)
         return self._out(self._row_mass(transpose).unsqueeze(-1) * avg, vector)
 
@@ -100,7 +100,7 @@ class TransportPlan:
     def barycentric_map(self) -> torch.Tensor:
         """Where each x_i is sent: ``sum_j pi_ij y_j / sum_j pi_ij``, ``(N, D)`` (or batched)."""
         h = self._b.log() + self._g / self.eps
-        t = R.softmax_average(self._x, self._y, h, self._y, self.eps, self.cost, self.backend)
+        t = reductions.softmax_average(self._x, self._y, h, self._y, self.eps, self.cost, self.backend)
         return self._out(t, False)
 
     def dense(self, max_entries: int = DENSE_MAX_ENTRIES) -> torch.Tensor:

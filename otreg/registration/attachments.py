@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from .._checks import ConvergenceWarning, check_positive
-from ..ot.divergence import _divergence
+from ..ot.divergence import divergence
+from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from .kernels import GaussianKernel
 
@@ -37,13 +38,13 @@ class Attachment:
     the points, as a line search requires.
     """
 
-    def __init__(self, name: str, fn: Callable[[Shape, Shape], torch.Tensor],
+    def __init__(self, name: str, evaluate: Callable[[Shape, Shape], torch.Tensor],
                  prepare: Callable[[Shape, Shape], None] | None = None, **options):
-        self.name, self.fn, self.options = name, fn, options
+        self.name, self.evaluate, self.options = name, evaluate, options
         self._prepare = prepare
 
     def __call__(self, warped: Shape, target: Shape) -> torch.Tensor:
-        return self.fn(warped, target)
+        return self.evaluate(warped, target)
 
     def prepare(self, warped: Shape, target: Shape) -> None:
         if self._prepare is not None:
@@ -74,9 +75,10 @@ def _sinkhorn(blur: float, reach: float | None, scaling: float, tol: float, max_
         dt = dtype or x.dtype
         with warnings.catch_warnings():  # an early stop is fine inside an optimiser
             warnings.simplefilter("ignore", ConvergenceWarning)
-            value, _ = _divergence("register", x.to(dt), y.to(dt), a.to(dt), b.to(dt),
-                                   warm=warm, blur=blur, reach=reach, scaling=scaling,
-                                   tol=tol, max_iter=iters, relaxation=relaxation)
+            options = SinkhornOptions(blur=blur, reach=reach, scaling=scaling, tol=tol,
+                                      max_iter=iters, relaxation=relaxation)
+            value, _ = divergence("register", x.to(dt), y.to(dt), a.to(dt), b.to(dt),
+                                  options, warm=warm)
         return value.to(x.dtype)
 
     def term(warped: Shape, target: Shape) -> torch.Tensor:
@@ -159,7 +161,7 @@ def make_attachment(name: str, *, blur: float = 2.0, reach: float | None = None,
                     scaling: float = 0.5, sinkhorn_tol: float = 1e-3, sinkhorn_max_iter: int = 30,
                     sinkhorn_dtype: torch.dtype | None = torch.float32,
                     sinkhorn_relaxation: float = 1.9,
-                    sigma: float = 10.0, fn: str = "register") -> Attachment:
+                    sigma: float = 10.0, caller: str = "register") -> Attachment:
     """Build a data term by name (see the module docstring for the meanings and units).
 
     The Sinkhorn term starts each solve from the potentials found by ``prepare`` (the
@@ -171,17 +173,17 @@ def make_attachment(name: str, *, blur: float = 2.0, reach: float | None = None,
     level from 12 to 9 s at the same accuracy).
     """
     if name == "sinkhorn":
-        blur = check_positive(fn, "blur", blur)
+        blur = check_positive(caller, "blur", blur)
         term, prepare = _sinkhorn(blur, reach, scaling, sinkhorn_tol, sinkhorn_max_iter,
                                   sinkhorn_dtype, 10 * sinkhorn_max_iter, sinkhorn_relaxation)
         return Attachment(name, term, prepare, blur=blur, reach=reach)
     if name in ("varifold", "currents"):
-        sigma = check_positive(fn, f"{name} sigma", sigma)
+        sigma = check_positive(caller, f"{name} sigma", sigma)
         term, prepare = _varifold(sigma, name == "currents")
         return Attachment(name, term, prepare, sigma=sigma)
     if name == "chamfer":
         return Attachment(name, _chamfer)
     if name == "landmarks":
-        raise ValueError(f"{fn}: give landmarks as landmarks=(source_points, target_points); "
+        raise ValueError(f"{caller}: give landmarks as landmarks=(source_points, target_points); "
                          "the term is added with weight 'landmarks' in loss")
-    raise ValueError(f"{fn}: unknown loss {name!r}; choose from {', '.join(ATTACHMENTS)}")
+    raise ValueError(f"{caller}: unknown loss {name!r}; choose from {', '.join(ATTACHMENTS)}")

@@ -142,14 +142,14 @@ class LDDMM(nn.Module):
                  integrator: str = "rk4", strategy: str = "store",
                  memory: int | str | None = None, backend: str = "auto") -> None:
         super().__init__()
-        fn = "LDDMM"
+        caller = "LDDMM"
         q = torch.as_tensor(control_points).detach()
         if q.dim() != 2 or q.shape[0] == 0:
-            raise ValueError(f"{fn}: control_points has shape {tuple(q.shape)}; it must be "
+            raise ValueError(f"{caller}: control_points has shape {tuple(q.shape)}; it must be "
                              "(N, D) with N >= 1")
-        self.kernel = GaussianKernel(sigma, kernel_weights, backend, fn)
-        self.n_steps = check_int(fn, "n_steps", n_steps, 1)
-        self.integrator = check_choice(fn, "integrator", integrator, INTEGRATORS)
+        self.kernel = GaussianKernel(sigma, kernel_weights, backend, caller)
+        self.n_steps = check_int(caller, "n_steps", n_steps, 1)
+        self.integrator = check_choice(caller, "integrator", integrator, INTEGRATORS)
         self.strategy, self.memory = strategy, memory
         self.register_buffer("control_points", q.clone())
         self.momenta = nn.Parameter(torch.zeros_like(q))

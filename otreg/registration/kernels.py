@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import reductions as R
+from .. import reductions
 from .._checks import check_positive
 from ..costs import get_cost
 
@@ -23,17 +23,17 @@ class GaussianKernel:
     """A sum of Gaussian kernels with widths ``sigma`` (mm) and ``weights``."""
 
     def __init__(self, sigma: float | Sequence[float], weights: Sequence[float] | None = None,
-                 backend: str = "auto", fn: str = "GaussianKernel") -> None:
+                 backend: str = "auto", caller: str = "GaussianKernel") -> None:
         sigmas = [sigma] if isinstance(sigma, (int, float)) else list(sigma)
         if not sigmas:
-            raise ValueError(f"{fn}: sigma is empty; give at least one width in mm")
-        self.sigmas = [check_positive(fn, "sigma", s) for s in sigmas]
+            raise ValueError(f"{caller}: sigma is empty; give at least one width in mm")
+        self.sigmas = [check_positive(caller, "sigma", s) for s in sigmas]
         if weights is None:
             weights = [1.0] * len(self.sigmas)
         weights = list(weights)
         if len(weights) != len(self.sigmas):
-            raise ValueError(f"{fn}: {len(weights)} weights for {len(self.sigmas)} widths")
-        self.weights = [check_positive(fn, "kernel weight", w) for w in weights]
+            raise ValueError(f"{caller}: {len(weights)} weights for {len(self.sigmas)} widths")
+        self.weights = [check_positive(caller, "kernel weight", w) for w in weights]
         self.backend = backend
 
     def __repr__(self) -> str:
@@ -43,7 +43,7 @@ class GaussianKernel:
         """``sum_j k(x_i, y_j) v_j``: x (N, D), y (M, D), v (M, E) -> (N, E)."""
         out = None
         for s, w in zip(self.sigmas, self.weights):
-            term = R.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]
+            term = reductions.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]
             out = w * term if out is None else out + w * term
         return out
 
@@ -53,7 +53,7 @@ class GaussianKernel:
         k' = sum_s w_s / sigma_s^2 exp(-|x - y|^2 / (2 sigma_s^2)) (for gradients of k)."""
         out = deriv = None
         for s, w in zip(self.sigmas, self.weights):
-            term = R.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]
+            term = reductions.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]
             out = w * term if out is None else out + w * term
             d = (w / (s * s)) * term
             deriv = d if deriv is None else deriv + d

@@ -93,7 +93,7 @@ def summary(warped: Shape, target: Shape, jac: torch.Tensor | None = None,
     vw, vt = varifold_shapes or (warped, target)
     if vw.n_faces and vt.n_faces:
         with torch.no_grad():
-            v = make_attachment("varifold", sigma=sigma, fn="summary")(
+            v = make_attachment("varifold", sigma=sigma, caller="summary")(
                 vw.to(torch.float64), vt.to(torch.float64))
         out["varifold"] = float(v)
     if jac is not None:

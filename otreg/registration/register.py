@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from .._checks import ConvergenceWarning, check_choice, check_int, check_positive
-from ..ot.sinkhorn import sinkhorn
+from ..ot.solver import sinkhorn
 from ..shapes import Shape
-from . import metrics as M
+from . import metrics
 from .attachments import ATTACHMENTS, make_attachment
 from .deformations import INTEGRATORS, LDDMM, Affine, Rigid, Similarity, fit_linear
 from .kernels import GaussianKernel
@@ -41,12 +41,12 @@ PREALIGNS = ("rigid", "similarity", "affine", "none")
 _LINEAR = {"rigid": Rigid, "similarity": Similarity, "affine": Affine}
 
 
-def _check_shape(fn: str, name: str, shape: object) -> Shape:
+def _check_shape(caller: str, name: str, shape: object) -> Shape:
     if not isinstance(shape, Shape):
-        raise TypeError(f"{fn}: {name} must be an otreg Shape (see otreg.load_shape), got "
+        raise TypeError(f"{caller}: {name} must be an otreg Shape (see otreg.load_shape), got "
                         f"{type(shape).__name__}")
     if shape.dim != 3:
-        raise ValueError(f"{fn}: {name} has {shape.dim}-D points; registration needs 3-D")
+        raise ValueError(f"{caller}: {name} has {shape.dim}-D points; registration needs 3-D")
     return shape
 
 
@@ -79,10 +79,10 @@ def prealign(source: Shape, target: Shape, kind: str = "rigid", n_iter: int = 8,
     are compared as vertex measures (area weights) decimated to about ``max_points``
     vertices: a linear map has 12 parameters at most, which a few thousand points fix.
     """
-    fn = "prealign"
-    check_choice(fn, "kind", kind, tuple(_LINEAR))
-    n_iter = check_int(fn, "n_iter", n_iter, 1)
-    max_points = check_int(fn, "max_points", max_points, 4)
+    caller = "prealign"
+    check_choice(caller, "kind", kind, tuple(_LINEAR))
+    n_iter = check_int(caller, "n_iter", n_iter, 1)
+    max_points = check_int(caller, "max_points", max_points, 4)
     x, a = _coarse_measure(source, max_points)
     y, b = _coarse_measure(target, max_points)
     size = float((y.max(0).values - y.min(0).values).norm())
@@ -210,20 +210,20 @@ class Registration:
                    doc["metrics"], doc["options"])
 
 
-def _weights(loss, fn: str, what: str = "loss") -> dict[str, float]:
+def _weights(loss, caller: str, what: str = "loss") -> dict[str, float]:
     """A data-term name or a dict of weights, checked, as a dict of weights."""
     if isinstance(loss, str):
         loss = {loss: 1.0}
     if not isinstance(loss, dict) or not loss:
-        raise ValueError(f"{fn}: {what} is {loss!r}; give a data term name or a non-empty "
+        raise ValueError(f"{caller}: {what} is {loss!r}; give a data term name or a non-empty "
                          "dict of weights, e.g. {'sinkhorn': 1.0}")
     for name, w in loss.items():
-        check_choice(fn, "loss", name, ATTACHMENTS)
-        check_positive(fn, f"weight of {name}", w)
+        check_choice(caller, "loss", name, ATTACHMENTS)
+        check_positive(caller, f"weight of {name}", w)
     return dict(loss)
 
 
-def _levels(levels, loss, fn: str) -> list[tuple[int, float, dict[str, float]]]:
+def _levels(levels, loss, caller: str) -> list[tuple[int, float, dict[str, float]]]:
     """Checked levels as (points, scale mm, loss weights).
 
     A level is ``(points, scale)`` or ``(points, scale, loss)``; without its own loss it
@@ -234,20 +234,20 @@ def _levels(levels, loss, fn: str) -> list[tuple[int, float, dict[str, float]]]:
     out = []
     levels = list(levels)
     if not levels:
-        raise ValueError(f"{fn}: levels is empty")
+        raise ValueError(f"{caller}: levels is empty")
     for k, lv in enumerate(levels):
         if not (isinstance(lv, (tuple, list)) and len(lv) in (2, 3)):
-            raise ValueError(f"{fn}: each level is (points, scale_mm) or (points, scale_mm, "
+            raise ValueError(f"{caller}: each level is (points, scale_mm) or (points, scale_mm, "
                              f"loss), got {lv!r}")
         n, scale = lv[0], lv[1]
         if len(lv) == 3:
-            terms = _weights(lv[2], fn, f"the loss of level {k + 1}")
+            terms = _weights(lv[2], caller, f"the loss of level {k + 1}")
         elif loss is not None:
-            terms = _weights(loss, fn)
+            terms = _weights(loss, caller)
         else:
             terms = {"varifold" if k == len(levels) - 1 and len(levels) > 1 else "sinkhorn": 1.0}
-        out.append((check_int(fn, "level points", n, 4),
-                    check_positive(fn, "level scale", scale), terms))
+        out.append((check_int(caller, "level points", n, 4),
+                    check_positive(caller, "level scale", scale), terms))
     return out
 
 
@@ -306,29 +306,29 @@ def register(
     Returns:
         :class:`Registration`.
     """
-    fn = "register"
-    source, target = _check_shape(fn, "source", source), _check_shape(fn, "target", target)
+    caller = "register"
+    source, target = _check_shape(caller, "source", source), _check_shape(caller, "target", target)
     for name, s in (("source", source), ("target", target)):
         if s.n_faces == 0:
-            raise ValueError(f"{fn}: {name} has no triangles; registration compares surfaces")
+            raise ValueError(f"{caller}: {name} has no triangles; registration compares surfaces")
     if source.unit != target.unit:
-        raise ValueError(f"{fn}: source is in {source.unit} but target in {target.unit}")
-    check_choice(fn, "model", model, MODELS)
-    check_choice(fn, "prealign", prealign, PREALIGNS)
-    levels_ = _levels(levels, loss, fn)
+        raise ValueError(f"{caller}: source is in {source.unit} but target in {target.unit}")
+    check_choice(caller, "model", model, MODELS)
+    check_choice(caller, "prealign", prealign, PREALIGNS)
+    levels_ = _levels(levels, loss, caller)
     if any("landmarks" in w for _, _, w in levels_) and landmarks is None:
-        raise ValueError(f"{fn}: loss has 'landmarks' but landmarks= is None")
-    varifold_sigma = check_positive(fn, "varifold_sigma", varifold_sigma)
-    control_points = check_int(fn, "control_points", control_points, 4)
-    GaussianKernel(sigma, fn=fn)  # checks the widths now, before any work
-    n_steps = check_int(fn, "n_steps", n_steps, 1)
-    check_choice(fn, "integrator", integrator, INTEGRATORS)
-    regularization = check_positive(fn, "regularization", regularization, allow_zero=True)
-    max_iter = check_int(fn, "max_iter", max_iter, 1)
+        raise ValueError(f"{caller}: loss has 'landmarks' but landmarks= is None")
+    varifold_sigma = check_positive(caller, "varifold_sigma", varifold_sigma)
+    control_points = check_int(caller, "control_points", control_points, 4)
+    GaussianKernel(sigma, caller=caller)  # checks the widths now, before any work
+    n_steps = check_int(caller, "n_steps", n_steps, 1)
+    check_choice(caller, "integrator", integrator, INTEGRATORS)
+    regularization = check_positive(caller, "regularization", regularization, allow_zero=True)
+    max_iter = check_int(caller, "max_iter", max_iter, 1)
     if truth is not None:
         truth = torch.as_tensor(truth)
         if tuple(truth.shape) != tuple(source.points.shape):
-            raise ValueError(f"{fn}: truth has shape {tuple(truth.shape)}; it must give the "
+            raise ValueError(f"{caller}: truth has shape {tuple(truth.shape)}; it must give the "
                              f"target position of every source vertex, "
                              f"{tuple(source.points.shape)}")
     options = dict(model=model, prealign=prealign, loss=loss, sigma=sigma,
@@ -363,9 +363,9 @@ def register(
     # at an even subset of the vertices and the varifold metric on decimated copies: at full
     # size they would take minutes to half an hour.
     jac_points = source.points[_even_indices(source.n_points, METRIC_POINTS)]
-    jac = M.jacobian_determinants(lambda x: _full(result, x), jac_points)
+    jac = metrics.jacobian_determinants(lambda x: _full(result, x), jac_points)
     w64 = warped.to(torch.float64)
-    result.metrics = M.summary(w64, tgt, jac=jac, truth=truth, sigma=varifold_sigma,
+    result.metrics = metrics.summary(w64, tgt, jac=jac, truth=truth, sigma=varifold_sigma,
                                varifold_shapes=(w64.decimate(METRIC_POINTS),
                                                 tgt.decimate(METRIC_POINTS)))
     result.metrics["jacobian_points"] = int(jac_points.shape[0])

@@ -1,20 +1,20 @@
 """Multiscale Sinkhorn: block-sparse reductions, the truncation bound, agreement with the
 dense solver."""
 
-import importlib
 import warnings
 
 import pytest
 import torch
 
 import otreg
-from otreg import _dense
-from otreg._sparse import BlockSparse, grid_clusters
 from otreg.costs import get_cost
 from otreg.datasets import noisy_sphere
 from otreg.ot import multiscale
+from otreg.ot.problem import Multiscale, Problem, SinkhornOptions
+from otreg.ot.solver import solve
+from otreg.reductions import _dense
+from otreg.reductions.sparse import BlockSparse, grid_clusters
 
-sinkhorn_module = importlib.import_module("otreg.ot.sinkhorn")
 SQ = get_cost("sqeuclidean")
 
 
@@ -87,9 +87,10 @@ def test_truncation_drops_only_negligible_terms(hierarchy, monkeypatch):
     if hierarchy:
         monkeypatch.setattr(multiscale, "HIERARCHY_MIN_PAIRS", 50)
     x, y = spheres(1500, torch.float32)
-    p = sinkhorn_module._validate("t", x, y, None, None, blur=0.02, scaling=0.8,
-                                  multiscale=True)
-    f, g, _, _, ms = sinkhorn_module._solve_pair(p, p.x, p.y, p.a, p.b)
+    options = SinkhornOptions(blur=0.02, scaling=0.8, multiscale=True)
+    p = Problem.build("t", x, y, None, None, options)
+    sol = solve(p, p.x, p.a, p.y, p.b)
+    f, g, ms = sol.f, sol.g, sol.kernel
     fs, gs = f[0][ms.cx.order], g[0][ms.cy.order]
     I, J = ms.kernels.pairs
     kept = torch.zeros(ms.cx.n_clusters, ms.cy.n_clusters, dtype=torch.bool)
@@ -124,7 +125,7 @@ def test_multiscale_divergence_equals_the_dense_one(reach):
     options = dict(blur=0.03, scaling=0.8, reach=reach, tol=1e-9, max_iter=3000,
                    relaxation=1.5)
     v_dense, g_dense = _divergence(x, y, a, b, multiscale=False, **options)
-    v_ms, g_ms = _divergence(x, y, a, b, multiscale=True, cluster_scale=0.2, **options)
+    v_ms, g_ms = _divergence(x, y, a, b, multiscale=Multiscale(cluster_scale=0.2), **options)
     torch.testing.assert_close(v_ms, v_dense, rtol=1e-7, atol=1e-10)
     torch.testing.assert_close(g_ms, g_dense, rtol=1e-5, atol=1e-9)
 
@@ -159,13 +160,22 @@ def test_auto_turns_multiscale_on_for_large_problems_only(monkeypatch):
     (dict(multiscale=True, cost="euclidean"), "multiscale=True but the cost is 'euclidean'"),
     (dict(multiscale=True, form="scaling"), "form is 'scaling'"),
     (dict(multiscale=True, backward="implicit"), "backward is 'implicit'"),
-    (dict(truncate=0.0), "truncate"),
-    (dict(cluster_scale=-1.0), "cluster_scale"),
+    (dict(multiscale=Multiscale(), backward="implicit"), "backward is 'implicit'"),
 ])
 def test_bad_multiscale_options_raise_naming_them(options, match):
     x, y = spheres(100, torch.float32)
     with pytest.raises(ValueError, match=match):
         otreg.sinkhorn(x, y, **options)
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(truncate=0.0), "Multiscale: truncate is 0.0"),
+    (dict(cluster_scale=-1.0), "Multiscale: cluster_scale is -1.0"),
+    (dict(auto="yes"), "Multiscale: auto must be True or False"),
+])
+def test_bad_multiscale_settings_raise_naming_them(settings, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Multiscale(**settings)
 
 
 def test_multiscale_refuses_a_batch():

@@ -8,6 +8,7 @@ import torch
 import otreg
 from otreg import reductions as R
 from otreg.costs import get_cost
+from otreg.reductions import _compiled, _keops
 
 SQ = get_cost("sqeuclidean")
 
@@ -120,10 +121,10 @@ def broken_keops(monkeypatch):
     for kind, (dense, _) in table.items():
         table[kind] = (dense, fail)
     monkeypatch.setattr(R, "_IMPLEMENTATIONS", table)
-    monkeypatch.setattr(R, "_keops_failure", None)
+    monkeypatch.setattr(_keops, "_failure", None)
     monkeypatch.setattr(R, "_keops_warned", False)
-    monkeypatch.setattr(R, "keops_status", lambda: (R._keops_failure is None,
-                                                    R._keops_failure or "ok"))
+    monkeypatch.setattr(_keops, "status", lambda: (_keops._failure is None,
+                                                   _keops._failure or "ok"))
     monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS", 0)
     monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS_RECORDED", 0)
     monkeypatch.setattr(R, "KEOPS_ON_CPU", True)  # as on a GPU, where auto prefers keops
@@ -211,8 +212,7 @@ def test_blocked_gradient_with_tiny_and_spread_out_weights(kind, scale, monkeypa
 
 @pytest.fixture
 def fused_now(monkeypatch):
-    """The fused loops of otreg._compiled on every call, however small."""
-    from otreg import _compiled
+    """The fused loops of otreg.reductions._compiled on every call, however small."""
 
     monkeypatch.setattr(_compiled, "MIN_PAIRS", 0)
     monkeypatch.setattr(_compiled, "TIER_UP_SECONDS", 0.0)
@@ -286,7 +286,6 @@ def test_fused_softmin_in_float32(fused_now):
 
 
 def test_fused_loops_wait_until_the_blocked_path_has_taken_long_enough(monkeypatch):
-    from otreg import _compiled
 
     monkeypatch.setattr(_compiled, "MIN_PAIRS", 0)
     monkeypatch.setattr(_compiled, "TIER_UP_SECONDS", 1e9)

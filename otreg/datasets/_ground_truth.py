@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import reductions as R
-from .costs import get_cost
+from .. import reductions
+from ..costs import get_cost
 
 __all__ = ["KernelFlow", "RigidMotion", "random_flow", "random_rigid"]
 
@@ -29,7 +29,7 @@ class KernelFlow:
     steps: int = 16
 
     def _velocity(self, x: torch.Tensor, sign: float) -> torch.Tensor:
-        v = R.kernel_product(x[None], self.controls[None].to(x.dtype), self.momenta[None].to(
+        v = reductions.kernel_product(x[None], self.controls[None].to(x.dtype), self.momenta[None].to(
             x.dtype), self.sigma**2, get_cost("sqeuclidean"), "auto")[0]
         return sign * v
 

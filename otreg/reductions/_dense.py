@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .costs import Cost
+from ..costs import Cost
 
 
 def exp_floor(dtype: torch.dtype) -> float:

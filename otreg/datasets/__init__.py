@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ._checks import check_choice, check_int, check_positive
-from ._deform import KernelFlow, RigidMotion, random_flow, random_rigid
-from .shapes import Shape
+from .._checks import check_choice, check_int, check_positive
+from ..shapes import Shape
+from ._ground_truth import KernelFlow, RigidMotion, random_flow, random_rigid
 
 __all__ = ["circles", "noisy_sphere", "fsaverage5", "mni152", "mni152_surface",
            "synthetic_subjects", "SyntheticSubject", "nilearn_data_dir"]
@@ -77,7 +77,7 @@ def nilearn_data_dir() -> Path:
 def fsaverage5(surface: str = "pial", hemi: str = "left", dtype: torch.dtype = torch.float32
                ) -> Shape:
     """An fsaverage5 hemisphere (10,242 vertices, 20,480 triangles), MNI-like space, mm."""
-    from .io import load_shape
+    from ..io import load_shape
 
     check_choice("fsaverage5", "surface", surface, FSAVERAGE5_SURFACES)
     check_choice("fsaverage5", "hemi", hemi, ("left", "right"))
@@ -97,7 +97,7 @@ def mni152_surface(tissue: str = "wm", threshold: float = 0.5, largest: bool = T
 
     ``largest`` keeps the largest connected component: a closed surface.
     """
-    from .io import load_shape
+    from ..io import load_shape
 
     threshold = check_positive("mni152_surface", "threshold", threshold)
     if threshold >= 1:
@@ -153,23 +153,23 @@ def synthetic_subjects(base: Shape | None = None, n: int = 4, *, sigma: float = 
     Returns:
         One :class:`SyntheticSubject` per subject.
     """
-    fn = "synthetic_subjects"
+    caller = "synthetic_subjects"
     base = fsaverage5("pial", "left") if base is None else base
     if not isinstance(base, Shape):
-        raise TypeError(f"{fn}: base must be a Shape, got {type(base).__name__}")
-    n = check_int(fn, "n", n, 1)
-    sigma = check_positive(fn, "sigma", sigma)
-    magnitude = check_positive(fn, "magnitude", magnitude, allow_zero=True)
-    max_angle = check_positive(fn, "max_angle", max_angle, allow_zero=True)
-    max_shift = check_positive(fn, "max_shift", max_shift, allow_zero=True)
+        raise TypeError(f"{caller}: base must be a Shape, got {type(base).__name__}")
+    n = check_int(caller, "n", n, 1)
+    sigma = check_positive(caller, "sigma", sigma)
+    magnitude = check_positive(caller, "magnitude", magnitude, allow_zero=True)
+    max_angle = check_positive(caller, "max_angle", max_angle, allow_zero=True)
+    max_shift = check_positive(caller, "max_shift", max_shift, allow_zero=True)
     if volume is not None:
-        check_choice(fn, "volume", volume, ("wm", "gm"))
+        check_choice(caller, "volume", volume, ("wm", "gm"))
     rng = np.random.default_rng(seed)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None and out.exists() and not out.is_dir():
-        raise ValueError(f"{fn}: out_dir {out} exists and is not a folder")
+        raise ValueError(f"{caller}: out_dir {out} exists and is not a folder")
     if out is not None:
-        from .io import save_shape
+        from ..io import save_shape
 
         out.mkdir(parents=True, exist_ok=True)
         save_shape(base.with_points(base.points), out / "base.vtk")
@@ -191,8 +191,7 @@ def synthetic_subjects(base: Shape | None = None, n: int = 4, *, sigma: float = 
 
 def _write_subject(out: Path, name: str, base: Shape, shape: Shape, flow: KernelFlow,
                    rigid: RigidMotion, volume: str | None) -> dict[str, Path]:
-    from .io import save_shape
-    from .io._files import atomic_write
+    from ..io import atomic_write, save_shape
 
     files = {"surface": save_shape(shape, out / f"{name}.vtk")}
     truth = {"base_points": base.points.detach().double().numpy(),
@@ -222,7 +221,7 @@ def _write_warped_volume(src: Path, dst: Path, flow: KernelFlow, rigid: RigidMot
     import nibabel as nib
     from scipy.ndimage import map_coordinates, zoom
 
-    from .io._files import atomic_write
+    from ..io import atomic_write
 
     img = nib.load(str(src))
     data = np.asanyarray(img.dataobj)

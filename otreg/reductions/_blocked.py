@@ -16,7 +16,7 @@ then d/dx_i = sum_j W_ij dC/dx (x_i - y_j for |x - y|^2/2, (x_i - y_j)/C_ij for 
 d/dy_j likewise. A second derivative (``create_graph=True``) falls back to autograd through
 the dense formulas, block by block, which stores that graph.
 
-Where :mod:`otreg._compiled` serves the call (``fused``: squared Euclidean softmin or kernel
+Where :mod:`otreg.reductions._compiled` serves the call (``fused``: squared Euclidean softmin or kernel
 product, float32/64, CPU) and the reduction has run long enough here to repay a compile,
 forward and backward run as its fused loops instead of the sweeps above.
 """
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from ..costs import SQRT_FLOOR, Cost
 from . import _compiled, _dense
-from .costs import _SQRT_FLOOR, Cost
 
 __all__ = ["blocked_reduction"]
 
@@ -66,7 +66,7 @@ class _Blocks:
             return s, -(xb * xb).sum(-1, keepdim=True) / (2 * eps), None
         sq = (xb * xb).sum(-1, keepdim=True) + self.y_sq.unsqueeze(1)
         C = torch.baddbmm(sq, xb, yt, alpha=-2.0, out=self.buf_c[:, :n])
-        C.clamp_(min=0).add_(_SQRT_FLOOR).sqrt_()
+        C.clamp_(min=0).add_(SQRT_FLOOR).sqrt_()
         s = torch.mul(C, -1.0 / eps, out=self.buf[:, :n])
         if self.h is not None:
             s.add_(self.h.unsqueeze(1))
@@ -212,7 +212,7 @@ def blocked_reduction(kind: str, x: torch.Tensor, y: torch.Tensor, *rest: torch.
     """``kind`` in softmin / kernel_product / softmax_average, computed block by block.
 
     ``rest`` is ``(h,)``, ``(v,)`` or ``(h, v)`` as the kind needs. ``fused``: the call may
-    run as :mod:`otreg._compiled`'s fused loops (once they are worth their compile).
+    run as :mod:`otreg.reductions._compiled`'s fused loops (once they are worth their compile).
     """
     h = rest[0] if kind in ("softmin", "softmax_average") else None
     v = rest[-1] if kind in ("kernel_product", "softmax_average") else None

@@ -1,0 +1,319 @@
+"""What a Sinkhorn solve is asked to do: the options (defaults written once) and the
+validated, batched problem.
+
+:class:`SinkhornOptions` is a frozen dataclass: :func:`otreg.sinkhorn`,
+:func:`otreg.sinkhorn_divergence`, :class:`otreg.SinkhornLoss` and the registration's
+Sinkhorn term all take one, and its fields' defaults are the only place the defaults are
+written. Options that only make sense together travel as one object, so that an option that
+cannot be honoured cannot be written:
+
+- ``backward="envelope" | "implicit" | Implicit(tol, max_iter) | "unroll" |
+  Unroll(strategy, memory)``: the unrolled loop's checkpointing strategy exists only inside
+  :class:`Unroll`;
+- ``multiscale="auto" | True | False | Multiscale(truncate, cluster_scale, auto)``: the
+  truncation settings exist only inside :class:`Multiscale`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import reductions
+from .._checks import (
+    as_points,
+    as_weights,
+    check_choice,
+    check_int,
+    check_positive,
+    check_same_device_dtype,
+)
+from ..costs import Cost, epsilon_schedule, get_cost
+from ..costs import diameter as bounding_diameter
+from .multiscale import auto_cluster_scale, multiscale_unfit, worthwhile
+
+__all__ = [
+    "SinkhornOptions",
+    "Implicit",
+    "Unroll",
+    "Multiscale",
+    "Problem",
+    "FORMS",
+    "BACKWARDS",
+]
+
+FORMS = ("log", "scaling")
+BACKWARDS = ("envelope", "implicit", "unroll")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Implicit:
+    """``backward=Implicit(...)``: differentiable potentials by the implicit function
+    theorem at the fixed point, its adjoint system solved matrix-free.
+
+    Args:
+        tol: relative residual of the adjoint solve.
+        max_iter: most iterations of the adjoint solve.
+    """
+
+    tol: float = 1e-10
+    max_iter: int = 1000
+
+    def __post_init__(self) -> None:
+        check_positive("Implicit", "tol", self.tol)
+        check_int("Implicit", "max_iter", self.max_iter, 1)
+
+
+@dataclass(frozen=True)
+class Unroll:
+    """``backward=Unroll(...)``: autograd through the iterations at the final eps, run by
+    :func:`otreg.loops.iterate` (the eps-scaling gives the warm start).
+
+    Args:
+        strategy: ``"store"``, ``"checkpoint"``, ``"reversible"`` or ``"offload"``.
+        memory: the budget for ``"checkpoint"``: bytes or a size like ``"500MB"``.
+    """
+
+    strategy: str = "store"
+    memory: int | str | None = None
+
+    def __post_init__(self) -> None:
+        from ..loops.iterate import STRATEGIES, parse_bytes
+
+        check_choice("Unroll", "strategy", self.strategy, STRATEGIES)
+        if self.memory is not None:
+            parse_bytes("Unroll", self.memory)
+
+
+@dataclass(frozen=True)
+class Multiscale:
+    """``multiscale=Multiscale(...)``: coarse-to-fine with truncated kernels
+    (:mod:`otreg.ot.multiscale`).
+
+    Args:
+        truncate: dropped terms change each softmin by at most eps * exp(-truncate),
+            relative mass.
+        cluster_scale: the side of the grid clusters, in the points' units; default
+            ``diameter * max(N, M) ** (-1/D)``.
+        auto: only where it pays (the rule of ``multiscale="auto"``); False requires it and
+            raises ``ValueError`` where it cannot run.
+    """
+
+    truncate: float = 5.0
+    cluster_scale: float | None = None
+    auto: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive("Multiscale", "truncate", self.truncate)
+        if self.cluster_scale is not None:
+            check_positive("Multiscale", "cluster_scale", self.cluster_scale)
+        if not isinstance(self.auto, bool):
+            raise TypeError(f"Multiscale: auto must be True or False, got {self.auto!r}")
+
+
+@dataclass(frozen=True)
+class SinkhornOptions:
+    """The options of a Sinkhorn solve, with their defaults (see :func:`otreg.sinkhorn`
+    for each one's meaning). Frozen: derive variants with :meth:`replace`.
+
+    ``dataclasses.asdict(options)`` is what results record.
+    """
+
+    blur: float = 0.05
+    reach: float | None = None
+    diameter: float | None = None
+    scaling: float = 0.5
+    cost: str = "sqeuclidean"
+    form: str = "log"
+    backend: str = "auto"
+    tol: float = 1e-4
+    max_iter: int = 1000
+    relaxation: float | str = "auto"
+    backward: str | Implicit | Unroll = "envelope"
+    multiscale: bool | str | Multiscale = "auto"
+
+    def __post_init__(self) -> None:
+        for name, value in _checked("SinkhornOptions", self).items():
+            object.__setattr__(self, name, value)
+
+    def replace(self, **changes: Any) -> SinkhornOptions:
+        """A copy with some options changed (unknown names raise ``TypeError``)."""
+        return resolve_options("SinkhornOptions", self, **changes)
+
+    @property
+    def backward_kind(self) -> str:
+        """``"envelope"``, ``"implicit"`` or ``"unroll"``."""
+        if isinstance(self.backward, Implicit):
+            return "implicit"
+        if isinstance(self.backward, Unroll):
+            return "unroll"
+        return self.backward
+
+    @property
+    def multiscale_setting(self) -> Multiscale | None:
+        """The multiscale request as an object: None for ``False``."""
+        if self.multiscale is False:
+            return None
+        if self.multiscale is True:
+            return Multiscale()
+        if self.multiscale == "auto":
+            return Multiscale(auto=True)
+        return self.multiscale
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(SinkhornOptions))
+
+
+def _checked(caller: str, options: SinkhornOptions | dict) -> dict:
+    """The option values checked and normalised (numbers as floats); errors name
+    ``caller``."""
+    v = dict(options) if isinstance(options, dict) else {
+        name: getattr(options, name) for name in _FIELDS}
+    v["blur"] = check_positive(caller, "blur", v["blur"])
+    if v["reach"] is not None:
+        v["reach"] = check_positive(caller, "reach", v["reach"])
+    if v["diameter"] is not None:
+        v["diameter"] = check_positive(caller, "diameter", v["diameter"])
+    if not _number(v["scaling"]) or not 0 < v["scaling"] < 1:
+        raise ValueError(f"{caller}: scaling is {v['scaling']!r}; it must be in (0, 1)")
+    v["scaling"] = float(v["scaling"])
+    cost = get_cost(v["cost"], caller)
+    v["cost"] = cost.name
+    check_choice(caller, "form", v["form"], FORMS)
+    check_choice(caller, "backend", v["backend"], reductions.BACKENDS)
+    v["tol"] = check_positive(caller, "tol", v["tol"], allow_zero=True)
+    v["max_iter"] = check_int(caller, "max_iter", v["max_iter"], 1)
+    w = v["relaxation"]
+    if w != "auto" and (not _number(w) or not 1 <= w < 2):
+        raise ValueError(f"{caller}: relaxation is {w!r}; it must be 'auto' or in [1, 2) "
+                         "(1: plain Sinkhorn updates; 1.5-1.9 over-relaxes them)")
+    v["relaxation"] = w if w == "auto" else float(w)
+    backward = v["backward"]
+    if not isinstance(backward, (Implicit, Unroll)):
+        check_choice(caller, "backward", backward, BACKWARDS)
+    ms = v["multiscale"]
+    if not (ms in ("auto", True, False) or isinstance(ms, Multiscale)):
+        raise ValueError(f"{caller}: multiscale is {ms!r}; use 'auto', True, False or "
+                         "otreg.Multiscale(truncate, cluster_scale)")
+    if ms is True or (isinstance(ms, Multiscale) and not ms.auto):
+        backward_kind = backward if isinstance(backward, str) else (
+            "implicit" if isinstance(backward, Implicit) else "unroll")
+        unfit = multiscale_unfit(cost, v["form"], backward_kind)
+        if unfit:
+            raise ValueError(f"{caller}: multiscale={ms!r} but {unfit}; use "
+                             "multiscale='auto' or False")
+    return v
+
+
+def resolve_options(caller: str, options: SinkhornOptions | None = None,
+                    **changes: Any) -> SinkhornOptions:
+    """``options`` (default: the defaults) with ``changes``, checked; errors name ``caller``.
+    """
+    if options is not None and not isinstance(options, SinkhornOptions):
+        raise TypeError(f"{caller}: options must be an otreg.SinkhornOptions, got "
+                        f"{type(options).__name__}")
+    unknown = sorted(set(changes) - set(_FIELDS))
+    if unknown:
+        raise TypeError(f"{caller}: unknown option(s) {', '.join(unknown)}; the options are "
+                        f"{', '.join(_FIELDS)}")
+    base = options or SinkhornOptions()
+    values = {name: getattr(base, name) for name in _FIELDS}
+    values.update(changes)
+    return SinkhornOptions(**_checked(caller, values))
+
+
+# ------------------------------------------------------------------ validated problem
+@dataclass
+class Problem:
+    """Validated, batched inputs and the options resolved for them: what the loop reads."""
+
+    x: torch.Tensor  # (B, N, D)
+    y: torch.Tensor  # (B, M, D)
+    a: torch.Tensor  # (B, N)
+    b: torch.Tensor  # (B, M)
+    batched: bool
+    cost: Cost
+    rho: float | None  # reach ** p
+    schedule: list[float]
+    form: str
+    backend: str
+    tol: float
+    max_iter: int
+    relaxation: float | str
+    multiscale: Multiscale | None  # resolved: None when every pair is summed
+    options: SinkhornOptions
+
+    @property
+    def eps(self) -> float:
+        return self.schedule[-1]
+
+    def damping(self, eps: float) -> float:
+        return 1.0 if self.rho is None else 1.0 / (1.0 + eps / self.rho)
+
+    @classmethod
+    def build(cls, caller: str, x, y, a, b, options: SinkhornOptions) -> Problem:
+        """Check the inputs against each other and the options; batch them."""
+        x, x_batched = as_points(caller, "x", x)
+        y, y_batched = as_points(caller, "y", y)
+        if x_batched != y_batched:
+            raise ValueError(f"{caller}: x has shape {tuple(x.shape[x_batched ^ 1:])} and y "
+                             f"{tuple(y.shape[y_batched ^ 1:])}; give both batched (B, N, D) "
+                             "or neither")
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(f"{caller}: x has batch size {x.shape[0]} but y has "
+                             f"{y.shape[0]}; a batch needs the same number of problems on "
+                             "both sides")
+        if x.shape[-1] != y.shape[-1]:
+            raise ValueError(f"{caller}: x has points of dimension {x.shape[-1]} but y of "
+                             f"dimension {y.shape[-1]}; both need the same D")
+        check_same_device_dtype(caller, {"x": x, "y": y})
+        a = as_weights(caller, "a", a, x, "x")
+        b = as_weights(caller, "b", b, y, "y")
+        o = options
+        cost = get_cost(o.cost, caller)
+        rho = None if o.reach is None else o.reach ** cost.p
+        diam = bounding_diameter(x, y) if o.diameter is None else o.diameter
+        schedule = epsilon_schedule(cost.p, max(diam, o.blur), o.blur, o.scaling)
+        if len(schedule) > o.max_iter:
+            raise ValueError(f"{caller}: max_iter is {o.max_iter} but the eps-scaling schedule "
+                             f"alone has {len(schedule)} steps (diameter {diam:.3g}, blur "
+                             f"{o.blur:.3g}, scaling {o.scaling}); raise max_iter or lower "
+                             "scaling")
+        if rho is None:
+            ma, mb = a.detach().sum(1), b.detach().sum(1)
+            rel = ((ma - mb).abs() / torch.maximum(ma, mb)).max()
+            if float(rel) > 1e-5:
+                raise ValueError(f"{caller}: a has total mass {ma.max().item():.6g} and b "
+                                 f"{mb.max().item():.6g}; balanced OT (reach=None) needs "
+                                 "equal masses: normalise the weights or set reach for "
+                                 "unbalanced OT")
+        multiscale = _resolve_multiscale(caller, o, x, y, cost, diam)
+        return cls(x, y, a, b, x_batched, cost, rho, schedule, o.form, o.backend, o.tol,
+                   o.max_iter, o.relaxation, multiscale, o)
+
+
+def _resolve_multiscale(caller: str, o: SinkhornOptions, x, y, cost: Cost,
+                        diam: float) -> Multiscale | None:
+    """The multiscale settings for the batched problem x (B, N, D), y (B, M, D), or None
+    when every pair is summed; a required multiscale that cannot run raises."""
+    setting = o.multiscale_setting
+    if setting is None:
+        return None
+    unfit = multiscale_unfit(cost, o.form, o.backward_kind)
+    if unfit is None and x.shape[0] > 1:
+        unfit = f"the inputs are a batch of {x.shape[0]} problems (multiscale solves one)"
+    if not setting.auto and unfit:
+        raise ValueError(f"{caller}: multiscale={o.multiscale!r} but {unfit}; use "
+                         "multiscale='auto' or False")
+    n, dim = max(x.shape[1], y.shape[1]), x.shape[-1]
+    scale = setting.cluster_scale or auto_cluster_scale(diam, n, dim)
+    if setting.auto and (unfit or not worthwhile(x.shape[1] * y.shape[1], dim, o.blur, scale)):
+        return None
+    return dataclasses.replace(setting, cluster_scale=scale)

@@ -1,0 +1,550 @@
+"""The Sinkhorn loop: log and scaling forms, eps-scaling, balanced and unbalanced.
+
+Entropic OT between measures a = sum_i a_i delta_{x_i} and b = sum_j b_j delta_{y_j}:
+
+.. math::
+
+    \\mathrm{OT}_\\varepsilon(a, b) = \\min_{\\pi \\ge 0} \\langle \\pi, C \\rangle
+        + \\varepsilon \\mathrm{KL}(\\pi \\,|\\, a \\otimes b)
+        + \\rho \\mathrm{KL}(\\pi 1 \\,|\\, a) + \\rho \\mathrm{KL}(\\pi^T 1 \\,|\\, b)
+
+(the two marginal penalties are constraints when ``reach`` is None). Its dual is
+
+.. math::
+
+    \\max_{f, g}\\; F(f) + G(g) - \\varepsilon \\langle a \\otimes b,
+        e^{(f \\oplus g - C)/\\varepsilon} - 1 \\rangle,
+
+with F(f) = <a, f> (balanced) or <a, rho (1 - e^{-f/rho})> (unbalanced, rho = reach ** p).
+The optimal plan is pi_ij = a_i b_j exp((f_i + g_j - C_ij)/eps). Coordinate ascent on the dual
+is the Sinkhorn iteration, with the damping lambda = 1 / (1 + eps/rho) in the unbalanced case:
+
+.. math::
+
+    f_i \\leftarrow \\lambda\\, \\mathrm{softmin}_j(\\log b_j + g_j/\\varepsilon)
+    \\qquad g_j \\leftarrow \\lambda\\, \\mathrm{softmin}_i(\\log a_i + f_i/\\varepsilon)
+
+The loop runs without autograd, against a *kernel*: an object that computes the two
+softmins. :class:`DenseKernel` sums over every pair through :mod:`otreg.reductions`;
+:class:`~otreg.ot.multiscale.TruncatedKernel` sums over the cluster pairs its truncation
+pattern keeps and describes a coarse problem, which this same loop solves first (recursively)
+before the kernel extrapolates its potentials. eps decreases from ``diameter ** p`` to
+``blur ** p`` (one symmetric, averaged update per value, as in GeomLoss), then alternating
+updates continue at the final eps until the marginal error is below ``tol``.
+
+Gradients (envelope theorem): with g detached, f = lambda softmin(g) is recomputed by one
+differentiable reduction and the dual objective evaluated at (f, g); its gradient is
+sum_j pi_ij grad C(x_i, y_j) for the points and the partial derivatives for the weights.
+No iteration is stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import reductions
+from .._checks import ConvergenceWarning
+from .convergence import Relaxation, StoppingRule, rounding_floor
+from .multiscale import TruncatedKernel
+from .plan import TransportPlan
+from .problem import Implicit, Multiscale, Problem, SinkhornOptions, Unroll, resolve_options
+
+__all__ = [
+    "sinkhorn",
+    "SinkhornResult",
+    "DenseKernel",
+    "Solution",
+    "solve",
+    "dual_value",
+    "report_convergence",
+    "check_init",
+    "unbatch",
+]
+
+
+@dataclass
+class SinkhornResult:
+    """What :func:`sinkhorn` returns.
+
+    Attributes:
+        f, g: dual potentials, ``(N,)`` and ``(M,)`` or ``(B, N)`` and ``(B, M)``, detached,
+            in cost units.
+        cost: the entropic OT value OT_eps(a, b), ``()`` or ``(B,)``, differentiable with
+            respect to the points and weights (envelope theorem).
+        n_iter: iterations run, the eps-scaling ones included.
+        converged: whether the marginal error fell below ``tol``.
+        stopped: why the loop at the final eps stopped
+            (:class:`~otreg.ot.convergence.StoppingRule`): ``"tol"`` (converged),
+            ``"stalled"`` (the error stopped decreasing: the dtype's rounding floor),
+            ``"diverged"`` (a non-finite error) or ``"max_iter"``.
+        marginal_error: relative L1 violation of the optimality (marginal) conditions, the
+            largest over the batch; NaN when no iteration ran at the final eps (max_iter
+            spent on the eps-scaling).
+        eps: the final entropic regularisation ``blur ** p``.
+        backend: the reduction backend that ran (``"auto"`` resolved), ``"multiscale"``
+            when the multiscale solver's truncated reductions did (the plan's own reductions
+            then use the dense backend ``auto`` picks).
+        form: ``"log"`` or ``"scaling"``.
+        plan: the lazy :class:`~otreg.ot.plan.TransportPlan`.
+        options: the :class:`~otreg.ot.problem.SinkhornOptions` of the solve.
+    """
+
+    f: torch.Tensor
+    g: torch.Tensor
+    cost: torch.Tensor
+    n_iter: int
+    converged: bool
+    marginal_error: float
+    eps: float
+    backend: str
+    form: str
+    stopped: str
+    plan: TransportPlan = field(repr=False)
+    options: SinkhornOptions | None = field(default=None, repr=False)
+
+
+# ------------------------------------------------------------------ kernels
+def form_softmin(p: Problem, eps: float, x, y, w_log, pot) -> torch.Tensor:
+    """-eps log sum_j w_j exp((pot_j - C(x_i, y_j))/eps) in the problem's form."""
+    if p.form == "log":
+        return reductions.softmin(x, y, w_log + pot / eps, eps, p.cost, p.backend)
+    v = torch.exp(w_log + pot / eps).unsqueeze(-1)
+    kv = reductions.kernel_product(x, y, v, eps, p.cost, p.backend).squeeze(-1)
+    out = -eps * torch.log(kv)
+    if not bool(torch.isfinite(out).all()):
+        raise FloatingPointError(
+            f"sinkhorn: form='scaling' under- or overflowed at eps={eps:.3g} (exp(-C/eps) "
+            f"rounds to 0 in {x.dtype} for costs above about {87 * eps:.3g}); use form='log', "
+            "which is stable at any eps, or a larger blur")
+    return out
+
+
+class DenseKernel:
+    """Softmins over every pair (i, j), through :mod:`otreg.reductions`.
+
+    The interface the loop uses (shared with
+    :class:`~otreg.ot.multiscale.TruncatedKernel`): weights ``a`` (B, N), ``b`` (B, M) in
+    the kernel's order; ``softmin_xy(eps, g)`` (B, N) and ``softmin_yx(eps, f)`` (B, M);
+    ``to_kernel_order`` / ``to_caller_order`` for potentials; ``refresh`` (adapt to the
+    current potentials, every ``refresh_every`` iterations at the final eps);
+    ``coarse_problem`` (a problem to solve first, or None) and ``extrapolate``; ``finish``;
+    and ``differentiable_softmin`` for the gradient's one reduction. ``symmetric``: x
+    against itself (y and b are x and a).
+    """
+
+    refresh_every = 1
+
+    def __init__(self, p: Problem, x: torch.Tensor, a: torch.Tensor,
+                 y: torch.Tensor | None = None, b: torch.Tensor | None = None) -> None:
+        self.p, self.symmetric = p, y is None
+        self.x, self.a = x, a
+        self.y, self.b = (x, a) if y is None else (y, b)
+        self._a_log, self._b_log = self.a.log(), self.b.log()
+
+    def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
+        return form_softmin(self.p, eps, self.x, self.y, self._b_log, g)
+
+    def softmin_yx(self, eps: float, f: torch.Tensor) -> torch.Tensor:
+        return form_softmin(self.p, eps, self.y, self.x, self._a_log, f)
+
+    def to_kernel_order(self, f, g):
+        return f, g
+
+    def to_caller_order(self, f, g):
+        return f, g
+
+    def refresh(self, f, g, eps: float, full: bool = False) -> None:
+        """Nothing to adapt: every pair is summed."""
+
+    def coarse_problem(self) -> None:
+        return None
+
+    def finish(self, f, g, eps: float) -> None:
+        """Nothing to release."""
+
+    def differentiable_softmin(self, x, y, b, g, eps: float) -> torch.Tensor:
+        """lambda-free softmin of log b + g / eps, differentiable in x, y and b, (B, N)."""
+        return form_softmin(self.p, eps, x, y, b.log(), g)
+
+
+def make_kernel(p: Problem, x, a, y=None, b=None):
+    """The kernel for (x, a) against (y, b), or against itself when y is None."""
+    if p.multiscale is not None:
+        return TruncatedKernel(p, x, a, y, b)
+    return DenseKernel(p, x, a, y, b)
+
+
+# ------------------------------------------------------------------ the loop
+def residual(p: Problem, eps: float, w: torch.Tensor, pot: torch.Tensor,
+             smin: torch.Tensor) -> torch.Tensor:
+    """Relative L1 violation of the optimality condition of ``pot``, per batch, (B,).
+
+    The plan's marginal on that side is w * exp((pot - smin)/eps); it must equal w
+    (balanced) or w * exp(-pot/rho) (unbalanced).
+    """
+    target = 1.0 if p.rho is None else torch.exp(-pot / p.rho)
+    err = (w * (torch.exp((pot - smin) / eps) - target).abs()).sum(1)
+    return err / w.sum(1)
+
+
+@dataclass
+class Solution:
+    """Potentials of one solve (caller's order, detached), the iterations, the stopping
+    rule (final error and reason) and the kernel (its last pattern serves the gradient)."""
+
+    f: torch.Tensor
+    g: torch.Tensor
+    n_iter: int
+    rule: StoppingRule
+    kernel: DenseKernel | TruncatedKernel
+
+
+def solve(p: Problem, x, a, y=None, b=None, init=None) -> Solution:
+    """Potentials of OT(a, b) between x and y (or of OT(a, a) when y is None), without
+    autograd. ``init``: potentials (f, g), (B, N) and (B, M), to start from at the final
+    eps, skipping the eps-scaling (a warm start from a nearby problem)."""
+    kernel = make_kernel(p, x, a, y, b)
+    f, g, n_iter = _anneal(p, kernel, init)
+    loop = _final_symmetric if kernel.symmetric else _final_pair
+    f, g, n_iter, rule = loop(p, kernel, f, g, n_iter)
+    kernel.finish(f, g, p.eps)
+    f, g = kernel.to_caller_order(f, g)
+    return Solution(f, g, n_iter, rule, kernel)
+
+
+def _anneal(p: Problem, kernel, init):
+    """Potentials at the start of the final eps: a warm start, or the eps-scaling (after
+    the kernel's coarse problem, solved by this loop, when it has one)."""
+    if init is not None:
+        f, g = kernel.to_kernel_order(*init)
+        kernel.refresh(f, g, p.eps, full=True)
+        return f, g, 0
+    schedule, n_iter = p.schedule, 0
+    coarse = kernel.coarse_problem()
+    if coarse is not None:
+        coarse_p, X, A, Y, B = coarse
+        start = solve(coarse_p, X, A, Y, B)
+        f, g = kernel.extrapolate(start.f, start.g)
+        schedule, n_iter = p.schedule[len(coarse_p.schedule):], start.n_iter
+    else:
+        eps, lam = p.schedule[0], p.damping(p.schedule[0])
+        f = lam * kernel.softmin_xy(eps, torch.zeros_like(kernel.b))
+        g = f if kernel.symmetric else lam * kernel.softmin_yx(eps, torch.zeros_like(kernel.a))
+    for k, eps in enumerate(schedule):  # symmetric, averaged updates
+        kernel.refresh(f, g, eps, full=k == 0)
+        lam = p.damping(eps)
+        f_new = lam * kernel.softmin_xy(eps, g)
+        if kernel.symmetric:
+            f = g = (f + f_new) / 2
+        else:
+            g_new = lam * kernel.softmin_yx(eps, f)
+            f, g = (f + f_new) / 2, (g + g_new) / 2
+        n_iter += 1
+    return f, g, n_iter
+
+
+def _final_pair(p: Problem, kernel, f, g, n_iter: int):
+    """Alternating updates at the final eps (over-relaxed when w > 1) until the rule stops."""
+    eps, lam = p.eps, p.damping(p.eps)
+    relax, rule = Relaxation(p.relaxation), StoppingRule(p.tol)
+    first = n_iter
+    while n_iter < p.max_iter:
+        if n_iter > first and (n_iter - first) % kernel.refresh_every == 0:
+            kernel.refresh(f, g, eps)
+        w = relax.w
+        f_new = lam * kernel.softmin_xy(eps, g)
+        f = f_new if w == 1 else torch.lerp(f, f_new, w)
+        sg = kernel.softmin_yx(eps, f)
+        err = float(residual(p, eps, kernel.b, g, sg).max())
+        g = lam * sg if w == 1 else torch.lerp(g, lam * sg, w)
+        n_iter += 1
+        if rule.stop(err, lambda f=f, g=g: rounding_floor(eps, f, g)):
+            break
+        relax.observe(err)
+    return f, g, n_iter, rule
+
+
+def _final_symmetric(p: Problem, kernel, f, g, n_iter: int):
+    """Averaged updates of the symmetric potential f = g at the final eps."""
+    eps, lam = p.eps, p.damping(p.eps)
+    rule = StoppingRule(p.tol)
+    first = n_iter
+    while n_iter < p.max_iter:
+        if n_iter > first and (n_iter - first) % kernel.refresh_every == 0:
+            kernel.refresh(f, f, eps)
+        sf = kernel.softmin_xy(eps, f)
+        err = float(residual(p, eps, kernel.a, f, sf).max())
+        f = (f + lam * sf) / 2
+        n_iter += 1
+        if rule.stop(err, lambda f=f: rounding_floor(eps, f)):
+            break
+    return f, f, n_iter, rule
+
+
+def dual_value(p: Problem, x, y, a, b, g, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The semi-dual objective at a fixed (detached) g: ``(value (B,), f (B, N) detached)``.
+
+    f = lambda softmin(g) is the exact maximiser of the dual over f for this g, computed by one
+    differentiable reduction (``kernel.differentiable_softmin``) that carries the dependence
+    on x, y and b. By the envelope theorem the gradient of the value is that of OT_eps at
+    convergence: sum_j pi_ij grad C(x_i, y_j) for the points, the potentials for the
+    weights. Away from convergence it is the gradient for the plan whose rows have the right
+    marginal, which is more accurate than evaluating the dual at both iterates.
+    """
+    eps = p.eps
+    s = kernel.differentiable_softmin(x, y, b, g, eps)  # (B, N)
+    f = p.damping(eps) * s
+    mass = (a * torch.exp((f - s) / eps)).sum(1)  # <a x b, exp((f + g - C)/eps)>
+    if p.rho is None:
+        value = (a * f).sum(1) + (b * g).sum(1)
+    else:
+        value = p.rho * ((a * -torch.expm1(-f / p.rho)).sum(1)
+                         + (b * -torch.expm1(-g / p.rho)).sum(1))
+    return value - eps * (mass - a.sum(1) * b.sum(1)), f.detach()
+
+
+def _pair_step(p: Problem):
+    """One alternating Sinkhorn update at the final eps, as a map (f, g) -> (f, g).
+
+    Balanced potentials are defined up to (f + c, g - c); the map fixes <a, f> = <b, g> so
+    that its fixed point is isolated and the implicit system I - J^T is invertible.
+    """
+    eps, lam = p.eps, p.damping(p.eps)
+
+    def step(state, x, y, a, b):
+        f, g = state
+        f = lam * form_softmin(p, eps, x, y, b.log(), g)
+        g = lam * form_softmin(p, eps, y, x, a.log(), f)
+        if p.rho is None:
+            shift = ((a * f).sum(1) - (b * g).sum(1)) / (2 * a.sum(1))
+            f, g = f - shift[:, None], g + shift[:, None]
+        return f, g
+
+    return step
+
+
+def report_convergence(caller: str, what: str, p: Problem, n_iter: int,
+                       rule: StoppingRule) -> bool:
+    """Whether ``tol`` was reached; if not, a ConvergenceWarning that says why (none for
+    ``tol=0``: a fixed iteration count was asked for)."""
+    err = rule.error
+    if err < p.tol:
+        return True
+    if p.tol == 0:
+        return False
+    head = f"{caller}: {what} stopped after {n_iter} iterations with marginal error {err:.3g}"
+    if math.isnan(err):
+        head = f"{caller}: {what} stopped after {n_iter} iterations"
+        hint = ("the eps-scaling used all of max_iter, so the marginal error was not measured; "
+                "raise max_iter")
+    elif rule.reason == "stalled":
+        hint = (f"it stopped decreasing {StoppingRule.PATIENCE} iterations before: the "
+                f"rounding floor of {p.x.dtype} at eps={p.eps:.3g}. Use float64 points, a "
+                f"tol above {err:.2g}, or a larger blur")
+    elif rule.reason == "diverged":
+        hint = (f"the iteration diverged at eps={p.eps:.3g} (relaxation={p.relaxation!r}): "
+                "use relaxation='auto' or a smaller fixed weight")
+    else:
+        hint = (f"above tol={p.tol:g} at eps={p.eps:.3g}: raise max_iter, or relax tol (a "
+                "larger blur converges faster)")
+    warnings.warn(f"{head}; {hint}", ConvergenceWarning, stacklevel=3)
+    return False
+
+
+def check_init(caller: str, init, p: Problem):
+    """Validate warm-start potentials (f, g); return them batched and detached, or None."""
+    if init is None:
+        return None
+    if not (isinstance(init, (tuple, list)) and len(init) == 2):
+        raise TypeError(f"{caller}: init must be a pair of potentials (f, g), got "
+                        f"{type(init).__name__}")
+    out = []
+    for name, t, like in (("f", init[0], p.a), ("g", init[1], p.b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{caller}: init's {name} must be a tensor, got {type(t).__name__}")
+        t = t.detach()
+        t = t if p.batched else t.unsqueeze(0)
+        if t.shape != like.shape:
+            raise ValueError(f"{caller}: init's {name} has shape "
+                             f"{tuple(t.shape[1 - p.batched:])} but the weights have "
+                             f"{tuple(like.shape[1 - p.batched:])}")
+        if t.dtype != like.dtype or t.device != like.device:
+            raise TypeError(f"{caller}: init's {name} is {t.dtype} on {t.device} but the "
+                            f"points are {like.dtype} on {like.device}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{caller}: init's {name} has NaN or infinite values")
+        out.append(t)
+    return tuple(out)
+
+
+def unbatch(t: torch.Tensor, batched: bool) -> torch.Tensor:
+    return t if batched else t.squeeze(0)
+
+
+def backend_used(p: Problem) -> str:
+    """The dense backend ``auto`` resolves to for this problem's size and device."""
+    return reductions.resolve_backend(p.backend, p.x.shape[0] * p.x.shape[1] * p.y.shape[1],
+                                      p.x.device)
+
+
+_UNSET = object()
+
+
+def _legacy_options(caller: str, backward, multiscale, strategy, memory, truncate,
+                    cluster_scale):
+    """``backward`` and ``multiscale`` with the deprecated ``strategy``/``memory`` and
+    ``truncate``/``cluster_scale`` keywords folded into :class:`Unroll` and
+    :class:`Multiscale` (a warning each); where they cannot apply, a ``ValueError``."""
+    if strategy is not _UNSET or memory is not _UNSET:
+        if backward != "unroll":
+            raise ValueError(f"{caller}: strategy and memory apply to backward='unroll' only, "
+                             f"not backward={backward!r}; write backward=otreg.Unroll(strategy,"
+                             " memory)")
+        warnings.warn(f"{caller}: strategy= and memory= are deprecated; write "
+                      "backward=otreg.Unroll(strategy, memory)", DeprecationWarning, stacklevel=3)
+        backward = Unroll(strategy="store" if strategy is _UNSET else strategy,
+                          memory=None if memory is _UNSET else memory)
+    if truncate is not _UNSET or cluster_scale is not _UNSET:
+        if multiscale is False or isinstance(multiscale, Multiscale):
+            raise ValueError(f"{caller}: truncate and cluster_scale apply to multiscale="
+                             f"'auto' or True only, not {multiscale!r}; write multiscale="
+                             "otreg.Multiscale(truncate, cluster_scale)")
+        warnings.warn(f"{caller}: truncate= and cluster_scale= are deprecated; write "
+                      "multiscale=otreg.Multiscale(truncate, cluster_scale)",
+                      DeprecationWarning, stacklevel=3)
+        settings = {k: v for k, v in (("truncate", truncate), ("cluster_scale", cluster_scale))
+                    if v is not _UNSET}
+        multiscale = Multiscale(**settings, auto=multiscale == "auto")
+    return backward, multiscale
+
+
+def sinkhorn(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    *,
+    blur: float = 0.05,
+    reach: float | None = None,
+    diameter: float | None = None,
+    scaling: float = 0.5,
+    cost: str = "sqeuclidean",
+    form: str = "log",
+    backend: str = "auto",
+    tol: float = 1e-4,
+    max_iter: int = 1000,
+    relaxation: float | str = "auto",
+    backward: str | Implicit | Unroll = "envelope",
+    multiscale: bool | str | Multiscale = "auto",
+    init: tuple[torch.Tensor, torch.Tensor] | None = None,
+    strategy=_UNSET,
+    memory=_UNSET,
+    truncate=_UNSET,
+    cluster_scale=_UNSET,
+) -> SinkhornResult:
+    """Entropic optimal transport between two weighted point clouds.
+
+    The keyword options are the fields of :class:`~otreg.ot.problem.SinkhornOptions`, with
+    the same defaults.
+
+    Args:
+        x: source points, ``(N, D)`` or batched ``(B, N, D)``.
+        y: target points, ``(M, D)`` or ``(B, M, D)``.
+        a, b: non-negative weights ``(N,)``/``(M,)`` or ``(B, N)``/``(B, M)``; default
+            uniform 1/N and 1/M. Balanced OT needs equal total masses.
+        blur: the final length scale, in the points' units; eps = blur ** p.
+        reach: unbalanced OT with KL marginal penalties of strength rho = reach ** p;
+            ``None`` (default) for balanced OT.
+        diameter: the largest distance, which starts the eps-scaling; default: the diagonal
+            of the bounding box of both clouds.
+        scaling: eps is multiplied by ``scaling ** p`` at each annealing step, in (0, 1).
+        cost: ``"sqeuclidean"`` (|x - y|^2 / 2, p = 2) or ``"euclidean"`` (|x - y|, p = 1).
+        form: ``"log"`` (log-sum-exp, stable at any eps) or ``"scaling"`` (u = a / K v, faster
+            per iteration, but exp(-C/eps) underflows at small eps: it then raises
+            ``FloatingPointError`` naming the log form rather than switching silently).
+        backend: ``"auto"``, ``"keops"``, ``"tensorized"`` or ``"blocked"`` (see
+            :mod:`otreg.reductions`).
+        tol: stop when the relative L1 marginal error at the final eps is < tol (tol=0 runs
+            exactly max_iter iterations).
+        max_iter: the most iterations in all, the eps-scaling ones included.
+        relaxation: over-relaxation of the updates at the final eps,
+            f <- (1 - w) f + w softmin(g) (Thibault et al. 2017; Lehmann et al. 2021): the
+            same fixed point, reached in far fewer iterations when plain updates crawl
+            (balanced OT at a blur much smaller than the data). ``"auto"`` (default): w
+            starts at 1 and follows the measured convergence rate towards the optimal weight
+            (:class:`~otreg.ot.convergence.Relaxation`); a number in [1, 2) fixes w (1: plain
+            Sinkhorn).
+        backward: how gradients are obtained. ``"envelope"`` (default): of ``cost`` only, by
+            the envelope theorem, at the memory of one reduction; ``f``, ``g`` and ``plan``
+            are detached. ``"implicit"`` or :class:`~otreg.ot.problem.Implicit`: ``f`` and
+            ``g`` themselves are differentiable (implicit function theorem at the fixed
+            point, solved matrix-free), and so are the plan's products, e.g. for a loss on
+            the plan. ``"unroll"`` or :class:`~otreg.ot.problem.Unroll` ``(strategy,
+            memory)``: autograd through the iterations at the final eps (the annealing gives
+            the warm start), run by :func:`otreg.loops.iterate` with that strategy.
+        multiscale: solve coarse-to-fine with truncated kernels
+            (:mod:`otreg.ot.multiscale`): the eps-scaling starts on grid clusters, then each
+            reduction sums only over the pairs of clusters that can matter. ``"auto"``
+            (default) turns it on for one problem (no batch) in 1 to 3 dimensions with the
+            squared Euclidean cost, the log form, the envelope backward, N * M >= 1e8 and a
+            blur below half the cluster scale; ``True`` or
+            :class:`~otreg.ot.problem.Multiscale` ``(truncate, cluster_scale)`` requires it
+            (``ValueError`` naming what does not fit), ``False`` sums over every pair.
+        init: potentials ``(f, g)`` of a nearby problem (e.g. ``(res.f, res.g)`` of the
+            previous step of an optimisation), shaped like a and b: the solver starts from
+            them at the final eps, without the eps-scaling (a warm start).
+        strategy, memory, truncate, cluster_scale: deprecated spellings of
+            ``Unroll(strategy, memory)`` and ``Multiscale(truncate, cluster_scale)``.
+
+    Returns:
+        :class:`SinkhornResult`. Warns :class:`~otreg.ConvergenceWarning` when ``tol`` is
+        not reached; ``result.converged`` says it too.
+    """
+    caller = "sinkhorn"
+    backward, multiscale = _legacy_options(caller, backward, multiscale, strategy, memory,
+                                           truncate, cluster_scale)
+    options = resolve_options(
+        caller, blur=blur, reach=reach, diameter=diameter, scaling=scaling, cost=cost,
+        form=form, backend=backend, tol=tol, max_iter=max_iter, relaxation=relaxation,
+        backward=backward, multiscale=multiscale)
+    p = Problem.build(caller, x, y, a, b, options)
+    init = check_init(caller, init, p)
+    detached = tuple(t.detach() for t in (p.x, p.a, p.y, p.b))
+    with torch.no_grad():
+        sol = solve(p, *detached, init=init)
+    converged = report_convergence(caller, "the solver", p, sol.n_iter, sol.rule)
+    params = (p.x, p.y, p.a, p.b)
+    kind = options.backward_kind
+    if kind == "envelope":
+        value, f = dual_value(p, *params, sol.g, sol.kernel)
+        g = sol.g
+        params = tuple(t.detach() for t in params)
+    else:
+        from ..loops import iterate
+        from ..loops.fixed_point import implicit
+
+        step = _pair_step(p)
+        if kind == "implicit":
+            settings = options.backward if isinstance(options.backward, Implicit) else Implicit()
+            f, g = implicit(step, step((sol.f, sol.g), *params), params, tol=settings.tol,
+                            max_iter=settings.max_iter)
+        else:  # unroll the iterations at the final eps, from the annealed warm start
+            settings = options.backward if isinstance(options.backward, Unroll) else Unroll()
+            with torch.no_grad():
+                warm = solve(dataclasses.replace(p, max_iter=len(p.schedule), tol=0.0),
+                             *detached)
+            f, g = iterate(step, (warm.f, warm.g), max(1, sol.n_iter - len(p.schedule)),
+                           params, strategy=settings.strategy, memory=settings.memory)
+        value, _ = dual_value(p, *params, g, DenseKernel(p, p.x, p.a, p.y, p.b))
+    backend = backend_used(p)
+    plan = TransportPlan(*params, f, g, p.eps, p.cost, backend, p.batched)
+    return SinkhornResult(
+        f=unbatch(f, p.batched), g=unbatch(g, p.batched), cost=unbatch(value, p.batched),
+        n_iter=sol.n_iter, converged=converged, marginal_error=sol.rule.error, eps=p.eps,
+        backend="multiscale" if p.multiscale else backend, form=p.form,
+        stopped=sol.rule.reason, plan=plan, options=options)
