@@ -70,17 +70,22 @@ def worker(method: str, n: int) -> dict:
         from otreg.costs import diameter, epsilon_schedule
 
         reductions.COMPILED = opts.get("compiled", True)
-        from otreg.ot.divergence import _divergence
+        from otreg.ot.divergence import divergence
+        from otreg.ot.problem import Multiscale, SinkhornOptions
 
         steps = len(epsilon_schedule(2, diameter(x[None], y[None]), BLUR, opts["scaling"]))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", otreg.ConvergenceWarning)
-            value, res = _divergence("bench", x, y, None, None, blur=BLUR,
-                                     scaling=opts["scaling"], backend=opts.get("backend", "auto"),
-                                     tol=opts.get("tol", 0.0),
-                                     max_iter=opts.get("max_iter", steps + opts.get("extra", 0)),
-                                     multiscale=opts.get("multiscale", "auto"),
-                                     truncate=opts.get("truncate", 5.0))
+            multiscale = opts.get("multiscale", "auto")
+            if multiscale is not False:
+                multiscale = Multiscale(truncate=opts.get("truncate", 5.0),
+                                        auto=multiscale == "auto")
+            options = SinkhornOptions(
+                blur=BLUR, scaling=opts["scaling"], backend=opts.get("backend", "auto"),
+                tol=opts.get("tol", 0.0),
+                max_iter=opts.get("max_iter", steps + opts.get("extra", 0)),
+                multiscale=multiscale)
+            value, res = divergence("bench", x, y, None, None, options)
         info = {"iters": res.n_iter, "backend": res.backend}
         if opts.get("tol", 0.0) > 0 and not res.converged:
             info["error"] = f"stopped ({res.stopped}) at marginal error {res.marginal_error:.1e}"

@@ -5,19 +5,33 @@ The public API is what this module exports; everything else is private.
 
 from . import datasets, loops, registration
 from ._checks import ConvergenceWarning
-from ._info import info
+from ._info import info, package_version
 from .io import load_shape, save_shape
-from .ot import SinkhornLoss, SinkhornResult, TransportPlan, sinkhorn, sinkhorn_divergence
+from .ot import (
+    Implicit,
+    Multiscale,
+    SinkhornLoss,
+    SinkhornOptions,
+    SinkhornResult,
+    TransportPlan,
+    Unroll,
+    sinkhorn,
+    sinkhorn_divergence,
+)
 from .reductions import KeOpsUnavailable
 from .registration import Registration, register
 from .shapes import Shape
 
-__version__ = "0.1.0"
+__version__ = package_version("otreg")
 
 __all__ = [
     "__version__",
     "sinkhorn",
     "SinkhornResult",
+    "SinkhornOptions",
+    "Implicit",
+    "Unroll",
+    "Multiscale",
     "sinkhorn_divergence",
     "SinkhornLoss",
     "TransportPlan",

@@ -9,15 +9,16 @@ import torch
 
 from . import reductions
 
-__all__ = ["info"]
+__all__ = ["info", "package_version"]
 
 
-def _version(module: str) -> str:
+def package_version(name: str) -> str:
+    """The installed version of a distribution, from its metadata, or "not installed"."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        from importlib.metadata import version
-
-        return version(module)
-    except Exception:
+        return version(name)
+    except PackageNotFoundError:
         return "not installed"
 
 
@@ -40,17 +41,15 @@ def info(check_keops: bool = True, file=None) -> dict:
             cached afterwards) to tell whether the keops backend works.
         file: where to print (default ``sys.stdout``); ``False`` prints nothing.
     """
-    from . import __version__
-
     report: dict = {
-        "otreg": __version__,
+        "otreg": package_version("otreg"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
-        "numpy": _version("numpy"),
-        "pykeops": _version("pykeops"),
+        "numpy": package_version("numpy"),
+        "pykeops": package_version("pykeops"),
     }
     status = reductions.status()
     ok, reason = status["keops"]

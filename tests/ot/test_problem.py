@@ -1,0 +1,122 @@
+"""The Sinkhorn option objects: defaults written once, impossible combinations refused, the
+deprecated keywords folded into them."""
+
+import dataclasses
+import inspect
+import warnings
+
+import pytest
+import torch
+
+import otreg
+from otreg import Implicit, Multiscale, SinkhornOptions, Unroll
+from tests.conftest import clouds
+
+
+def test_the_signatures_defaults_are_the_options_defaults():
+    signature = inspect.signature(otreg.sinkhorn).parameters
+    for f in dataclasses.fields(SinkhornOptions):
+        assert signature[f.name].default == f.default, f.name
+    assert otreg.SinkhornLoss().options == SinkhornOptions()
+
+
+def test_options_are_frozen_and_replace_checks_names_and_values():
+    o = SinkhornOptions(blur=0.1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.blur = 0.2
+    assert o.replace(tol=1e-6) == SinkhornOptions(blur=0.1, tol=1e-6)
+    with pytest.raises(TypeError, match="unknown option.*bleur"):
+        o.replace(bleur=1.0)
+    with pytest.raises(ValueError, match="SinkhornOptions: blur is -1"):
+        o.replace(blur=-1)
+    assert dataclasses.asdict(o)["blur"] == 0.1
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(blur=0), ValueError, "SinkhornOptions: blur is 0"),
+    (dict(scaling=1.0), ValueError, "scaling is 1.0"),
+    (dict(cost="cosine"), ValueError, "cost is 'cosine'"),
+    (dict(form="linear"), ValueError, "form is 'linear'"),
+    (dict(backend="cuda"), ValueError, "backend is 'cuda'"),
+    (dict(max_iter=0), ValueError, "max_iter is 0"),
+    (dict(relaxation=2.0), ValueError, "relaxation is 2.0"),
+    (dict(backward="adjoint"), ValueError, "backward is 'adjoint'"),
+    (dict(multiscale="yes"), ValueError, "multiscale is 'yes'"),
+    # impossible combinations cannot be written
+    (dict(multiscale=Multiscale(), backward=Unroll()), ValueError,
+     "multiscale=Multiscale.*backward is 'unroll'"),
+    (dict(multiscale=True, cost="euclidean"), ValueError, "multiscale=True but the cost"),
+])
+def test_bad_options_raise_naming_them(options, error, match):
+    with pytest.raises(error, match=match):
+        SinkhornOptions(**options)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Implicit(tol=0), "Implicit: tol is 0"),
+    (lambda: Implicit(max_iter=0), "Implicit: max_iter is 0"),
+    (lambda: Unroll(strategy="remember"), "Unroll: strategy is 'remember'"),
+    (lambda: Unroll(memory="lots"), "Unroll: memory is 'lots'"),
+])
+def test_bad_strategy_settings_raise_naming_them(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_errors_name_the_function_called():
+    x, y, _, _ = clouds()
+    with pytest.raises(ValueError, match="^sinkhorn: blur is -1"):
+        otreg.sinkhorn(x, y, blur=-1)
+    with pytest.raises(ValueError, match="^sinkhorn_divergence: tol is -1"):
+        otreg.sinkhorn_divergence(x, y, tol=-1)
+    with pytest.raises(TypeError, match="^SinkhornLoss: options must be an otreg.Sinkhorn"):
+        otreg.SinkhornLoss(options={"blur": 1})
+
+
+def test_option_objects_give_the_same_results_as_keywords():
+    x, y, a, b = clouds()
+    o = SinkhornOptions(blur=0.2, tol=1e-9, max_iter=5000)
+    d1 = otreg.sinkhorn_divergence(x, y, a, b, options=o)
+    d2 = otreg.sinkhorn_divergence(x, y, a, b, blur=0.2, tol=1e-9, max_iter=5000)
+    d3 = otreg.SinkhornLoss(options=o.replace(blur=1.0), blur=0.2)(a, x, b, y)
+    assert torch.equal(d1, d2) and torch.equal(d1, d3)
+    res = otreg.sinkhorn(x, y, a, b, blur=0.2, tol=1e-9, max_iter=5000)
+    assert res.options == o
+
+
+def test_implicit_and_unroll_objects_match_their_strings():
+    x, y, a, b = clouds(12, 15)
+    x = x.requires_grad_()
+    grads = []
+    for backward in ("implicit", Implicit(tol=1e-12), Unroll("checkpoint", memory="1MB")):
+        res = otreg.sinkhorn(x, y, a, b, blur=0.3, tol=1e-10, backward=backward)
+        grads.append(torch.autograd.grad(res.f.sum(), x)[0])
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(grads[2], grads[0], rtol=1e-4, atol=1e-6)
+
+
+def test_deprecated_keywords_warn_and_mean_the_objects():
+    x, y, a, b = clouds(12, 15)
+    with pytest.warns(DeprecationWarning, match="backward=otreg.Unroll"):
+        old = otreg.sinkhorn(x, y, a, b, blur=0.3, backward="unroll", strategy="checkpoint",
+                             memory="1MB")
+    assert old.options.backward == Unroll("checkpoint", "1MB")
+    with pytest.warns(DeprecationWarning, match="multiscale=otreg.Multiscale"):
+        old = otreg.sinkhorn(x, y, a, b, blur=0.3, truncate=8.0)
+    assert old.options.multiscale == Multiscale(truncate=8.0, auto=True)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="Multiscale: trunc"):
+        otreg.sinkhorn_divergence(x, y, truncate=0.0)
+
+
+@pytest.mark.parametrize("keywords, match", [
+    (dict(strategy="checkpoint"), "strategy and memory apply to backward='unroll' only"),
+    (dict(memory="1MB", backward="implicit"), "apply to backward='unroll' only"),
+    (dict(truncate=3.0, multiscale=False), "truncate and cluster_scale apply to multiscale"),
+    (dict(cluster_scale=0.1, multiscale=Multiscale()), "apply to multiscale"),
+])
+def test_deprecated_keywords_that_cannot_apply_raise(keywords, match):
+    x, y, _, _ = clouds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ValueError, match=match):
+            otreg.sinkhorn(x, y, **keywords)
