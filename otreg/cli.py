@@ -11,6 +11,8 @@ import warnings
 
 import click
 
+from .reductions import BACKENDS
+
 __all__ = ["main"]
 
 
@@ -278,8 +280,7 @@ def distance(source: str, target: str, blur: float, scaling: float, tol: float, 
               help="Run exactly this many Sinkhorn iterations (default: until tol).")
 @click.option("--tol", default=1e-6, show_default=True, type=click.FloatRange(min=0),
               help="Marginal-error tolerance when --iters is not given.")
-@click.option("--backend", default="auto", show_default=True,
-              type=click.Choice(["auto", "keops", "tensorized", "blocked"]))
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(BACKENDS))
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON line.")
 def circles(n: int, iters: int | None, tol: float, backend: str, as_json: bool) -> None:
     """Two unit circles, the second shifted by 1 along x; kernel exp(-|x-y|^2 / 0.25).
