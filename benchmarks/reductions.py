@@ -84,9 +84,9 @@ def main() -> None:
     if args.quick:
         args.n, args.no_keops = 10_000, True
 
-    from otreg import reductions as R
-    from otreg.reductions import _compiled
+    from otreg import reductions
     from otreg.costs import get_cost
+    from otreg.reductions import _compiled
 
     dtype = getattr(torch, args.dtype)
     n, eps, cost = args.n, 0.01, get_cost("sqeuclidean")
@@ -98,28 +98,28 @@ def main() -> None:
     rows = machine_limit(args.repeat)
 
     def forward(backend):
-        return lambda: R.softmin(x, y, h, eps, cost, backend)
+        return lambda: reductions.softmin(x, y, h, eps, cost, backend)
 
     def with_grad(backend):
         def run():
             xs, ys, hs = (t.clone().requires_grad_() for t in (x, y, h))
-            out = R.softmin(xs, ys, hs, eps, cost, backend)
+            out = reductions.softmin(xs, ys, hs, eps, cost, backend)
             torch.autograd.grad(out.sum(), (xs, ys, hs))
         return run
 
     def chunked():
-        rows_ = max(1, R.BLOCK_ELEMENTS // n)
+        rows_ = max(1, reductions.BLOCK_ELEMENTS // n)
         for s in range(0, n, rows_):
             C = torch.cdist(x[0, s:s + rows_], y[0]) ** 2 / 2
             -eps * torch.logsumexp(h[0] - C / eps, dim=1)
 
     def blocked_only(fn):  # the blocked path's own sweeps
         def run():
-            R.COMPILED = False
+            reductions.COMPILED = False
             try:
                 return fn()
             finally:
-                R.COMPILED = True
+                reductions.COMPILED = True
         return run
 
     def fused(fn):  # the fused loops at once (no tier-up wait; compiled in the warm-up)
@@ -134,7 +134,7 @@ def main() -> None:
     def kernel_product(grad):
         def run():
             xs, ys, vs = (t.clone().requires_grad_(grad) for t in (x, y, v))
-            out = R.kernel_product(xs, ys, vs, eps, cost, "blocked")
+            out = reductions.kernel_product(xs, ys, vs, eps, cost, "blocked")
             if grad:
                 torch.autograd.grad(out.sum(), (xs, ys, vs))
         return run

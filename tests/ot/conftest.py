@@ -7,7 +7,7 @@ with ``-m slow`` (it compiles a few dozen formulas on an empty cache).
 
 import pytest
 
-from otreg import reductions as R
+from otreg import reductions
 
 
 @pytest.fixture(params=["tensorized", "blocked",
@@ -15,14 +15,14 @@ from otreg import reductions as R
 def each_backend(request, monkeypatch):
     """The backend that ``auto`` resolves to in this test."""
     if request.param == "tensorized":
-        monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS", 1 << 62)
-        monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS_RECORDED", 1 << 62)
+        monkeypatch.setattr(reductions, "TENSORIZED_MAX_PAIRS", 1 << 62)
+        monkeypatch.setattr(reductions, "TENSORIZED_MAX_PAIRS_RECORDED", 1 << 62)
     else:
-        monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS", 0)
-        monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS_RECORDED", 0)
+        monkeypatch.setattr(reductions, "TENSORIZED_MAX_PAIRS", 0)
+        monkeypatch.setattr(reductions, "TENSORIZED_MAX_PAIRS_RECORDED", 0)
     if request.param == "keops":
-        ok, why = R.keops_status()
+        ok, why = reductions.keops_status()
         if not ok:
             pytest.skip(why)
-        monkeypatch.setattr(R, "KEOPS_ON_CPU", True)
+        monkeypatch.setattr(reductions, "KEOPS_ON_CPU", True)
     return request.param

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import otreg
-from otreg import reductions as R
+from otreg import reductions
 from otreg.costs import get_cost
 from otreg.reductions import _compiled, _keops
 
@@ -27,10 +27,10 @@ def naive(kind, x, y, h, v, eps, cost):
 
 def call(kind, backend, x, y, h, v, eps, cost):
     if kind == "softmin":
-        return R.softmin(x, y, h, eps, cost, backend)
+        return reductions.softmin(x, y, h, eps, cost, backend)
     if kind == "kernel_product":
-        return R.kernel_product(x, y, v, eps, cost, backend)
-    return R.softmax_average(x, y, h, v, eps, cost, backend)
+        return reductions.kernel_product(x, y, v, eps, cost, backend)
+    return reductions.softmax_average(x, y, h, v, eps, cost, backend)
 
 
 def data(dtype=torch.float64, B=2, N=37, M=29, D=3, E=2, seed=0):
@@ -70,7 +70,7 @@ def test_tensorized(kind, cost):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_blocked_with_many_blocks(kind, monkeypatch):
-    monkeypatch.setattr(R, "BLOCK_ELEMENTS", 2 * 29 * 5)  # blocks of 5 rows
+    monkeypatch.setattr(reductions, "BLOCK_ELEMENTS", 2 * 29 * 5)  # blocks of 5 rows
     check_against_naive(kind, "blocked", SQ)
 
 
@@ -97,7 +97,7 @@ def test_keops_solver_matches_tensorized():
 
 
 def test_solver_is_the_same_on_every_torch_backend(monkeypatch):
-    monkeypatch.setattr(R, "BLOCK_ELEMENTS", 200)
+    monkeypatch.setattr(reductions, "BLOCK_ELEMENTS", 200)
     g = torch.Generator().manual_seed(2)
     x = torch.rand(40, 3, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.rand(50, 3, generator=g, dtype=torch.float64)
@@ -117,23 +117,23 @@ def broken_keops(monkeypatch):
     def fail(*args):
         raise RuntimeError("[KeOps] Error: compilation failed (g++ not found)")
 
-    table = dict(R._IMPLEMENTATIONS)
+    table = dict(reductions._IMPLEMENTATIONS)
     for kind, (dense, _) in table.items():
         table[kind] = (dense, fail)
-    monkeypatch.setattr(R, "_IMPLEMENTATIONS", table)
+    monkeypatch.setattr(reductions, "_IMPLEMENTATIONS", table)
     monkeypatch.setattr(_keops, "_failure", None)
-    monkeypatch.setattr(R, "_keops_warned", False)
+    monkeypatch.setattr(reductions, "_keops_warned", False)
     monkeypatch.setattr(_keops, "status", lambda: (_keops._failure is None,
                                                    _keops._failure or "ok"))
-    monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS", 0)
-    monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS_RECORDED", 0)
-    monkeypatch.setattr(R, "KEOPS_ON_CPU", True)  # as on a GPU, where auto prefers keops
+    monkeypatch.setattr(reductions, "TENSORIZED_MAX_PAIRS", 0)
+    monkeypatch.setattr(reductions, "TENSORIZED_MAX_PAIRS_RECORDED", 0)
+    monkeypatch.setattr(reductions, "KEOPS_ON_CPU", True)  # as on a GPU, where auto prefers keops
 
 
 def test_auto_falls_back_to_blocked_with_one_warning(broken_keops):
     x, y, h, v = data()
     with pytest.warns(RuntimeWarning, match="g\\+\\+ not found.*blocked.*pykeops.clean_pykeops"):
-        out = R.softmin(x, y, h, 0.05, SQ, "auto")
+        out = reductions.softmin(x, y, h, 0.05, SQ, "auto")
     assert torch.allclose(out, naive("softmin", x, y, h, v, 0.05, SQ), atol=1e-10)
     res = otreg.sinkhorn(x[0].detach(), y[0].detach(), blur=0.2)  # no second warning
     assert res.backend == "blocked"
@@ -142,31 +142,31 @@ def test_auto_falls_back_to_blocked_with_one_warning(broken_keops):
 def test_explicit_keops_raises_the_compile_error(broken_keops):
     x, y, h, _ = data()
     with pytest.raises(otreg.KeOpsUnavailable, match="g\\+\\+ not found.*python3-dev"):
-        R.softmin(x, y, h, 0.05, SQ, "keops")
+        reductions.softmin(x, y, h, 0.05, SQ, "keops")
 
 
 def test_auto_picks_by_size():
     cpu = torch.device("cpu")
-    assert R.resolve_backend("auto", 1000, cpu) == "tensorized"
-    assert R.resolve_backend("auto", R.TENSORIZED_MAX_PAIRS + 1, cpu) == "blocked"
-    assert R.resolve_backend("blocked", 10, cpu) == "blocked"
+    assert reductions.resolve_backend("auto", 1000, cpu) == "tensorized"
+    assert reductions.resolve_backend("auto", reductions.TENSORIZED_MAX_PAIRS + 1, cpu) == "blocked"
+    assert reductions.resolve_backend("blocked", 10, cpu) == "blocked"
     # a call autograd records keeps dense matrices until backward: blocked much earlier
-    pairs = R.TENSORIZED_MAX_PAIRS_RECORDED + 1
-    assert R.resolve_backend("auto", pairs, cpu) == "tensorized"
-    assert R.resolve_backend("auto", pairs, cpu, recorded=True) == "blocked"
+    pairs = reductions.TENSORIZED_MAX_PAIRS_RECORDED + 1
+    assert reductions.resolve_backend("auto", pairs, cpu) == "tensorized"
+    assert reductions.resolve_backend("auto", pairs, cpu, recorded=True) == "blocked"
 
 
 def test_recorded_calls_keep_no_dense_matrix(monkeypatch):
     # the saved tensors of a recorded blocked call are its inputs and output, O(N + M)
-    monkeypatch.setattr(R, "TENSORIZED_MAX_PAIRS_RECORDED", 100)
+    monkeypatch.setattr(reductions, "TENSORIZED_MAX_PAIRS_RECORDED", 100)
     x, y, _, v = data(torch.float64, B=1, N=60, M=50)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
                                                   lambda t: t):
-        out = R.kernel_product(x, y, v, 0.1, SQ, "auto")
+        out = reductions.kernel_product(x, y, v, 0.1, SQ, "auto")
     assert max(saved) < 60 * 50
     with torch.no_grad():
-        assert torch.allclose(out, R.kernel_product(x, y, v, 0.1, SQ, "tensorized"))
+        assert torch.allclose(out, reductions.kernel_product(x, y, v, 0.1, SQ, "tensorized"))
 
 
 def test_info_reports_versions_and_backends(capsys):
@@ -180,7 +180,7 @@ def test_info_reports_versions_and_backends(capsys):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("cost", ["sqeuclidean", "euclidean"])
 def test_blocked_gradients_pass_gradcheck_including_second_order(kind, cost, monkeypatch):
-    monkeypatch.setattr(R, "BLOCK_ELEMENTS", 2 * 6 * 3)  # blocks of 3 rows
+    monkeypatch.setattr(reductions, "BLOCK_ELEMENTS", 2 * 6 * 3)  # blocks of 3 rows
     x, y, h, v = data(N=7, M=6, D=2)
 
     def fn(x, y, h, v):
@@ -195,7 +195,7 @@ def test_blocked_gradients_pass_gradcheck_including_second_order(kind, cost, mon
 def test_blocked_gradient_with_tiny_and_spread_out_weights(kind, scale, monkeypatch):
     # Incoming gradients spanning 40 orders of magnitude (scaled to 1e-30 too): the blocked
     # backward rescales them to keep its products normal numbers; the result must not change.
-    monkeypatch.setattr(R, "BLOCK_ELEMENTS", 2 * 29 * 5)
+    monkeypatch.setattr(reductions, "BLOCK_ELEMENTS", 2 * 29 * 5)
     x, y, h, v = data(torch.float32)
     eps = 0.002 if kind == "softmin" else 0.02  # most kernel entries at the exp floor
     w = scale * 10.0 ** -torch.linspace(0, 40, 37).repeat(2, 1)
@@ -273,14 +273,14 @@ def test_fused_float32_gradients_far_from_the_origin(kind, fused_now, monkeypatc
 def test_fused_kernel_product_keeps_tiny_kernel_values(fused_now):
     # exp(-60.5): far below the gradients' clamp at e^-50, but the value is the answer here
     x, y = torch.zeros(1, 1, 3), torch.tensor([[[1.1, 0.0, 0.0]]])
-    out = R.kernel_product(x, y, torch.ones(1, 1, 1), 0.01, SQ, "blocked")
+    out = reductions.kernel_product(x, y, torch.ones(1, 1, 1), 0.01, SQ, "blocked")
     assert float(out) == pytest.approx(math.exp(-60.5), rel=1e-4)
 
 
 def test_fused_softmin_in_float32(fused_now):
     x, y, h = (t.detach() for t in data(torch.float32, N=300, M=170)[:3])
     ref = naive("softmin", x.double(), y.double(), h.double(), None, 0.01, SQ)
-    out = R.softmin(x, y, h, 0.01, SQ, "blocked")
+    out = reductions.softmin(x, y, h, 0.01, SQ, "blocked")
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
@@ -292,7 +292,7 @@ def test_fused_loops_wait_until_the_blocked_path_has_taken_long_enough(monkeypat
     monkeypatch.setattr(_compiled, "_seconds", {})
     monkeypatch.setattr(_compiled, "_fused", set())
     x, y, h, _ = data(torch.float64, N=40, M=30)
-    R.softmin(x, y, h, 0.1, SQ, "blocked").sum().backward()
+    reductions.softmin(x, y, h, 0.1, SQ, "blocked").sum().backward()
     key = _compiled.signature("softmin", "forward", x, y, h)
     back = _compiled.signature("softmin", "backward", x, y, h)
     assert set(_compiled._seconds) == {key, back}  # timed per kind, direction and sizes
@@ -300,8 +300,8 @@ def test_fused_loops_wait_until_the_blocked_path_has_taken_long_enough(monkeypat
     monkeypatch.setattr(_compiled, "TIER_UP_SECONDS", _compiled._seconds[key])
     assert _compiled.ready(key)
     # other costs and the softmax average never count: they have no fused loop
-    R.softmin(x, y, h, 0.1, get_cost("euclidean", "t"), "blocked")
-    R.softmax_average(x, y, h, h[..., None], 0.1, SQ, "blocked")
+    reductions.softmin(x, y, h, 0.1, get_cost("euclidean", "t"), "blocked")
+    reductions.softmax_average(x, y, h, h[..., None], 0.1, SQ, "blocked")
     assert set(_compiled._seconds) == {key, back}
     # at most MAX_SHAPES reductions go fused in a process
     monkeypatch.setattr(_compiled, "MAX_SHAPES", 1)
@@ -320,10 +320,10 @@ def test_fused_loops_fall_back_to_the_blocked_path_with_one_warning(fused_now, m
     monkeypatch.setattr(fused_now, "_failure", None)
     x, y, h, _ = data(torch.float64, N=40, M=30)
     with pytest.warns(RuntimeWarning, match="fused CPU reductions are off.*no C\\+\\+ compiler"):
-        out = R.softmin(x, y, h, 0.1, SQ, "blocked")
+        out = reductions.softmin(x, y, h, 0.1, SQ, "blocked")
     assert "no C++ compiler" in fused_now.failure()
     (gx,) = torch.autograd.grad(out.sum(), x)  # the blocked backward, without a warning
-    monkeypatch.setattr(R, "COMPILED", False)
-    ref = R.softmin(x, y, h, 0.1, SQ, "blocked")
+    monkeypatch.setattr(reductions, "COMPILED", False)
+    ref = reductions.softmin(x, y, h, 0.1, SQ, "blocked")
     assert torch.equal(out, ref)
     assert torch.equal(gx, torch.autograd.grad(ref.sum(), x)[0])
