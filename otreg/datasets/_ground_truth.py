@@ -29,8 +29,14 @@ class KernelFlow:
     steps: int = 16
 
     def _velocity(self, x: torch.Tensor, sign: float) -> torch.Tensor:
-        v = reductions.kernel_product(x[None], self.controls[None].to(x.dtype), self.momenta[None].to(
-            x.dtype), self.sigma**2, get_cost("sqeuclidean"), "auto")[0]
+        v = reductions.kernel_product(
+            x[None],
+            self.controls[None].to(x.dtype),
+            self.momenta[None].to(x.dtype),
+            self.sigma**2,
+            get_cost("sqeuclidean"),
+            "auto",
+        )[0]
         return sign * v
 
     def _flow(self, x: torch.Tensor, sign: float) -> torch.Tensor:
@@ -73,8 +79,9 @@ class RigidMotion:
         return math.degrees(math.acos(max(-1.0, min(1.0, cos))))
 
 
-def random_flow(points: torch.Tensor, sigma: float, magnitude: float, n_controls: int,
-                rng: np.random.Generator) -> KernelFlow:
+def random_flow(
+    points: torch.Tensor, sigma: float, magnitude: float, n_controls: int, rng: np.random.Generator
+) -> KernelFlow:
     """A flow whose velocity peaks at about ``magnitude`` mm, controls spread over the points."""
     p = points.detach().double()
     idx = rng.choice(p.shape[0], size=min(n_controls, p.shape[0]), replace=False)
@@ -86,8 +93,9 @@ def random_flow(points: torch.Tensor, sigma: float, magnitude: float, n_controls
     return flow
 
 
-def random_rigid(center: torch.Tensor, max_angle: float, max_shift: float,
-                 rng: np.random.Generator) -> RigidMotion:
+def random_rigid(
+    center: torch.Tensor, max_angle: float, max_shift: float, rng: np.random.Generator
+) -> RigidMotion:
     """A rotation by up to ``max_angle`` degrees about a random axis and a shift up to max_shift."""
     axis = rng.normal(size=3)
     axis /= np.linalg.norm(axis)
@@ -96,5 +104,6 @@ def random_rigid(center: torch.Tensor, max_angle: float, max_shift: float,
     rot = np.eye(3) + math.sin(angle) * K + (1 - math.cos(angle)) * K @ K
     shift = rng.normal(size=3)
     shift *= rng.uniform(0, max_shift) / np.linalg.norm(shift)
-    return RigidMotion(torch.as_tensor(rot), torch.as_tensor(shift),
-                       center.detach().double().clone())
+    return RigidMotion(
+        torch.as_tensor(rot), torch.as_tensor(shift), center.detach().double().clone()
+    )

@@ -9,7 +9,8 @@ r"""Multiscale Sinkhorn: a coarse-to-fine solver with kernel truncation.
    f(x_i) = f_I + <c_I - T_I, x_i - c_I>, where T_I is the barycentre of the coarse plan's
    row I (for the cost |x - y|^2 / 2 the gradient of f is x - T(x)).
 4. The rest of the schedule and the final iterations run on the points, each softmin summing
-   over the cluster pairs a *truncation pattern* keeps (:class:`otreg.reductions.sparse.BlockSparse`).
+   over the cluster pairs a *truncation pattern* keeps
+   (:class:`otreg.reductions.sparse.BlockSparse`).
 
 The pattern drops a pair of clusters (I, J) only when every term it holds is below
 ``exp(-truncate)`` times its weight, relative to the row's total. With the slack

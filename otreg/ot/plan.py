@@ -26,8 +26,9 @@ class TransportPlan:
     vectors it is applied to, not to the points or potentials.
     """
 
-    def __init__(self, x, y, a, b, f, g, eps: float, cost: Cost, backend: str,
-                 batched: bool) -> None:
+    def __init__(
+        self, x, y, a, b, f, g, eps: float, cost: Cost, backend: str, batched: bool
+    ) -> None:
         self._x, self._y, self._a, self._b, self._f, self._g = x, y, a, b, f, g
         self.eps, self.cost, self.backend, self.batched = eps, cost, backend, batched
 
@@ -37,18 +38,23 @@ class TransportPlan:
         return (self._x.shape[0], n, m) if self.batched else (n, m)
 
     def __repr__(self) -> str:
-        return (f"TransportPlan(shape={self.shape}, eps={self.eps:.3g}, cost={self.cost.name!r}, "
-                f"backend={self.backend!r})")
+        return (
+            f"TransportPlan(shape={self.shape}, eps={self.eps:.3g}, cost={self.cost.name!r}, "
+            f"backend={self.backend!r})"
+        )
 
     # ---------------------------------------------------------------- helpers
     def _vector(self, v: torch.Tensor, n: int, name: str) -> tuple[torch.Tensor, bool]:
         """v as (B, n, E) and whether it was a plain vector."""
         if not isinstance(v, torch.Tensor):
-            raise TypeError(f"TransportPlan.{name}: v must be a torch.Tensor, got "
-                            f"{type(v).__name__}")
+            raise TypeError(
+                f"TransportPlan.{name}: v must be a torch.Tensor, got {type(v).__name__}"
+            )
         if v.dtype != self._x.dtype or v.device != self._x.device:
-            raise TypeError(f"TransportPlan.{name}: v has dtype {v.dtype} on {v.device}; the "
-                            f"plan needs {self._x.dtype} on {self._x.device}")
+            raise TypeError(
+                f"TransportPlan.{name}: v has dtype {v.dtype} on {v.device}; the "
+                f"plan needs {self._x.dtype} on {self._x.device}"
+            )
         B = self._x.shape[0]
         vb = v if self.batched else v.unsqueeze(0)
         vector = vb.dim() == 2
@@ -56,8 +62,7 @@ class TransportPlan:
             vb = vb.unsqueeze(-1)
         if vb.dim() != 3 or vb.shape[0] != B or vb.shape[1] != n:
             want = f"(B={B}, {n}[, E])" if self.batched else f"({n},) or ({n}, E)"
-            raise ValueError(f"TransportPlan.{name}: v has shape {tuple(v.shape)}; it needs "
-                             f"{want}")
+            raise ValueError(f"TransportPlan.{name}: v has shape {tuple(v.shape)}; it needs {want}")
         return vb, vector
 
     def _out(self, t: torch.Tensor, vector: bool) -> torch.Tensor:
@@ -80,8 +85,9 @@ class TransportPlan:
     def _apply(self, v: torch.Tensor, transpose: bool, name: str) -> torch.Tensor:
         p, q, _, _, w2, pot2 = self._side(transpose)
         vb, vector = self._vector(v, q.shape[1], name)
-        avg = reductions.softmax_average(p, q, w2.log() + pot2 / self.eps, vb, self.eps, self.cost,
-                                self.backend)
+        avg = reductions.softmax_average(
+            p, q, w2.log() + pot2 / self.eps, vb, self.eps, self.cost, self.backend
+        )
         return self._out(self._row_mass(transpose).unsqueeze(-1) * avg, vector)
 
     # ---------------------------------------------------------------- public
@@ -100,17 +106,23 @@ class TransportPlan:
     def barycentric_map(self) -> torch.Tensor:
         """Where each x_i is sent: ``sum_j pi_ij y_j / sum_j pi_ij``, ``(N, D)`` (or batched)."""
         h = self._b.log() + self._g / self.eps
-        t = reductions.softmax_average(self._x, self._y, h, self._y, self.eps, self.cost, self.backend)
+        t = reductions.softmax_average(
+            self._x, self._y, h, self._y, self.eps, self.cost, self.backend
+        )
         return self._out(t, False)
 
     def dense(self, max_entries: int = DENSE_MAX_ENTRIES) -> torch.Tensor:
         """The plan as a dense tensor ``(N, M)`` or ``(B, N, M)``; refuses above max_entries."""
         B, N, M = self._x.shape[0], self._x.shape[1], self._y.shape[1]
         if B * N * M > max_entries:
-            raise ValueError(f"TransportPlan.dense: the plan has {B * N * M:,} entries, more "
-                             f"than max_entries={max_entries:,}; use apply/apply_t, or raise "
-                             "max_entries if the memory is there")
-        log_pi = (self._a.log() + self._f / self.eps).unsqueeze(2) + (
-            self._b.log() + self._g / self.eps).unsqueeze(1) - self.cost.dense(
-            self._x, self._y) / self.eps
+            raise ValueError(
+                f"TransportPlan.dense: the plan has {B * N * M:,} entries, more "
+                f"than max_entries={max_entries:,}; use apply/apply_t, or raise "
+                "max_entries if the memory is there"
+            )
+        log_pi = (
+            (self._a.log() + self._f / self.eps).unsqueeze(2)
+            + (self._b.log() + self._g / self.eps).unsqueeze(1)
+            - self.cost.dense(self._x, self._y) / self.eps
+        )
         return self._out(torch.exp(log_pi), False)

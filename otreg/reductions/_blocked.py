@@ -16,7 +16,8 @@ then d/dx_i = sum_j W_ij dC/dx (x_i - y_j for |x - y|^2/2, (x_i - y_j)/C_ij for 
 d/dy_j likewise. A second derivative (``create_graph=True``) falls back to autograd through
 the dense formulas, block by block, which stores that graph.
 
-Where :mod:`otreg.reductions._compiled` serves the call (``fused``: squared Euclidean softmin or kernel
+Where :mod:`otreg.reductions._compiled` serves the call (``fused``: squared Euclidean
+softmin or kernel
 product, float32/64, CPU) and the reduction has run long enough here to repay a compile,
 forward and backward run as its fused loops instead of the sweeps above.
 """
