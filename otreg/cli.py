@@ -129,12 +129,12 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
 
     folder = res.save(output)
     if picture:
-        from .registration.metrics import _to_surface
+        from .registration.metrics import point_to_surface_distances
         from .viz import plot_history, plot_shapes
 
         warped = res.warped
         try:
-            dist = _to_surface(warped.points.detach().double().numpy(), tgt)
+            dist = point_to_surface_distances(warped.points.detach().double().numpy(), tgt)
         except ImportError:  # pragma: no cover - pyvista is needed for pictures anyway
             dist = None
         plot_shapes({"source": src, "target": tgt, "warped (distance to target)": warped},

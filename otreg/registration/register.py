@@ -5,7 +5,7 @@ The objective at each level is
     E(p) = regularization * H(q_0, p) + sum_k weight_k * data_k(phi_p(source), target)
 
 with H the deformation energy (mm^2 per unit of momentum^2) and the data terms of
-:mod:`otreg.registration.attachments`. Levels go from decimated surfaces and a large blur to
+:mod:`otreg.registration.losses`. Levels go from decimated surfaces and a large blur to
 finer ones; the control points (a decimated source) and the kernel stay fixed, so momenta
 carry over from level to level. ``torch.optim.LBFGS`` with a strong-Wolfe line search runs
 each level until the relative change of E over an iteration is below ``tol`` or ``max_iter``.
@@ -28,9 +28,9 @@ from .._checks import ConvergenceWarning, check_choice, check_int, check_positiv
 from ..ot.solver import sinkhorn
 from ..shapes import Shape
 from . import metrics
-from .attachments import ATTACHMENTS, make_attachment
 from .deformations import INTEGRATORS, LDDMM, Affine, Rigid, Similarity, fit_linear
 from .kernels import GaussianKernel
+from .losses import LOSSES, SINKHORN_TERM, make_loss
 
 __all__ = ["register", "Registration", "prealign", "MODELS", "PREALIGNS"]
 
@@ -218,7 +218,7 @@ def _weights(loss, caller: str, what: str = "loss") -> dict[str, float]:
         raise ValueError(f"{caller}: {what} is {loss!r}; give a data term name or a non-empty "
                          "dict of weights, e.g. {'sinkhorn': 1.0}")
     for name, w in loss.items():
-        check_choice(caller, "loss", name, ATTACHMENTS)
+        check_choice(caller, "loss", name, LOSSES)
         check_positive(caller, f"weight of {name}", w)
     return dict(loss)
 
@@ -386,7 +386,8 @@ def _fit(deformation, src, tgt, levels, regularization, reach, landmarks, max_it
          progress, history, start) -> None:
     for level, (n_points, scale, weights) in enumerate(levels):
         s_level, t_level = src.decimate(n_points), tgt.decimate(n_points)
-        terms = {name: make_attachment(name, blur=scale, reach=reach, sigma=scale)
+        sinkhorn_options = SINKHORN_TERM.replace(reach=reach)
+        terms = {name: make_loss(name, blur=scale, sinkhorn=sinkhorn_options, sigma=scale)
                  for name in weights if name != "landmarks"}
         label = (f"level {level + 1}/{len(levels)} ({s_level.n_points} pts, "
                  f"{'+'.join(weights)} at {scale:g} mm)")
