@@ -9,7 +9,14 @@ from ._info import info
 from .io import load_shape, save_shape
 from .ot import SinkhornLoss, SinkhornResult, TransportPlan, sinkhorn, sinkhorn_divergence
 from .reductions import KeOpsUnavailable
-from .registration import Registration, register
+from .registration import (
+    LBFGSOptions,
+    LDDMMOptions,
+    Level,
+    PrealignOptions,
+    Registration,
+    register,
+)
 from .shapes import Shape
 
 __version__ = "0.1.0"
@@ -31,5 +38,9 @@ __all__ = [
     "datasets",
     "register",
     "Registration",
+    "LDDMMOptions",
+    "PrealignOptions",
+    "LBFGSOptions",
+    "Level",
     "registration",
 ]

@@ -11,8 +11,12 @@ from .losses import (
     make_loss,
     varifold_distance,
 )
-from .register import MODELS, PREALIGNS, Registration, prealign, register
+from .options import MODELS, PREALIGNS, LBFGSOptions, LDDMMOptions, Level, PrealignOptions
+from .prealign import prealign
+from .register import register
+from .result import Registration
 
-__all__ = ["register", "Registration", "prealign", "LDDMM", "Rigid", "Similarity", "Affine",
-           "Loss", "make_loss", "LOSSES", "varifold_distance", "metrics", "MODELS", "PREALIGNS",
+__all__ = ["register", "Registration", "prealign", "LDDMMOptions", "PrealignOptions",
+           "LBFGSOptions", "Level", "LDDMM", "Rigid", "Similarity", "Affine", "Loss",
+           "make_loss", "LOSSES", "varifold_distance", "metrics", "MODELS", "PREALIGNS",
            "Attachment", "make_attachment", "ATTACHMENTS"]
