@@ -19,7 +19,14 @@ from .ot import (
     sinkhorn_divergence,
 )
 from .reductions import KeOpsUnavailable
-from .registration import Registration, register
+from .registration import (
+    LBFGSOptions,
+    LDDMMOptions,
+    Level,
+    PrealignOptions,
+    Registration,
+    register,
+)
 from .shapes import Shape
 
 __version__ = package_version("otreg")
@@ -45,5 +52,9 @@ __all__ = [
     "datasets",
     "register",
     "Registration",
+    "LDDMMOptions",
+    "PrealignOptions",
+    "LBFGSOptions",
+    "Level",
     "registration",
 ]

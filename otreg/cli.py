@@ -12,9 +12,10 @@ import warnings
 import click
 
 from .reductions import BACKENDS
+from .registration.losses import LOSSES
+from .registration.options import MODELS, PREALIGNS
 
 __all__ = ["main"]
-
 
 
 class _Relaxation(click.ParamType):
@@ -54,11 +55,11 @@ def info(no_keops: bool) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
               help="Folder for warped.vtk, parameters.npz, registration.json and pictures.")
 @click.option("--model", default="lddmm", show_default=True,
-              type=click.Choice(["lddmm", "rigid", "similarity", "affine"]))
+              type=click.Choice(MODELS))
 @click.option("--prealign", default="rigid", show_default=True,
-              type=click.Choice(["rigid", "similarity", "affine", "none"]))
+              type=click.Choice(PREALIGNS))
 @click.option("--loss", default=None,
-              type=click.Choice(["sinkhorn", "varifold", "currents", "chamfer"]),
+              type=click.Choice([name for name in LOSSES if name != "landmarks"]),
               help="Data term at every level [default: sinkhorn at the coarse level, varifold "
                    "at the fine one].")
 @click.option("--sigma", default=20.0, show_default=True, type=float,
@@ -76,13 +77,13 @@ def register_cmd(source: str, target: str, output: str, model: str, prealign: st
                  sigma: float, label: float | None, level: float | None, points: int | None,
                  max_iter: int, picture: bool) -> None:
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
-    from . import register
+    from . import LBFGSOptions, LDDMMOptions, register
 
     _check_output(output, [source, target], picture)
     try:
         src, tgt = (_load(p, label, level, points) for p in (source, target))
-        res = register(src, tgt, model=model, prealign=prealign, loss=loss, sigma=sigma,
-                       max_iter=max_iter)
+        res = register(src, tgt, model=LDDMMOptions(sigma=sigma) if model == "lddmm" else model,
+                       prealign=prealign, loss=loss, optimizer=LBFGSOptions(max_iter=max_iter))
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise click.ClickException(str(err)) from err
     _write_outputs(res, src, tgt, output, picture)
@@ -131,12 +132,12 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
 
     folder = res.save(output)
     if picture:
-        from .registration.metrics import _to_surface
+        from .registration.metrics import point_to_surface_distances
         from .viz import plot_history, plot_shapes
 
         warped = res.warped
         try:
-            dist = _to_surface(warped.points.detach().double().numpy(), tgt)
+            dist = point_to_surface_distances(warped.points.detach().double().numpy(), tgt)
         except ImportError:  # pragma: no cover - pyvista is needed for pictures anyway
             dist = None
         plot_shapes({"source": src, "target": tgt, "warped (distance to target)": warped},

@@ -86,3 +86,23 @@ def test_register_refuses_an_output_folder_that_would_replace_an_input(two_meshe
     assert result.exit_code != 0 and "is a file" in result.output
     result = CliRunner().invoke(main, ["register", src, tgt, "-o", "/dev/null"])
     assert result.exit_code != 0 and "is not a folder" in result.output
+
+
+def test_register_choices_come_from_the_library():
+    from otreg.registration import LOSSES, MODELS, PREALIGNS
+
+    params = {p.name: p for p in main.commands["register"].params}
+    assert tuple(params["model"].type.choices) == MODELS
+    assert tuple(params["prealign"].type.choices) == PREALIGNS
+    assert tuple(params["loss"].type.choices) == tuple(n for n in LOSSES if n != "landmarks")
+
+
+def test_register_a_linear_model_writes_its_options(two_meshes, tmp_path):
+    pytest.importorskip("pyvista")
+    out = tmp_path / "out"
+    result = run("register", *two_meshes, "-o", str(out), "--model", "rigid", "--max-iter",
+                 "7", "--no-picture")
+    assert result.exit_code == 0, result.output
+    options = json.loads((out / "registration.json").read_text())["options"]
+    assert options["model"] == "rigid" and options["lddmm"] is None
+    assert options["prealign"]["kind"] == "rigid" and options["optimizer"]["max_iter"] == 7

@@ -1,10 +1,22 @@
 """Registration of surfaces: pre-alignment, LDDMM, data terms, metrics."""
 
 from . import metrics
-from .attachments import ATTACHMENTS, make_attachment, varifold_distance
 from .deformations import LDDMM, Affine, Rigid, Similarity
-from .register import MODELS, PREALIGNS, Registration, prealign, register
+from .losses import (
+    ATTACHMENTS,
+    LOSSES,
+    Attachment,
+    Loss,
+    make_attachment,
+    make_loss,
+    varifold_distance,
+)
+from .options import MODELS, PREALIGNS, LBFGSOptions, LDDMMOptions, Level, PrealignOptions
+from .prealign import prealign
+from .register import register
+from .result import Registration
 
-__all__ = ["register", "Registration", "prealign", "LDDMM", "Rigid", "Similarity", "Affine",
-           "make_attachment", "varifold_distance", "metrics", "ATTACHMENTS", "MODELS",
-           "PREALIGNS"]
+__all__ = ["register", "Registration", "prealign", "LDDMMOptions", "PrealignOptions",
+           "LBFGSOptions", "Level", "LDDMM", "Rigid", "Similarity", "Affine", "Loss",
+           "make_loss", "LOSSES", "varifold_distance", "metrics", "MODELS", "PREALIGNS",
+           "Attachment", "make_attachment", "ATTACHMENTS"]

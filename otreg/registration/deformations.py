@@ -21,8 +21,9 @@ memory budget. The deformation energy is H(q_0, p_0) (constant along the geodesi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -69,6 +70,23 @@ class _Linear(nn.Module):
     def set_from(self, A: torch.Tensor, t: torch.Tensor) -> None:
         """Set the parameters from a matrix A and a translation t (about ``center``)."""
         raise NotImplementedError
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """The map as arrays (``linear_kind``, ``linear_matrix``, ``linear_translation``,
+        ``linear_center``), as :meth:`otreg.registration.Registration.save` writes them."""
+        return {"linear_kind": np.array(type(self).__name__.lower()),
+                "linear_matrix": self.matrix().detach().cpu().numpy(),
+                "linear_translation": self.translation.detach().cpu().numpy(),
+                "linear_center": self.center.cpu().numpy()}
+
+    @staticmethod
+    def from_arrays(arrays: Mapping[str, np.ndarray]) -> Affine:
+        """The map that :meth:`to_arrays` wrote, as an :class:`Affine` of the same matrix,
+        translation and center (float64; exact whatever the saved kind)."""
+        linear = Affine(torch.as_tensor(arrays["linear_center"])).double()
+        linear.set_from(torch.as_tensor(arrays["linear_matrix"]),
+                        torch.as_tensor(arrays["linear_translation"]))
+        return linear
 
 
 class Rigid(_Linear):
@@ -230,6 +248,29 @@ class LDDMM(nn.Module):
     def energy(self) -> torch.Tensor:
         """The deformation energy H(q_0, p_0) (half the squared geodesic length)."""
         return self.hamiltonian(self.control_points.to(self.momenta.dtype), self.momenta)
+
+    # ---------------------------------------------------------------- arrays
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """The deformation as arrays (``control_points``, ``momenta``, ``sigma``,
+        ``kernel_weights``, ``n_steps``, ``integrator``), as
+        :meth:`otreg.registration.Registration.save` writes them."""
+        return {"control_points": self.control_points.cpu().numpy(),
+                "momenta": self.momenta.detach().cpu().numpy(),
+                "sigma": np.array(self.kernel.sigmas),
+                "kernel_weights": np.array(self.kernel.weights),
+                "n_steps": np.array(self.n_steps), "integrator": np.array(self.integrator)}
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> LDDMM:
+        """The deformation that :meth:`to_arrays` wrote (float64)."""
+        deformation = cls(torch.as_tensor(arrays["control_points"]),
+                          sigma=arrays["sigma"].tolist(),
+                          kernel_weights=arrays["kernel_weights"].tolist(),
+                          n_steps=int(arrays["n_steps"]),
+                          integrator=str(arrays["integrator"])).double()
+        with torch.no_grad():
+            deformation.momenta.copy_(torch.as_tensor(arrays["momenta"]))
+        return deformation
 
 
 def fit_linear(kind: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from ..shapes import Shape
-from .attachments import make_attachment, varifold_distance
+from .losses import make_loss, varifold_distance
 
-__all__ = ["surface_distances", "vertex_error", "jacobian_determinants", "varifold_distance",
-           "summary"]
+__all__ = ["surface_distances", "point_to_surface_distances", "vertex_error",
+           "jacobian_determinants", "varifold_distance", "summary"]
 
 
 def _nearest(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -23,9 +23,9 @@ def _nearest(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return cKDTree(b).query(a)[0]
 
 
-def _to_surface(points: np.ndarray, shape: Shape) -> np.ndarray:
-    """Distance from each point to the nearest point of the triangles of ``shape`` (VTK's
-    closest-cell search)."""
+def point_to_surface_distances(points: np.ndarray, shape: Shape) -> np.ndarray:
+    """Distance from each point ``(N, 3)`` to the nearest point of the triangles of ``shape``
+    (VTK's closest-cell search; needs pyvista), ``(N,)``."""
     _, closest = shape.to_pyvista().find_closest_cell(points, return_closest_point=True)
     return np.linalg.norm(points - closest, axis=1)
 
@@ -52,7 +52,8 @@ def surface_distances(a: Shape, b: Shape, to: str = "auto") -> dict[str, float]:
         except ImportError:
             to = "vertices"
     if to == "surface":
-        ab, ba = _to_surface(pa, b), _to_surface(pb, a)
+        ab = point_to_surface_distances(pa, b)
+        ba = point_to_surface_distances(pb, a)
     else:
         ab, ba = _nearest(pa, pb), _nearest(pb, pa)
     return {"mean_ab_mm": float(ab.mean()), "mean_ba_mm": float(ba.mean()),
@@ -93,7 +94,7 @@ def summary(warped: Shape, target: Shape, jac: torch.Tensor | None = None,
     vw, vt = varifold_shapes or (warped, target)
     if vw.n_faces and vt.n_faces:
         with torch.no_grad():
-            v = make_attachment("varifold", sigma=sigma, caller="summary")(
+            v = make_loss("varifold", sigma=sigma, caller="summary")(
                 vw.to(torch.float64), vt.to(torch.float64))
         out["varifold"] = float(v)
     if jac is not None:

@@ -1,42 +1,37 @@
 """otreg.register on real surfaces with known ground truth."""
 
-import math
+import dataclasses
+import json
+import warnings
 
 import pytest
 import torch
 
 from otreg import Shape, datasets
-from otreg.registration import Registration, prealign, register
-from otreg.registration.deformations import rotation_matrix
+from otreg.ot.problem import SinkhornOptions
+from otreg.registration import (
+    LBFGSOptions,
+    LDDMMOptions,
+    Level,
+    PrealignOptions,
+    Registration,
+    register,
+)
+from otreg.registration.losses import SINKHORN_TERM
+from otreg.registration.register import _resolve
 
 pytest.importorskip("nilearn")
 pytest.importorskip("pyvista")
-
-
-@pytest.fixture(scope="module")
-def pial_small():
-    return datasets.fsaverage5("pial", "left").to(torch.float64).decimate(800)
-
-
-def test_rigid_prealignment_recovers_a_known_rotation(pial_small):
-    R = rotation_matrix(torch.tensor([0.05, -0.12, 0.08], dtype=torch.float64))  # 8.7 degrees
-    t = torch.tensor([4.0, -6.0, 3.0], dtype=torch.float64)
-    c = pial_small.points.mean(0)
-    moved = pial_small.with_points((pial_small.points - c) @ R.T + c + t)
-    fit = prealign(pial_small, moved, "rigid", n_iter=10)
-    error = fit.matrix().detach() @ R.T
-    angle = math.degrees(math.acos(min(1.0, (float(torch.trace(error)) - 1) / 2)))
-    assert angle < 0.5
-    assert float((fit(pial_small.points) - moved.points).norm(dim=1).mean()) < 0.5  # mm
 
 
 def test_register_small_saves_loads_and_reports(pial_small, tmp_path):
     (subject,) = datasets.synthetic_subjects(pial_small, n=1, magnitude=3.0, max_angle=3.0,
                                              max_shift=3.0, sigma=30.0, n_controls=20, seed=1)
     before = float((subject.shape.points - pial_small.points).norm(dim=1).mean())
-    res = register(pial_small, subject.shape, control_points=200, sigma=25.0, n_steps=5,
-                   levels=((400, 6.0),), max_iter=10, truth=subject.shape.points,
-                   progress=False)
+    res = register(pial_small, subject.shape,
+                   LDDMMOptions(control_points=200, sigma=25.0, n_steps=5),
+                   levels=(Level(400, 6.0),), optimizer=LBFGSOptions(max_iter=10),
+                   truth=subject.shape.points, progress=False)
     assert isinstance(res, Registration) and res.warped.n_points == pial_small.n_points
     assert res.metrics["vertex_error_mean_mm"] < before
     assert res.metrics["jacobian_min"] > 0
@@ -73,12 +68,15 @@ def test_lddmm_recovers_a_synthetic_subject_of_fsaverage5():
     (dict(prealign="magic"), ValueError, "prealign is 'magic'"),
     (dict(loss="l2"), ValueError, "loss is 'l2'"),
     (dict(loss={"sinkhorn": -1.0}), ValueError, "weight of sinkhorn is -1.0"),
-    (dict(sigma=-5.0), ValueError, "sigma is -5.0"),
-    (dict(n_steps=0), ValueError, "n_steps is 0"),
+    (dict(model=LDDMMOptions), ValueError, "model is <class"),
+    (dict(prealign=PrealignOptions), ValueError, "prealign is"),
+    (dict(optimizer=dict(max_iter=3)), TypeError, "optimizer must be an LBFGSOptions"),
+    (dict(sinkhorn=dict(reach=3.0)), TypeError, "sinkhorn must be a SinkhornOptions"),
     (dict(levels=()), ValueError, "levels is empty"),
     (dict(levels=((500, 6.0, "l2"),)), ValueError, "loss is 'l2'"),
     (dict(levels=((500, 6.0, {}),)), ValueError, "the loss of level 1 is \\{\\}"),
     (dict(levels=((500,),)), ValueError, "each level is \\(points, scale_mm\\)"),
+    (dict(levels=((2, 6.0),)), ValueError, "level points is 2"),
     (dict(varifold_sigma=0.0), ValueError, "varifold_sigma is 0.0"),
     (dict(truth=torch.zeros(5, 3)), ValueError, "truth has shape \\(5, 3\\)"),
     (dict(loss={"landmarks": 1.0}), ValueError, "landmarks= is None"),
@@ -86,6 +84,101 @@ def test_lddmm_recovers_a_synthetic_subject_of_fsaverage5():
 def test_bad_options(pial_small, kwargs, error, match):
     with pytest.raises(error, match=match):
         register(pial_small, pial_small, progress=False, **kwargs)
+
+
+ALIASES = [  # old keyword, value, the new spelling's keywords
+    ("sigma", 12.0, dict(model=LDDMMOptions(sigma=12.0))),
+    ("control_points", 100, dict(model=LDDMMOptions(control_points=100))),
+    ("n_steps", 4, dict(model=LDDMMOptions(n_steps=4))),
+    ("integrator", "euler", dict(model=LDDMMOptions(integrator="euler"))),
+    ("regularization", 1e-3, dict(model=LDDMMOptions(regularization=1e-3))),
+    ("strategy", "checkpoint", dict(model=LDDMMOptions(strategy="checkpoint"))),
+    ("memory", "100MB", dict(model=LDDMMOptions(memory="100MB"))),
+    ("max_iter", 3, dict(optimizer=LBFGSOptions(max_iter=3))),
+    ("tol", 1e-3, dict(optimizer=LBFGSOptions(tol=1e-3))),
+    ("reach", 5.0, dict(sinkhorn=SINKHORN_TERM.replace(reach=5.0))),
+]
+
+
+def resolved(**kwargs):
+    model = kwargs.pop("model", "lddmm")
+    return _resolve("register", model, "rigid", kwargs.pop("optimizer", None),
+                    kwargs.pop("sinkhorn", None), kwargs)
+
+
+@pytest.mark.parametrize("name, value, new", ALIASES)
+def test_deprecated_alias_warns_and_equals_the_new_spelling(name, value, new):
+    with pytest.warns(DeprecationWarning, match=f"{name}= is deprecated; write "):
+        old = resolved(**{name: value})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert resolved(**new) == old
+    assert old != resolved()  # the alias changed something
+
+
+@pytest.mark.parametrize("name, value, new", ALIASES)
+def test_deprecated_alias_with_its_object_raises(name, value, new):
+    (holder, obj), = new.items()
+    with pytest.raises(ValueError, match=f"{name}= and {holder}= were both given"):
+        resolved(**{holder: obj, name: value})
+
+
+@pytest.mark.parametrize("model", ["rigid", "similarity", "affine"])
+def test_lddmm_alias_with_a_linear_model_raises(model):
+    with pytest.raises(ValueError, match=f"sigma= applies to model='lddmm' only, not "
+                                         f"model='{model}'"):
+        resolved(model=model, sigma=10.0)
+
+
+def test_unknown_keywords_raise_type_error(pial_small):
+    with pytest.raises(TypeError, match="unknown keyword argument\\(s\\) blur, sigmaa"):
+        register(pial_small, pial_small, sigmaa=3.0, blur=2.0, progress=False)
+
+
+def test_deprecated_keywords_end_to_end(pial_small):
+    small = dict(levels=((300, 6.0),), prealign="none", progress=False)
+    with pytest.warns(DeprecationWarning) as record:
+        old = register(pial_small, pial_small, sigma=25.0, control_points=50, max_iter=2,
+                       **small)
+    assert sorted(str(w.message).split("=")[0] for w in record
+                  if str(w.message).startswith("register:")) == [
+        "register: control_points", "register: max_iter", "register: sigma"]
+    new = register(pial_small, pial_small, LDDMMOptions(sigma=25.0, control_points=50),
+                   optimizer=LBFGSOptions(max_iter=2), **small)
+    assert old.options == new.options
+    assert torch.allclose(old.momenta, new.momenta)
+
+
+def test_options_record_the_option_objects(pial_small, tmp_path):
+    pre = PrealignOptions("similarity", n_iter=2, max_points=300)
+    opt = LBFGSOptions(max_iter=2, history_size=5)
+    sk = SinkhornOptions(scaling=0.6, tol=1e-2, max_iter=20, relaxation=1.5)
+    res = register(pial_small, pial_small, "affine", pre, "sinkhorn", levels=(Level(200, 8.0),),
+                   optimizer=opt, sinkhorn=sk, varifold_sigma=3.0, progress=False)
+    o = res.options
+    assert o["model"] == "affine" and o["lddmm"] is None and res.deformation is None
+    # a linear model is fitted with the pre-alignment's settings, as its own kind
+    assert o["prealign"] == dataclasses.asdict(dataclasses.replace(pre, kind="affine"))
+    assert o["optimizer"] == dataclasses.asdict(opt)
+    assert o["sinkhorn"] == dataclasses.asdict(sk)
+    assert o["levels"] == [{"points": 200, "scale": 8.0, "loss": {"sinkhorn": 1.0}}]
+    assert o["loss"] == "sinkhorn" and o["varifold_sigma"] == 3.0
+    doc = json.loads((res.save(tmp_path / "out") / "registration.json").read_text())
+    assert doc["options"]["optimizer"] == {"max_iter": 2, "tol": 1e-5, "history_size": 5}
+    assert doc["options"]["prealign"]["kind"] == "affine"
+
+
+def test_default_options_are_recorded(pial_small):
+    res = register(pial_small, pial_small, LDDMMOptions(control_points=50, sigma=30.0),
+                   "none", levels=((200, 8.0),), optimizer=LBFGSOptions(max_iter=1),
+                   progress=False)
+    assert res.options["lddmm"] == dataclasses.asdict(LDDMMOptions(control_points=50,
+                                                                   sigma=30.0))
+    assert res.options["prealign"]["kind"] == "none" and res.linear is None
+    assert res.options["sinkhorn"] == dataclasses.asdict(SINKHORN_TERM)
+    assert res.options["levels"][0]["loss"] == {"sinkhorn": 1.0}
+    assert (SINKHORN_TERM.scaling, SINKHORN_TERM.tol, SINKHORN_TERM.max_iter,
+            SINKHORN_TERM.relaxation) == (0.5, 1e-3, 30, 1.9)
 
 
 def test_bad_shapes(pial_small):

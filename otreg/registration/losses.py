@@ -1,7 +1,8 @@
 """Data terms comparing a deformed surface with a target: each maps (Shape, Shape) -> scalar.
 
 - ``"sinkhorn"``: the debiased Sinkhorn divergence between the area measures (mm^2 units for
-  normalised masses; ``reach`` for unbalanced OT).
+  normalised masses; solver options a :class:`~otreg.ot.problem.SinkhornOptions`, its
+  ``reach`` for unbalanced OT).
 - ``"varifold"`` (unoriented) and ``"currents"`` (oriented): kernel norms of the difference
   of the surfaces seen as measures on positions and normals (Charon and Trouvé 2013; Glaunès
   and Vaillant 2005), with a Gaussian kernel of width ``sigma`` (mm) on positions.
@@ -24,12 +25,16 @@ from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from .kernels import GaussianKernel
 
-__all__ = ["Attachment", "make_attachment", "ATTACHMENTS", "varifold_distance"]
+__all__ = ["Loss", "make_loss", "LOSSES", "SINKHORN_TERM", "varifold_distance"]
 
-ATTACHMENTS = ("sinkhorn", "varifold", "currents", "chamfer", "landmarks")
+LOSSES = ("sinkhorn", "varifold", "currents", "chamfer", "landmarks")
+#: The Sinkhorn term's solver options (its blur is each level's scale): at most 30
+#: over-relaxed iterations an evaluation from the potentials ``prepare`` found (with ten
+#: times as many), to a marginal error of 1e-3. ``register(sinkhorn=...)`` replaces it.
+SINKHORN_TERM = SinkhornOptions(scaling=0.5, tol=1e-3, max_iter=30, relaxation=1.9)
 
 
-class Attachment:
+class Loss:
     """A named data term: ``term(warped, target) -> scalar tensor``.
 
     ``prepare(warped, target)`` (optional, no gradient) is called by the fitting loop at the
@@ -61,33 +66,32 @@ def _normalised_measure(shape: Shape, kind: str = "points"):
     return x, a / a.sum()
 
 
-def _sinkhorn(blur: float, reach: float | None, scaling: float, tol: float, max_iter: int,
-              dtype: torch.dtype | None, reference_iter: int, relaxation: float):
-    """The divergence term. ``prepare`` solves the problem at hand to ``tol`` (at most
-    ``reference_iter`` iterations) and keeps its potentials; every evaluation then starts
-    from these (not from the previous evaluation's: the value would depend on the order
-    of the evaluations) and runs at most ``max_iter`` iterations."""
+def _sinkhorn(options: SinkhornOptions, dtype: torch.dtype | None):
+    """The divergence term. ``prepare`` solves the problem at hand to ``options.tol`` (at
+    most ten times ``options.max_iter`` iterations) and keeps its potentials; every
+    evaluation then starts from these (not from the previous evaluation's: the value would
+    depend on the order of the evaluations) and runs at most ``options.max_iter``
+    iterations."""
     reference: dict = {}
+    prepare_options = options.replace(max_iter=10 * options.max_iter)
 
-    def solve(warped: Shape, target: Shape, warm: dict, iters: int) -> torch.Tensor:
+    def solve(warped: Shape, target: Shape, warm: dict, opts: SinkhornOptions) -> torch.Tensor:
         x, a = _normalised_measure(warped)
         y, b = _normalised_measure(target)
         dt = dtype or x.dtype
         with warnings.catch_warnings():  # an early stop is fine inside an optimiser
             warnings.simplefilter("ignore", ConvergenceWarning)
-            options = SinkhornOptions(blur=blur, reach=reach, scaling=scaling, tol=tol,
-                                      max_iter=iters, relaxation=relaxation)
             value, _ = divergence("register", x.to(dt), y.to(dt), a.to(dt), b.to(dt),
-                                  options, warm=warm)
+                                  opts, warm=warm)
         return value.to(x.dtype)
 
     def term(warped: Shape, target: Shape) -> torch.Tensor:
-        return solve(warped, target, dict(reference), max_iter)
+        return solve(warped, target, dict(reference), options)
 
     def prepare(warped: Shape, target: Shape) -> None:
         reference.clear()
         with torch.no_grad():
-            solve(warped, target, reference, reference_iter)
+            solve(warped, target, reference, prepare_options)
 
     return term, prepare
 
@@ -157,33 +161,41 @@ def _chamfer(warped: Shape, target: Shape) -> torch.Tensor:
     return ((x - y[i_xy]) ** 2).sum(1).mean() + ((y - x[i_yx]) ** 2).sum(1).mean()
 
 
-def make_attachment(name: str, *, blur: float = 2.0, reach: float | None = None,
-                    scaling: float = 0.5, sinkhorn_tol: float = 1e-3, sinkhorn_max_iter: int = 30,
-                    sinkhorn_dtype: torch.dtype | None = torch.float32,
-                    sinkhorn_relaxation: float = 1.9,
-                    sigma: float = 10.0, caller: str = "register") -> Attachment:
+def make_loss(name: str, *, blur: float = 2.0, sinkhorn: SinkhornOptions | None = None,
+              sinkhorn_dtype: torch.dtype | None = torch.float32, sigma: float = 10.0,
+              caller: str = "register") -> Loss:
     """Build a data term by name (see the module docstring for the meanings and units).
 
-    The Sinkhorn term starts each solve from the potentials found by ``prepare`` (the
-    surfaces move little between an optimiser's evaluations), at most ``sinkhorn_max_iter``
-    iterations (``prepare``: ten times more), and solves in
-    ``sinkhorn_dtype`` (float32 by default: twice as fast; the value and gradient are
-    returned in the points' dtype; None keeps the points' dtype), with over-relaxed updates
-    (``sinkhorn_relaxation``, see :func:`otreg.sinkhorn`; on fsaverage5 it cut the coarse
-    level from 12 to 9 s at the same accuracy).
+    The Sinkhorn term solves with ``sinkhorn`` (default :data:`SINKHORN_TERM`) at ``blur``
+    mm: each solve starts from the potentials found by ``prepare`` (the surfaces move
+    little between an optimiser's evaluations) and runs at most ``sinkhorn.max_iter``
+    iterations (``prepare``: ten times more), in ``sinkhorn_dtype`` (float32 by default:
+    twice as fast; the value and gradient are returned in the points' dtype; None keeps the
+    points' dtype). The default's over-relaxed updates (w = 1.9, see :func:`otreg.sinkhorn`)
+    cut the coarse level on fsaverage5 from 12 to 9 s at the same accuracy. ``sigma`` is the
+    varifold/currents kernel width (mm).
     """
     if name == "sinkhorn":
         blur = check_positive(caller, "blur", blur)
-        term, prepare = _sinkhorn(blur, reach, scaling, sinkhorn_tol, sinkhorn_max_iter,
-                                  sinkhorn_dtype, 10 * sinkhorn_max_iter, sinkhorn_relaxation)
-        return Attachment(name, term, prepare, blur=blur, reach=reach)
+        if sinkhorn is not None and not isinstance(sinkhorn, SinkhornOptions):
+            raise TypeError(f"{caller}: sinkhorn must be an otreg SinkhornOptions or None, got "
+                            f"{type(sinkhorn).__name__}")
+        options = (sinkhorn or SINKHORN_TERM).replace(blur=blur)
+        term, prepare = _sinkhorn(options, sinkhorn_dtype)
+        return Loss(name, term, prepare, blur=blur, reach=options.reach)
     if name in ("varifold", "currents"):
         sigma = check_positive(caller, f"{name} sigma", sigma)
         term, prepare = _varifold(sigma, name == "currents")
-        return Attachment(name, term, prepare, sigma=sigma)
+        return Loss(name, term, prepare, sigma=sigma)
     if name == "chamfer":
-        return Attachment(name, _chamfer)
+        return Loss(name, _chamfer)
     if name == "landmarks":
         raise ValueError(f"{caller}: give landmarks as landmarks=(source_points, target_points); "
                          "the term is added with weight 'landmarks' in loss")
-    raise ValueError(f"{caller}: unknown loss {name!r}; choose from {', '.join(ATTACHMENTS)}")
+    raise ValueError(f"{caller}: unknown loss {name!r}; choose from {', '.join(LOSSES)}")
+
+
+# The names before the argument and the term shared one (``loss``); kept as aliases.
+Attachment = Loss
+make_attachment = make_loss
+ATTACHMENTS = LOSSES

@@ -1,0 +1,160 @@
+"""The options of :func:`otreg.register`, as frozen dataclasses: strings for the common
+case, an object where settings travel together.
+
+- ``model="lddmm" | "rigid" | "similarity" | "affine" | LDDMMOptions(...)``: the LDDMM
+  settings exist only inside :class:`LDDMMOptions`;
+- ``prealign="rigid" | "similarity" | "affine" | "none" | PrealignOptions(...)``;
+- ``optimizer=LBFGSOptions(...)``: L-BFGS at each level;
+- ``levels=(Level(points, scale, loss), ...)`` (tuples ``(points, scale)`` and
+  ``(points, scale, loss)`` are converted).
+
+Each checks its fields when built (``ValueError`` for bad values, ``TypeError`` for wrong
+types, the message naming the class and the field); ``dataclasses.asdict`` of each is what
+:attr:`otreg.registration.Registration.options` records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .._checks import check_choice, check_int, check_positive
+from .deformations import INTEGRATORS
+from .kernels import GaussianKernel
+from .losses import LOSSES
+
+__all__ = ["LDDMMOptions", "PrealignOptions", "LBFGSOptions", "Level", "MODELS", "PREALIGNS"]
+
+MODELS = ("lddmm", "rigid", "similarity", "affine")
+PREALIGNS = ("rigid", "similarity", "affine", "none")
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)  # normalising a frozen dataclass's own field
+
+
+@dataclass(frozen=True)
+class LDDMMOptions:
+    """``model=LDDMMOptions(...)``: the LDDMM deformation.
+
+    Args:
+        sigma: kernel width(s), mm (a sum of Gaussians if several).
+        control_points: number of control points (a decimation of the pre-aligned source).
+        n_steps: geodesic shooting time steps.
+        integrator: ``"euler"``, ``"rk4"`` or ``"leapfrog"``.
+        regularization: weight of the deformation energy in the objective (>= 0).
+        strategy, memory: differentiation of the shooting loop (:func:`otreg.loops.iterate`).
+    """
+
+    sigma: float | Sequence[float] = 20.0
+    control_points: int = 500
+    n_steps: int = 6
+    integrator: str = "rk4"
+    regularization: float = 1e-4
+    strategy: str = "store"
+    memory: int | str | None = None
+
+    def __post_init__(self) -> None:
+        from ..loops.iterate import STRATEGIES, parse_bytes
+
+        caller = "LDDMMOptions"
+        sigmas = GaussianKernel(self.sigma, caller=caller).sigmas
+        _set(self, "sigma", sigmas[0] if isinstance(self.sigma, (int, float)) else tuple(sigmas))
+        check_int(caller, "control_points", self.control_points, 4)
+        check_int(caller, "n_steps", self.n_steps, 1)
+        check_choice(caller, "integrator", self.integrator, INTEGRATORS)
+        _set(self, "regularization",
+             check_positive(caller, "regularization", self.regularization, allow_zero=True))
+        check_choice(caller, "strategy", self.strategy, STRATEGIES)
+        if self.memory is not None:
+            parse_bytes(caller, self.memory)
+
+
+@dataclass(frozen=True)
+class PrealignOptions:
+    """``prealign=PrealignOptions(...)``: the linear map fitted by OT matching.
+
+    Args:
+        kind: ``"rigid"``, ``"similarity"``, ``"affine"`` or ``"none"``.
+        n_iter: rounds of (OT, barycentric targets, least-squares fit).
+        blur: ``(first, last)`` blur in mm, shrinking geometrically; default a quarter of the
+            target's size down to 1/40 of it.
+        max_points: the surfaces are decimated to about this many vertices.
+    """
+
+    kind: str = "rigid"
+    n_iter: int = 8
+    blur: tuple[float, float] | None = None
+    max_points: int = 2000
+
+    def __post_init__(self) -> None:
+        caller = "PrealignOptions"
+        check_choice(caller, "kind", self.kind, PREALIGNS)
+        check_int(caller, "n_iter", self.n_iter, 1)
+        if self.blur is not None:
+            if isinstance(self.blur, (str, bytes)) or not isinstance(self.blur, Sequence) \
+                    or len(self.blur) != 2:
+                raise TypeError(f"{caller}: blur must be None or (first, last) in mm, got "
+                                f"{self.blur!r}")
+            _set(self, "blur", tuple(check_positive(caller, "blur", b) for b in self.blur))
+        check_int(caller, "max_points", self.max_points, 4)
+
+
+@dataclass(frozen=True)
+class LBFGSOptions:
+    """``optimizer=LBFGSOptions(...)``: ``torch.optim.LBFGS`` (strong-Wolfe line search) at
+    each level.
+
+    Args:
+        max_iter: iterations per level (at most 5/4 as many objective evaluations).
+        tol: stop a level when the objective changes by less than tol (relative) over an
+            iteration.
+        history_size: number of past updates kept for the Hessian approximation.
+    """
+
+    max_iter: int = 30
+    tol: float = 1e-5
+    history_size: int = 20
+
+    def __post_init__(self) -> None:
+        caller = "LBFGSOptions"
+        check_int(caller, "max_iter", self.max_iter, 1)
+        _set(self, "tol", check_positive(caller, "tol", self.tol, allow_zero=True))
+        check_int(caller, "history_size", self.history_size, 1)
+
+
+def loss_weights(loss: object, caller: str, what: str = "loss") -> dict[str, float]:
+    """A data-term name or a dict of weights, checked, as a dict of weights."""
+    if isinstance(loss, str):
+        loss = {loss: 1.0}
+    if not isinstance(loss, dict) or not loss:
+        raise ValueError(f"{caller}: {what} is {loss!r}; give a data term name or a non-empty "
+                         "dict of weights, e.g. {'sinkhorn': 1.0}")
+    out = {}
+    for name, w in loss.items():
+        check_choice(caller, "loss", name, LOSSES)
+        out[name] = check_positive(caller, f"weight of {name}", w)
+    return out
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of the coarse-to-fine fit.
+
+    Args:
+        points: both surfaces are decimated to about this many vertices.
+        scale: mm; the Sinkhorn blur and the varifold/currents kernel width at this level.
+        loss: this level's data term (a name or a dict of weights); None: ``register``'s
+            ``loss`` (or its default).
+    """
+
+    points: int
+    scale: float
+    loss: str | dict[str, float] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        caller = "Level"
+        check_int(caller, "points", self.points, 4)
+        _set(self, "scale", check_positive(caller, "scale", self.scale))
+        if self.loss is not None:
+            _set(self, "loss", loss_weights(self.loss, caller))

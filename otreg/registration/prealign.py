@@ -1,0 +1,87 @@
+"""Pre-alignment: a rigid, similarity or affine map fitted by OT matching."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from .._checks import ConvergenceWarning
+from ..ot.solver import sinkhorn
+from ..shapes import Shape
+from .deformations import Affine, Rigid, Similarity, _Linear, fit_linear
+from .options import PrealignOptions
+
+__all__ = ["prealign", "LINEAR"]
+
+#: The linear models by name.
+LINEAR = {"rigid": Rigid, "similarity": Similarity, "affine": Affine}
+_UNSET = object()
+
+
+def even_indices(n: int, k: int) -> torch.Tensor | slice:
+    """Indices of about k evenly spaced items out of n (all of them when n <= k)."""
+    return slice(None) if n <= k else torch.linspace(0, n - 1, k).round().long()
+
+
+def _coarse_measure(shape: Shape, max_points: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertex measure (positions, normalised weights) of at most about max_points points:
+    a decimated surface, or an evenly strided subset of a point cloud."""
+    if shape.n_faces > 0:
+        shape = shape.decimate(max_points)
+    elif shape.n_points > max_points:
+        keep = even_indices(shape.n_points, max_points)
+        w = None if shape.weights is None else shape.weights[keep]
+        shape = Shape(shape.points[keep], weights=w, unit=shape.unit)
+    x, a = shape.measure("points")
+    return x.detach().double(), (a.detach() / a.sum()).double()
+
+
+def prealign(source: Shape, target: Shape, kind: str | PrealignOptions = "rigid",
+             n_iter: int = _UNSET, blur: tuple[float, float] | None = _UNSET,
+             max_points: int = _UNSET) -> _Linear:
+    """Fit a rigid, similarity or affine map by OT matching (no correspondence needed).
+
+    ``kind`` is a name (``"rigid"``, ``"similarity"``, ``"affine"``) or a
+    :class:`PrealignOptions`; ``n_iter``, ``blur`` and ``max_points``, when given, replace
+    its fields (defaults: those of :class:`PrealignOptions`).
+
+    Each round solves OT between the moved source measure and the target, sends every
+    source point to its barycentric target, and refits the map by weighted least squares
+    (Kabsch, Umeyama or affine), with a blur shrinking geometrically from ``blur[0]`` to
+    ``blur[1]`` mm (default: a quarter of the target's size down to 1/40 of it). Surfaces
+    are compared as vertex measures (area weights) decimated to about ``max_points``
+    vertices: a linear map has 12 parameters at most, which a few thousand points fix.
+    """
+    caller = "prealign"
+    changes = {name: value for name, value in (("n_iter", n_iter), ("blur", blur),
+                                                ("max_points", max_points))
+               if value is not _UNSET}
+    if isinstance(kind, PrealignOptions):
+        options = dataclasses.replace(kind, **changes)
+    else:
+        options = PrealignOptions(kind, **changes)
+    if options.kind not in LINEAR:
+        raise ValueError(f"{caller}: kind is {options.kind!r}; choose one of "
+                         f"{', '.join(map(repr, LINEAR))}")
+    x, a = _coarse_measure(source, options.max_points)
+    y, b = _coarse_measure(target, options.max_points)
+    size = float((y.max(0).values - y.min(0).values).norm())
+    b0, b1 = options.blur if options.blur is not None else (size / 4, size / 40)
+    center = (a[:, None] * x).sum(0)
+    model = LINEAR[options.kind](center).double()
+    with torch.no_grad():
+        model.set_from(torch.eye(3, dtype=torch.float64), (b[:, None] * y).sum(0) - center)
+    n = options.n_iter
+    for k in range(n):
+        bl = b0 * (b1 / b0) ** (k / max(1, n - 1))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            moved = model(x)  # OT in float32 (twice as fast), the fit in float64
+            res = sinkhorn(moved.float(), y.float(), a.float(), b.float(), blur=bl,
+                           scaling=0.7, tol=1e-3, max_iter=60)
+            goal = res.plan.barycentric_map().double()
+            A, t = fit_linear(options.kind, x, goal, a, center)
+            model.set_from(A, t)
+    return model

@@ -1,0 +1,101 @@
+"""The result of :func:`otreg.register`: the warped source, the transform, its metrics and
+history; saved as ``warped.vtk``, ``parameters.npz`` (no pickle) and ``registration.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..shapes import Shape
+from .deformations import LDDMM, _Linear
+
+__all__ = ["Registration"]
+
+
+@dataclass
+class Registration:
+    """The result of :func:`register`.
+
+    Attributes:
+        warped: the source moved by the whole transform (all its vertices).
+        linear: the pre-alignment (Rigid/Similarity/Affine module) or None.
+        deformation: the fitted :class:`~otreg.registration.deformations.LDDMM` or None.
+        history: one dict per objective evaluation: level, evaluation, loss, energy, data
+            terms, seconds.
+        metrics: surface distances, varifold distance, Jacobian determinants (and vertex
+            errors when the truth was given).
+        options: the effective options of the run (the option objects' fields).
+    """
+
+    warped: Shape
+    linear: torch.nn.Module | None
+    deformation: LDDMM | None
+    history: list[dict] = field(default_factory=list, repr=False)
+    metrics: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def momenta(self) -> torch.Tensor | None:
+        return None if self.deformation is None else self.deformation.momenta.detach()
+
+    def transform(self, what: torch.Tensor | np.ndarray | Shape) -> torch.Tensor | Shape:
+        """Carry points ``(N, 3)`` (tensor or NumPy array) or a Shape (of the source's space)
+        through the transform."""
+        if isinstance(what, Shape):
+            return what.with_points(self.transform(what.points))
+        if isinstance(what, np.ndarray):
+            return self.transform(torch.as_tensor(what)).numpy()
+        if not isinstance(what, torch.Tensor):
+            raise TypeError(f"Registration.transform: give points (N, 3) as a tensor or array, "
+                            f"or a Shape; got {type(what).__name__}")
+        if what.dim() != 2 or what.shape[1] != 3:
+            raise ValueError(f"Registration.transform: points have shape {tuple(what.shape)}; "
+                             "they must be (N, 3)")
+        with torch.no_grad():
+            return self.apply(what.detach().double()).to(what.dtype)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole transform of points ``(N, 3)``, differentiable in x (for Jacobians)."""
+        if self.linear is not None:
+            x = self.linear(x)
+        if self.deformation is not None:
+            x = self.deformation(x)
+        return x
+
+    def save(self, folder: str | Path) -> Path:
+        """Write warped.vtk, parameters.npz (no pickle) and registration.json."""
+        from ..io import atomic_write, save_shape
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_shape(self.warped.with_points(self.warped.points.detach()), folder / "warped.vtk")
+        params: dict[str, np.ndarray] = {}
+        for part in (self.linear, self.deformation):
+            if part is not None:
+                params.update(part.to_arrays())
+        atomic_write(folder / "parameters.npz", lambda p: np.savez(p, **params))
+        doc = {"options": self.options, "metrics": self.metrics, "history": self.history}
+        atomic_write(folder / "registration.json",
+                     lambda p: p.write_text(json.dumps(doc, indent=2, default=str)))
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> Registration:
+        """Read what :meth:`save` wrote; ``transform`` then works as before (the linear part
+        comes back as an :class:`~otreg.registration.Affine` of the same matrix)."""
+        from ..io import load_shape
+
+        folder = Path(folder)
+        for name in ("parameters.npz", "registration.json", "warped.vtk"):
+            if not (folder / name).exists():
+                raise FileNotFoundError(f"Registration.load: {folder / name} is missing")
+        with np.load(folder / "parameters.npz", allow_pickle=False) as arrays:
+            linear = _Linear.from_arrays(arrays) if "linear_kind" in arrays else None
+            deformation = LDDMM.from_arrays(arrays) if "momenta" in arrays else None
+        doc = json.loads((folder / "registration.json").read_text())
+        return cls(load_shape(folder / "warped.vtk"), linear, deformation, doc["history"],
+                   doc["metrics"], doc["options"])

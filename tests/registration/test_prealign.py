@@ -1,0 +1,50 @@
+"""OT pre-alignment: known rigid motions recovered; options as an object or keywords."""
+
+import math
+
+import pytest
+import torch
+
+from otreg.registration import PrealignOptions, Rigid, Similarity, prealign
+from otreg.registration.deformations import rotation_matrix
+
+R = rotation_matrix(torch.tensor([0.05, -0.12, 0.08], dtype=torch.float64))  # 8.7 degrees
+T = torch.tensor([4.0, -6.0, 3.0], dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def moved(pial_small):
+    c = pial_small.points.mean(0)
+    return pial_small.with_points((pial_small.points - c) @ R.T + c + T)
+
+
+def angle_degrees(fit):
+    error = fit.matrix().detach() @ R.T
+    return math.degrees(math.acos(min(1.0, (float(torch.trace(error)) - 1) / 2)))
+
+
+def test_rigid_prealignment_recovers_a_known_rotation(pial_small, moved):
+    fit = prealign(pial_small, moved, "rigid", n_iter=10)
+    assert isinstance(fit, Rigid)
+    assert angle_degrees(fit) < 0.5
+    assert float((fit(pial_small.points).detach() - moved.points).norm(dim=1).mean()) < 0.5  # mm
+
+
+def test_options_object_equals_the_keywords(pial_small, moved):
+    a = prealign(pial_small, moved, kind="similarity", n_iter=3, max_points=500)
+    b = prealign(pial_small, moved, PrealignOptions("similarity", n_iter=3, max_points=500))
+    assert isinstance(b, Similarity)
+    assert torch.equal(a.matrix().detach(), b.matrix().detach())
+    # keywords replace the object's fields
+    c = prealign(pial_small, moved, PrealignOptions("similarity", n_iter=8), n_iter=3,
+                 max_points=500)
+    assert torch.equal(a.matrix().detach(), c.matrix().detach())
+
+
+def test_bad_prealign_options(pial_small):
+    with pytest.raises(ValueError, match="kind is 'none'"):
+        prealign(pial_small, pial_small, "none")
+    with pytest.raises(ValueError, match="kind is 'magic'"):
+        prealign(pial_small, pial_small, "magic")
+    with pytest.raises(ValueError, match="n_iter is 0"):
+        prealign(pial_small, pial_small, n_iter=0)

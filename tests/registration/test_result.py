@@ -1,0 +1,95 @@
+"""Registration results: transform, save and load (file formats unchanged)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from otreg import Shape
+from otreg.registration import LDDMM, Affine, Registration, Rigid, Similarity
+from otreg.registration.deformations import rotation_matrix
+
+pytest.importorskip("pyvista")
+
+D = torch.float64
+
+
+def tetrahedron():
+    pts = torch.tensor([[0.0, 0, 0], [10, 0, 0], [0, 10, 0], [0, 0, 10]], dtype=D)
+    faces = torch.tensor([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]])
+    return Shape(pts, faces)
+
+
+def result(linear_cls=Rigid, deformation=True):
+    g = torch.Generator().manual_seed(0)
+    source = tetrahedron()
+    linear = None
+    if linear_cls is not None:
+        linear = linear_cls(source.points.mean(0)).double()
+        A = rotation_matrix(torch.tensor([0.1, 0.2, -0.1], dtype=D))
+        if linear_cls is not Rigid:
+            A = A * 1.2
+        linear.set_from(A, torch.tensor([1.0, -2.0, 0.5], dtype=D))
+    lddmm = None
+    if deformation:
+        lddmm = LDDMM(10 * torch.rand(6, 3, generator=g, dtype=D), sigma=(5.0, 15.0),
+                      kernel_weights=(1.0, 0.5), n_steps=4, integrator="leapfrog").double()
+        with torch.no_grad():
+            lddmm.momenta.copy_(torch.randn(6, 3, generator=g, dtype=D))
+    res = Registration(source, linear, lddmm, [{"level": 0, "loss": 1.0}], {"mean_mm": 0.5},
+                       {"model": "lddmm", "lddmm": {"sigma": (5.0, 15.0)}})
+    res.warped = res.transform(source)
+    return res
+
+
+@pytest.mark.parametrize("linear_cls, deformation", [
+    (Rigid, True), (Similarity, True), (Affine, False), (None, True)])
+def test_save_load_round_trip(tmp_path, linear_cls, deformation):
+    res = result(linear_cls, deformation)
+    folder = res.save(tmp_path / "out")
+    assert {p.name for p in folder.iterdir()} == {"warped.vtk", "parameters.npz",
+                                                 "registration.json"}
+    back = Registration.load(folder)
+    x = 10 * torch.rand(30, 3, generator=torch.Generator().manual_seed(3), dtype=D)
+    assert torch.allclose(back.transform(x), res.transform(x), atol=1e-12)
+    assert not torch.equal(res.transform(x), x)
+    assert back.metrics == res.metrics and back.history == res.history
+    assert back.options["lddmm"]["sigma"] == [5.0, 15.0]  # JSON: tuples come back as lists
+    assert torch.allclose(back.warped.points.double(), res.warped.points, atol=1e-4)
+
+
+def test_parameters_npz_keys_are_unchanged(tmp_path):
+    folder = result().save(tmp_path / "out")
+    with np.load(folder / "parameters.npz", allow_pickle=False) as p:
+        assert set(p.files) == {"linear_kind", "linear_matrix", "linear_translation",
+                                "linear_center", "control_points", "momenta", "sigma",
+                                "kernel_weights", "n_steps", "integrator"}
+        assert str(p["linear_kind"]) == "rigid" and str(p["integrator"]) == "leapfrog"
+        assert p["sigma"].tolist() == [5.0, 15.0] and int(p["n_steps"]) == 4
+        assert p["linear_matrix"].shape == (3, 3) and p["momenta"].shape == (6, 3)
+    doc = json.loads((folder / "registration.json").read_text())
+    assert set(doc) == {"options", "metrics", "history"}
+
+
+def test_model_arrays_round_trip():
+    res = result(Similarity)
+    lin = Rigid.from_arrays(res.linear.to_arrays())
+    assert torch.allclose(lin.matrix(), res.linear.matrix(), atol=1e-14)
+    d = LDDMM.from_arrays(res.deformation.to_arrays())
+    assert d.kernel.sigmas == [5.0, 15.0] and d.kernel.weights == [1.0, 0.5]
+    assert d.n_steps == 4 and d.integrator == "leapfrog"
+    assert torch.equal(d.momenta.detach(), res.deformation.momenta.detach())
+
+
+def test_transform_checks_its_input(tmp_path):
+    res = result()
+    x = torch.rand(5, 3, dtype=D)
+    assert np.allclose(res.transform(x.numpy()), res.transform(x).numpy())
+    assert res.transform(x.float()).dtype == torch.float32
+    with pytest.raises(TypeError, match="got list"):
+        res.transform([[0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="they must be \\(N, 3\\)"):
+        res.transform(torch.zeros(4, 2))
+    with pytest.raises(FileNotFoundError, match="parameters.npz is missing"):
+        Registration.load(tmp_path)
