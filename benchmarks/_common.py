@@ -21,8 +21,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_worker(script: str, args: list[str], timeout: float,
-               env: dict[str, str] | None = None) -> dict:
+def run_worker(
+    script: str, args: list[str], timeout: float, env: dict[str, str] | None = None
+) -> dict:
     """Run ``python script --worker ARGS`` in a fresh process; return its JSON (or an error).
 
     ``env`` adds environment variables for the worker (e.g. glibc malloc settings).
@@ -50,8 +51,10 @@ def machine() -> str:
         pass
     import torch
 
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
+    )
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -80,8 +83,7 @@ def publish(title: str, body: str, save: bool) -> None:
 def record(title: str, command: str, body: str) -> None:
     """Append a section to docs/benchmarks.md."""
     stamp = datetime.date.today().isoformat()
-    text = (f"\n## {title} ({stamp})\n\nMachine: {machine()}\n\nCommand: `{command}`\n\n"
-            f"{body}\n")
+    text = f"\n## {title} ({stamp})\n\nMachine: {machine()}\n\nCommand: `{command}`\n\n{body}\n"
     RECORD.parent.mkdir(exist_ok=True)
     with RECORD.open("a") as fh:
         fh.write(text)

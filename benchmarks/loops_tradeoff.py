@@ -26,10 +26,17 @@ import time
 
 from _common import peak_rss_mb, publish, run_worker, table
 
-METHODS = ["store", "checkpoint, log2(n) snapshots", "checkpoint, sqrt(n) snapshots",
-           "checkpoint, memory='1GB'", "reversible", "torch.utils.checkpoint, sqrt(n) segments",
-           "fixed point, implicit (GMRES)", "fixed point, implicit (fixed-point adjoint)",
-           "fixed point, unrolled"]
+METHODS = [
+    "store",
+    "checkpoint, log2(n) snapshots",
+    "checkpoint, sqrt(n) snapshots",
+    "checkpoint, memory='1GB'",
+    "reversible",
+    "torch.utils.checkpoint, sqrt(n) segments",
+    "fixed point, implicit (GMRES)",
+    "fixed point, implicit (fixed-point adjoint)",
+    "fixed point, unrolled",
+]
 DT = 0.1
 # glibc keeps freed heap memory resident (and raises its mmap threshold up to 32 MB after the
 # first free), so peak RSS would count memory that is free. Serving every buffer of 1 MB or
@@ -82,10 +89,15 @@ def worker(method: str, n: int, rows: int, store_steps: int) -> dict:
         def fp_step(z, W1, c):
             return torch.tanh(z @ W1) / 2 + c
 
-        z = fixed_point(fp_step, torch.zeros_like(c), (W1, b), tol=1e-6,
-                        backward="implicit" if "implicit" in method else "unroll",
-                        solver="fixed_point" if "adjoint" in method else "gmres",
-                        report=report)
+        z = fixed_point(
+            fp_step,
+            torch.zeros_like(c),
+            (W1, b),
+            tol=1e-6,
+            backward="implicit" if "implicit" in method else "unroll",
+            solver="fixed_point" if "adjoint" in method else "gmres",
+            report=report,
+        )
         loss = (z * z).sum()
         leaves = (W1, b)
         steps = report["n_iter"]
@@ -120,10 +132,15 @@ def worker(method: str, n: int, rows: int, store_steps: int) -> dict:
         x = iterate(step, (a, b), steps, (W1, W2), strategy=strategy, report=report, **kw)
         loss = (x[0] * x[1]).sum()
     torch.autograd.grad(loss, leaves)
-    return {"seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
-            "steps": steps, "snapshots": report.get("snapshots"),
-            "recomputations": report.get("recomputations"), "drift": report.get("drift"),
-            "backward_residual": report.get("backward_residual")}
+    return {
+        "seconds": time.perf_counter() - start,
+        "peak_rss_mb": peak_rss_mb(),
+        "steps": steps,
+        "snapshots": report.get("snapshots"),
+        "recomputations": report.get("recomputations"),
+        "drift": report.get("drift"),
+        "backward_residual": report.get("backward_residual"),
+    }
 
 
 def main() -> None:
@@ -143,12 +160,12 @@ def main() -> None:
         return
     n, rows = (100, 50_000) if args.quick else (args.n, args.rows)
     state_mb = 2 * rows * 25 * 4 / 1e6
-    base = run_worker(__file__, ["fixed point, unrolled", "1", "1", "1"], args.timeout,
-                      WORKER_ENV)
+    base = run_worker(__file__, ["fixed point, unrolled", "1", "1", "1"], args.timeout, WORKER_ENV)
     rows_out = []
     for method in args.methods:
-        out = run_worker(__file__, [method, str(n), str(rows), str(args.store_steps)],
-                         args.timeout, WORKER_ENV)
+        out = run_worker(
+            __file__, [method, str(n), str(rows), str(args.store_steps)], args.timeout, WORKER_ENV
+        )
         print(method, out, file=sys.stderr, flush=True)
         row = {"method": method, **out}
         if "peak_rss_mb" in out:
@@ -159,20 +176,31 @@ def main() -> None:
     for r in rows_out:
         if store and "seconds" in r and not r["method"].startswith("fixed"):
             r["time_vs_store"] = (r["seconds"] / r["steps"]) / (store["seconds"] / store["steps"])
-    text = table(rows_out, [("method", "method", ""), ("steps", "steps", "{}"),
-                            ("snapshots", "snapshots", "{}"),
-                            ("recomputations", "recomputed steps", "{}"),
-                            ("seconds", "time (s)", "{:.1f}"),
-                            ("time_vs_store", "time per step / store's", "{:.2f}"),
-                            ("peak_rss_mb", "peak RSS (MB)", "{:.0f}"),
-                            ("states", "peak above import, in states", "{:.1f}"),
-                            ("drift", "drift", "{:.1e}"),
-                            ("backward_residual", "adjoint residual", "{:.1e}"),
-                            ("error", "error", "")])
-    header = (f"n = {n:,} steps, state {state_mb:.0f} MB; baseline RSS (Python, torch, "
-              f"otreg imported) {base.get('peak_rss_mb', float('nan')):.0f} MB")
-    publish(f"Loop strategies: {n:,} steps, {state_mb:.0f} MB state", header + "\n\n" + text,
-            args.record)
+    text = table(
+        rows_out,
+        [
+            ("method", "method", ""),
+            ("steps", "steps", "{}"),
+            ("snapshots", "snapshots", "{}"),
+            ("recomputations", "recomputed steps", "{}"),
+            ("seconds", "time (s)", "{:.1f}"),
+            ("time_vs_store", "time per step / store's", "{:.2f}"),
+            ("peak_rss_mb", "peak RSS (MB)", "{:.0f}"),
+            ("states", "peak above import, in states", "{:.1f}"),
+            ("drift", "drift", "{:.1e}"),
+            ("backward_residual", "adjoint residual", "{:.1e}"),
+            ("error", "error", ""),
+        ],
+    )
+    header = (
+        f"n = {n:,} steps, state {state_mb:.0f} MB; baseline RSS (Python, torch, "
+        f"otreg imported) {base.get('peak_rss_mb', float('nan')):.0f} MB"
+    )
+    publish(
+        f"Loop strategies: {n:,} steps, {state_mb:.0f} MB state",
+        header + "\n\n" + text,
+        args.record,
+    )
 
 
 if __name__ == "__main__":

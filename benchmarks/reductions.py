@@ -65,10 +65,16 @@ def machine_limit(repeat: int) -> list[dict]:
     out = torch.empty_like(buf)
     n = buf.numel() * inner
     t_exp, t_fma = timed(exp_loop, repeat), timed(fma_loop, repeat)
-    return [{"method": f"limit: vectorised exp in cache ({threads} threads)",
-             "gpairs": n / t_exp / 1e9},
-            {"method": f"limit: vectorised multiply-add in cache ({threads} threads)",
-             "gpairs": n / t_fma / 1e9}]
+    return [
+        {
+            "method": f"limit: vectorised exp in cache ({threads} threads)",
+            "gpairs": n / t_exp / 1e9,
+        },
+        {
+            "method": f"limit: vectorised multiply-add in cache ({threads} threads)",
+            "gpairs": n / t_fma / 1e9,
+        },
+    ]
 
 
 def main() -> None:
@@ -78,8 +84,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--no-keops", action="store_true")
     parser.add_argument("--record", action="store_true")
-    parser.add_argument("--quick", action="store_true",
-                        help="N = M = 10,000 without KeOps (a check, not a record)")
+    parser.add_argument(
+        "--quick", action="store_true", help="N = M = 10,000 without KeOps (a check, not a record)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.n, args.no_keops = 10_000, True
@@ -105,12 +112,13 @@ def main() -> None:
             xs, ys, hs = (t.clone().requires_grad_() for t in (x, y, h))
             out = reductions.softmin(xs, ys, hs, eps, cost, backend)
             torch.autograd.grad(out.sum(), (xs, ys, hs))
+
         return run
 
     def chunked():
         rows_ = max(1, reductions.BLOCK_ELEMENTS // n)
         for s in range(0, n, rows_):
-            C = torch.cdist(x[0, s:s + rows_], y[0]) ** 2 / 2
+            C = torch.cdist(x[0, s : s + rows_], y[0]) ** 2 / 2
             -eps * torch.logsumexp(h[0] - C / eps, dim=1)
 
     def blocked_only(fn):  # the blocked path's own sweeps
@@ -120,6 +128,7 @@ def main() -> None:
                 return fn()
             finally:
                 reductions.COMPILED = True
+
         return run
 
     def fused(fn):  # the fused loops at once (no tier-up wait; compiled in the warm-up)
@@ -129,6 +138,7 @@ def main() -> None:
                 return fn()
             finally:
                 _compiled.TIER_UP_SECONDS = wait
+
         return run
 
     def kernel_product(grad):
@@ -137,25 +147,39 @@ def main() -> None:
             out = reductions.kernel_product(xs, ys, vs, eps, cost, "blocked")
             if grad:
                 torch.autograd.grad(out.sum(), (xs, ys, vs))
+
         return run
 
-    cases = [("otreg blocked, forward", blocked_only(forward("blocked")), 1),
-             ("otreg blocked, forward + gradient (x, y, h)", blocked_only(with_grad("blocked")),
-              2)]
+    cases = [
+        ("otreg blocked, forward", blocked_only(forward("blocked")), 1),
+        ("otreg blocked, forward + gradient (x, y, h)", blocked_only(with_grad("blocked")), 2),
+    ]
     if not args.no_keops:
-        cases += [("pykeops CPU, forward", forward("keops"), 1),
-                  ("pykeops CPU, forward + gradient (x, y, h)", with_grad("keops"), 2)]
-    cases += [("dense torch in row chunks (cdist + logsumexp), forward", chunked, 1),
-              ("otreg fused (torch.compile), forward", fused(forward("blocked")), 1),
-              ("otreg fused (torch.compile), forward + gradient (x, y, h)",
-               fused(with_grad("blocked")), 2),
-              ("kernel product (E = 3): otreg blocked, forward",
-               blocked_only(kernel_product(False)), 1),
-              ("kernel product (E = 3): otreg blocked, forward + gradient (x, y, v)",
-               blocked_only(kernel_product(True)), 2),
-              ("kernel product (E = 3): otreg fused, forward", fused(kernel_product(False)), 1),
-              ("kernel product (E = 3): otreg fused, forward + gradient (x, y, v)",
-               fused(kernel_product(True)), 2)]
+        cases += [
+            ("pykeops CPU, forward", forward("keops"), 1),
+            ("pykeops CPU, forward + gradient (x, y, h)", with_grad("keops"), 2),
+        ]
+    cases += [
+        ("dense torch in row chunks (cdist + logsumexp), forward", chunked, 1),
+        ("otreg fused (torch.compile), forward", fused(forward("blocked")), 1),
+        (
+            "otreg fused (torch.compile), forward + gradient (x, y, h)",
+            fused(with_grad("blocked")),
+            2,
+        ),
+        ("kernel product (E = 3): otreg blocked, forward", blocked_only(kernel_product(False)), 1),
+        (
+            "kernel product (E = 3): otreg blocked, forward + gradient (x, y, v)",
+            blocked_only(kernel_product(True)),
+            2,
+        ),
+        ("kernel product (E = 3): otreg fused, forward", fused(kernel_product(False)), 1),
+        (
+            "kernel product (E = 3): otreg fused, forward + gradient (x, y, v)",
+            fused(kernel_product(True)),
+            2,
+        ),
+    ]
     for name, fn, sweeps in cases:
         try:
             seconds = timed(fn, args.repeat)
@@ -171,14 +195,19 @@ def main() -> None:
             r["of_limit"] = r["gpairs"] / exp_rate
             if blocked and not r["method"].startswith("limit"):
                 r["blocked_over"] = blocked / r["gpairs"]
-    text = table(rows, [("method", "method", ""), ("seconds", "time (s)", "{:.2f}"),
-                        ("gpairs", "G pairs/s (limit: G ops/s)", "{:.3f}"),
-                        ("of_limit", "fraction of the exp limit", "{:.2f}"),
-                        ("blocked_over", "otreg blocked forward / this", "{:.1f}"),
-                        ("error", "error", "")])
+    text = table(
+        rows,
+        [
+            ("method", "method", ""),
+            ("seconds", "time (s)", "{:.2f}"),
+            ("gpairs", "G pairs/s (limit: G ops/s)", "{:.3f}"),
+            ("of_limit", "fraction of the exp limit", "{:.2f}"),
+            ("blocked_over", "otreg blocked forward / this", "{:.1f}"),
+            ("error", "error", ""),
+        ],
+    )
     header = f"N = M = {n:,}, 3-D, {args.dtype}, eps = {eps}"
-    publish("Log-sum-exp reduction throughput on the CPU", header + "\n\n" + text,
-            args.record)
+    publish("Log-sum-exp reduction throughput on the CPU", header + "\n\n" + text, args.record)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ def worker(method: str, n: int, iters: int) -> dict:
         blur = math.sqrt(eps)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a fixed count (tol=0) never "converges"
-            res = otreg.sinkhorn(x, y, blur=blur, diameter=blur, form=form, backend=backend,
-                                 tol=0.0, max_iter=iters)
+            res = otreg.sinkhorn(
+                x, y, blur=blur, diameter=blur, form=form, backend=backend, tol=0.0, max_iter=iters
+            )
         value, n_iter = res.cost, res.n_iter
     else:
         import ot
@@ -60,8 +61,13 @@ def worker(method: str, n: int, iters: int) -> dict:
         value = ot.solve(M, a, a, reg=eps, max_iter=iters, tol=0.0, grad="envelope").value
         n_iter = iters
     (grad,) = torch.autograd.grad(value, x)
-    return {"seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
-            "value": float(value.detach()), "grad_norm": float(grad.norm()), "iters": n_iter}
+    return {
+        "seconds": time.perf_counter() - start,
+        "peak_rss_mb": peak_rss_mb(),
+        "value": float(value.detach()),
+        "grad_norm": float(grad.norm()),
+        "iters": n_iter,
+    }
 
 
 def main() -> None:
@@ -69,13 +75,18 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=10_000)
     parser.add_argument("--iters", type=int, default=1000)
     parser.add_argument("--quick", action="store_true", help="N = 2,000, 100 iterations")
-    parser.add_argument("--methods", nargs="*", choices=list(METHODS),
-                        default=[m for m in METHODS if "keops" not in m],
-                        help="default: all but keops (about 0.25 G pairs/s on a CPU: slow)")
+    parser.add_argument(
+        "--methods",
+        nargs="*",
+        choices=list(METHODS),
+        default=[m for m in METHODS if "keops" not in m],
+        help="default: all but keops (about 0.25 G pairs/s on a CPU: slow)",
+    )
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--record", action="store_true")
-    parser.add_argument("--worker", nargs=3, metavar=("METHOD", "N", "ITERS"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", nargs=3, metavar=("METHOD", "N", "ITERS"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), int(args.worker[2]))))
@@ -91,18 +102,28 @@ def main() -> None:
         if base and "seconds" in r:
             r["time_ratio"] = r["seconds"] / base["seconds"]
             r["grad_rel_diff"] = abs(r["grad_norm"] / base["grad_norm"] - 1)
-    text = table(rows, [("method", "method", ""), ("iters", "iterations", "{}"),
-                        ("seconds", "wall time (s)", "{:.1f}"),
-                        ("time_ratio", "time / first", "{:.2f}"),
-                        ("peak_rss_mb", "peak RSS (MB)", "{:.0f}"),
-                        ("value", "returned value", "{:.6f}"),
-                        ("grad_norm", "grad norm", "{:.6e}"),
-                        ("grad_rel_diff", "grad vs first", "{:.1e}"), ("error", "error", "")])
-    note = ("Both return the entropic value <pi, C> + eps KL(pi | a x b) and its envelope "
-            "gradient sum_j pi_ij (x_i - y_j); POT stores the dense 10^4 x 10^4 cost and "
-            "kernel matrices, otreg recomputes blocks.")
-    publish(f"Seed problem: circles, N = {n:,}, {iters} iterations", text + "\n\n" + note,
-            args.record)
+    text = table(
+        rows,
+        [
+            ("method", "method", ""),
+            ("iters", "iterations", "{}"),
+            ("seconds", "wall time (s)", "{:.1f}"),
+            ("time_ratio", "time / first", "{:.2f}"),
+            ("peak_rss_mb", "peak RSS (MB)", "{:.0f}"),
+            ("value", "returned value", "{:.6f}"),
+            ("grad_norm", "grad norm", "{:.6e}"),
+            ("grad_rel_diff", "grad vs first", "{:.1e}"),
+            ("error", "error", ""),
+        ],
+    )
+    note = (
+        "Both return the entropic value <pi, C> + eps KL(pi | a x b) and its envelope "
+        "gradient sum_j pi_ij (x_i - y_j); POT stores the dense 10^4 x 10^4 cost and "
+        "kernel matrices, otreg recomputes blocks."
+    )
+    publish(
+        f"Seed problem: circles, N = {n:,}, {iters} iterations", text + "\n\n" + note, args.record
+    )
 
 
 if __name__ == "__main__":

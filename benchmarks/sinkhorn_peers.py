@@ -27,20 +27,32 @@ from _common import peak_rss_mb, publish, run_worker, table
 BLUR = 0.01
 # name: (library, options); every method gets the same data.
 METHODS = {
-    "reference (otreg float64, converged: tol 1e-7)": ("otreg", dict(
-        scaling=0.9, tol=1e-7, max_iter=5000, dtype="float64", truncate=10.0)),
-    "reference (otreg float64, scaling 0.9 + 100 its)": ("otreg", dict(
-        scaling=0.9, extra=100, dtype="float64", truncate=10.0)),
+    "reference (otreg float64, converged: tol 1e-7)": (
+        "otreg",
+        dict(scaling=0.9, tol=1e-7, max_iter=5000, dtype="float64", truncate=10.0),
+    ),
+    "reference (otreg float64, scaling 0.9 + 100 its)": (
+        "otreg",
+        dict(scaling=0.9, extra=100, dtype="float64", truncate=10.0),
+    ),
     "otreg multiscale, scaling 0.9": ("otreg", dict(scaling=0.9, extra=0, multiscale=True)),
-    "otreg multiscale, scaling 0.9 + 60 its": ("otreg", dict(scaling=0.9, extra=60,
-                                                             multiscale=True)),
-    "otreg multiscale, scaling 0.8 + 21 its": ("otreg", dict(scaling=0.8, extra=21,
-                                                             multiscale=True)),
+    "otreg multiscale, scaling 0.9 + 60 its": (
+        "otreg",
+        dict(scaling=0.9, extra=60, multiscale=True),
+    ),
+    "otreg multiscale, scaling 0.8 + 21 its": (
+        "otreg",
+        dict(scaling=0.8, extra=21, multiscale=True),
+    ),
     "otreg, scaling 0.9 (blocked)": ("otreg", dict(scaling=0.9, extra=0, multiscale=False)),
-    "otreg, scaling 0.9 (blocked, not compiled)": ("otreg", dict(
-        scaling=0.9, extra=0, multiscale=False, compiled=False)),
-    "otreg, scaling 0.9 (keops)": ("otreg", dict(scaling=0.9, extra=0, backend="keops",
-                                                 multiscale=False)),
+    "otreg, scaling 0.9 (blocked, not compiled)": (
+        "otreg",
+        dict(scaling=0.9, extra=0, multiscale=False, compiled=False),
+    ),
+    "otreg, scaling 0.9 (keops)": (
+        "otreg",
+        dict(scaling=0.9, extra=0, backend="keops", multiscale=False),
+    ),
     "GeomLoss online (keops), scaling 0.9": ("geomloss", dict(backend="online")),
     "GeomLoss multiscale, scaling 0.9": ("geomloss", dict(backend="multiscale")),
     "POT empirical_sinkhorn_divergence (log, 1000 its)": ("pot", {}),
@@ -78,13 +90,17 @@ def worker(method: str, n: int) -> dict:
             warnings.simplefilter("ignore", otreg.ConvergenceWarning)
             multiscale = opts.get("multiscale", "auto")
             if multiscale is not False:
-                multiscale = Multiscale(truncate=opts.get("truncate", 5.0),
-                                        auto=multiscale == "auto")
+                multiscale = Multiscale(
+                    truncate=opts.get("truncate", 5.0), auto=multiscale == "auto"
+                )
             options = SinkhornOptions(
-                blur=BLUR, scaling=opts["scaling"], backend=opts.get("backend", "auto"),
+                blur=BLUR,
+                scaling=opts["scaling"],
+                backend=opts.get("backend", "auto"),
                 tol=opts.get("tol", 0.0),
                 max_iter=opts.get("max_iter", steps + opts.get("extra", 0)),
-                multiscale=multiscale)
+                multiscale=multiscale,
+            )
             value, res = divergence("bench", x, y, None, None, options)
         info = {"iters": res.n_iter, "backend": res.backend}
         if opts.get("tol", 0.0) > 0 and not res.converged:
@@ -92,21 +108,35 @@ def worker(method: str, n: int) -> dict:
     elif lib == "geomloss":
         import geomloss
 
-        loss = geomloss.SamplesLoss("sinkhorn", p=2, blur=BLUR, scaling=0.9,
-                                    backend=opts["backend"])
+        loss = geomloss.SamplesLoss(
+            "sinkhorn", p=2, blur=BLUR, scaling=0.9, backend=opts["backend"]
+        )
         value = loss(x, y)
     else:
         import ot
 
         # POT's sqeuclidean metric is |x - y|^2 (twice ours): reg = 2 eps gives the same plan,
         # and its value <pi, M> is twice the linear part of ours (no entropy term).
-        value = ot.bregman.empirical_sinkhorn_divergence(
-            x, y, reg=2 * BLUR**2, metric="sqeuclidean", method="sinkhorn_log",
-            numIterMax=1000, stopThr=1e-9) / 2
+        value = (
+            ot.bregman.empirical_sinkhorn_divergence(
+                x,
+                y,
+                reg=2 * BLUR**2,
+                metric="sqeuclidean",
+                method="sinkhorn_log",
+                numIterMax=1000,
+                stopThr=1e-9,
+            )
+            / 2
+        )
     (grad,) = torch.autograd.grad(value, x)
-    return {"seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
-            "value": float(value.detach()), "grad": grad.double().flatten().tolist()[:3000],
-            **info}
+    return {
+        "seconds": time.perf_counter() - start,
+        "peak_rss_mb": peak_rss_mb(),
+        "value": float(value.detach()),
+        "grad": grad.double().flatten().tolist()[:3000],
+        **info,
+    }
 
 
 def main() -> None:
@@ -114,18 +144,32 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="*", default=[20000, 100000, 1000000])
     parser.add_argument("--quick", action="store_true", help="N = 1,000 only")
     parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--pot-max", type=int, default=1000,
-                        help="skip POT (dense N x M) above this N")
-    parser.add_argument("--keops-max", type=int, default=5000,
-                        help="skip otreg's keops row above this N (slow on a CPU)")
-    parser.add_argument("--dense-max", type=int, default=20000,
-                        help="skip the methods that sum over every pair (otreg blocked, "
-                        "GeomLoss online) above this N")
-    parser.add_argument("--reference-max", type=int, default=100000,
-                        help="skip the float64 reference above this N")
-    parser.add_argument("--converged-max", type=int, default=20000,
-                        help="skip the converged float64 reference above this N (about 2,400 "
-                        "iterations: 15 minutes at N = 20,000)")
+    parser.add_argument(
+        "--pot-max", type=int, default=1000, help="skip POT (dense N x M) above this N"
+    )
+    parser.add_argument(
+        "--keops-max",
+        type=int,
+        default=5000,
+        help="skip otreg's keops row above this N (slow on a CPU)",
+    )
+    parser.add_argument(
+        "--dense-max",
+        type=int,
+        default=20000,
+        help="skip the methods that sum over every pair (otreg blocked, "
+        "GeomLoss online) above this N",
+    )
+    parser.add_argument(
+        "--reference-max", type=int, default=100000, help="skip the float64 reference above this N"
+    )
+    parser.add_argument(
+        "--converged-max",
+        type=int,
+        default=20000,
+        help="skip the converged float64 reference above this N (about 2,400 "
+        "iterations: 15 minutes at N = 20,000)",
+    )
     parser.add_argument("--timeout", type=float, default=2400)
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
@@ -141,31 +185,54 @@ def main() -> None:
         ref = None
         for method in args.methods:
             if METHODS[method][0] == "pot" and n > args.pot_max:
-                rows.append({"n": n, "method": method, "error": f"skipped above N={args.pot_max}"
-                             " (autograd through dense iterations: 20 GB at N = 1,000)"})
+                rows.append(
+                    {
+                        "n": n,
+                        "method": method,
+                        "error": f"skipped above N={args.pot_max}"
+                        " (autograd through dense iterations: 20 GB at N = 1,000)",
+                    }
+                )
                 continue
             if "otreg" in method and "keops" in method and n > args.keops_max:
-                rows.append({"n": n, "method": method,
-                             "error": f"skipped above N={args.keops_max}"})
+                rows.append(
+                    {"n": n, "method": method, "error": f"skipped above N={args.keops_max}"}
+                )
                 continue
             if ("blocked" in method or "online" in method) and n > args.dense_max:
-                rows.append({"n": n, "method": method, "error": f"skipped above N="
-                             f"{args.dense_max} (every pair at every iteration)"})
+                rows.append(
+                    {
+                        "n": n,
+                        "method": method,
+                        "error": f"skipped above N="
+                        f"{args.dense_max} (every pair at every iteration)",
+                    }
+                )
                 continue
             if "converged" in method and n > args.converged_max:
-                rows.append({"n": n, "method": method,
-                             "error": f"skipped above N={args.converged_max}"})
+                rows.append(
+                    {"n": n, "method": method, "error": f"skipped above N={args.converged_max}"}
+                )
                 continue
             if method.startswith("reference") and n > args.reference_max:
-                rows.append({"n": n, "method": method,
-                             "error": f"skipped above N={args.reference_max}"})
+                rows.append(
+                    {"n": n, "method": method, "error": f"skipped above N={args.reference_max}"}
+                )
                 continue
             out = run_worker(__file__, [method, str(n)], args.timeout)
-            print(n, method, {k: v for k, v in out.items() if k != "grad"}, file=sys.stderr,
-                  flush=True)
+            print(
+                n,
+                method,
+                {k: v for k, v in out.items() if k != "grad"},
+                file=sys.stderr,
+                flush=True,
+            )
             row = {"n": n, "method": method, **out}
-            if method.startswith("reference") and "value" in row and (
-                    ref is None or "converged" in method):
+            if (
+                method.startswith("reference")
+                and "value" in row
+                and (ref is None or "converged" in method)
+            ):
                 ref = row
             rows.append(row)
         for row in rows:  # errors against the converged reference if it ran, else the other
@@ -173,18 +240,32 @@ def main() -> None:
                 row["value_err"] = abs(row["value"] / ref["value"] - 1)
                 g, gr = np.array(row["grad"]), np.array(ref["grad"])
                 row["grad_err"] = float(np.linalg.norm(g - gr) / np.linalg.norm(gr))
-        multiscale = next((r for r in rows if r["n"] == n and "GeomLoss multiscale" in
-                           r["method"] and "seconds" in r), None)
+        multiscale = next(
+            (
+                r
+                for r in rows
+                if r["n"] == n and "GeomLoss multiscale" in r["method"] and "seconds" in r
+            ),
+            None,
+        )
         for r in rows:
             if r["n"] == n and multiscale and "seconds" in r:
                 r["speedup"] = multiscale["seconds"] / r["seconds"]
-    text = table(rows, [("n", "N", "{:,}"), ("method", "method", ""),
-                        ("iters", "iterations", "{}"), ("seconds", "time (s)", "{:.1f}"),
-                        ("speedup", "GeomLoss multiscale time / time", "{:.1f}"),
-                        ("peak_rss_mb", "peak RSS (MB)", "{:.0f}"),
-                        ("value", "divergence", "{:.6f}"),
-                        ("value_err", "value rel. err.", "{:.1e}"),
-                        ("grad_err", "grad rel. err.", "{:.1e}"), ("error", "note", "")])
+    text = table(
+        rows,
+        [
+            ("n", "N", "{:,}"),
+            ("method", "method", ""),
+            ("iters", "iterations", "{}"),
+            ("seconds", "time (s)", "{:.1f}"),
+            ("speedup", "GeomLoss multiscale time / time", "{:.1f}"),
+            ("peak_rss_mb", "peak RSS (MB)", "{:.0f}"),
+            ("value", "divergence", "{:.6f}"),
+            ("value_err", "value rel. err.", "{:.1e}"),
+            ("grad_err", "grad rel. err.", "{:.1e}"),
+            ("error", "note", ""),
+        ],
+    )
     publish("Sinkhorn divergence + gradient, noisy spheres, blur 0.01", text, args.record)
 
 

@@ -38,17 +38,24 @@ def as_points(caller: str, name: str, x: object) -> tuple[torch.Tensor, bool]:
     Accepts ``(N, D)`` or ``(B, N, D)`` floating tensors with N >= 1, D >= 1, all finite.
     """
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{caller}: {name} must be a torch.Tensor of shape (N, D) or (B, N, D), "
-                        f"got {_describe(x)}")
+        raise TypeError(
+            f"{caller}: {name} must be a torch.Tensor of shape (N, D) or (B, N, D), "
+            f"got {_describe(x)}"
+        )
     if not x.is_floating_point():
-        raise TypeError(f"{caller}: {name} has dtype {x.dtype}; points must be floating point "
-                        "(float32 or float64)")
+        raise TypeError(
+            f"{caller}: {name} has dtype {x.dtype}; points must be floating point "
+            "(float32 or float64)"
+        )
     if x.dim() not in (2, 3):
-        raise ValueError(f"{caller}: {name} has shape {tuple(x.shape)}; points must be (N, D) "
-                         "or (B, N, D)")
+        raise ValueError(
+            f"{caller}: {name} has shape {tuple(x.shape)}; points must be (N, D) or (B, N, D)"
+        )
     if x.shape[-2] == 0:
-        raise ValueError(f"{caller}: {name} is empty (shape {tuple(x.shape)}); a point cloud needs "
-                         "at least one point")
+        raise ValueError(
+            f"{caller}: {name} is empty (shape {tuple(x.shape)}); a point cloud needs "
+            "at least one point"
+        )
     if x.shape[-1] == 0 or (x.dim() == 3 and x.shape[0] == 0):
         raise ValueError(f"{caller}: {name} has shape {tuple(x.shape)}; dimensions must be >= 1")
     _check_finite(caller, name, x)
@@ -61,12 +68,15 @@ def _check_finite(caller: str, name: str, x: torch.Tensor) -> None:
     if bool(bad.any()):
         n_nan = int(torch.isnan(x.detach()).sum())
         n_inf = int(bad.sum()) - n_nan
-        raise ValueError(f"{caller}: {name} has {n_nan} NaN and {n_inf} infinite entries; "
-                         "all entries must be finite")
+        raise ValueError(
+            f"{caller}: {name} has {n_nan} NaN and {n_inf} infinite entries; "
+            "all entries must be finite"
+        )
 
 
-def as_weights(caller: str, name: str, w: object, points: torch.Tensor,
-               points_name: str) -> torch.Tensor:
+def as_weights(
+    caller: str, name: str, w: object, points: torch.Tensor, points_name: str
+) -> torch.Tensor:
     """Validate weights for batched points ``(B, N, D)``; return them as ``(B, N)``.
 
     ``None`` gives uniform weights ``1/N``. Weights must be finite, >= 0, with positive total
@@ -76,16 +86,20 @@ def as_weights(caller: str, name: str, w: object, points: torch.Tensor,
     if w is None:
         return torch.full((B, N), 1.0 / N, dtype=points.dtype, device=points.device)
     if not isinstance(w, torch.Tensor):
-        raise TypeError(f"{caller}: {name} must be a torch.Tensor of shape ({N},) or ({B}, {N}) "
-                        f"or None, got {_describe(w)}")
+        raise TypeError(
+            f"{caller}: {name} must be a torch.Tensor of shape ({N},) or ({B}, {N}) "
+            f"or None, got {_describe(w)}"
+        )
     if not w.is_floating_point():
         raise TypeError(f"{caller}: {name} has dtype {w.dtype}; weights must be floating point")
     given = tuple(w.shape)
     if w.dim() == 1:
         w = w.unsqueeze(0)
     if w.dim() != 2 or w.shape[1] != N or w.shape[0] not in (1, B):
-        raise ValueError(f"{caller}: {name} has shape {given} but {points_name} has {N} points "
-                         f"(batch {B}); weights must be ({N},) or ({B}, {N})")
+        raise ValueError(
+            f"{caller}: {name} has shape {given} but {points_name} has {N} points "
+            f"(batch {B}); weights must be ({N},) or ({B}, {N})"
+        )
     check_same_device_dtype(caller, {points_name: points, name: w})
     _check_finite(caller, name, w)
     n_neg = int((w.detach() < 0).sum())
@@ -103,15 +117,20 @@ def check_same_device_dtype(caller: str, tensors: dict[str, torch.Tensor]) -> No
     name0, t0 = items[0]
     for name, t in items[1:]:
         if t.dtype != t0.dtype:
-            raise TypeError(f"{caller}: {name} has dtype {t.dtype} but {name0} has {t0.dtype}; "
-                            f"convert them to one dtype (e.g. {name}.to({name0}.dtype))")
+            raise TypeError(
+                f"{caller}: {name} has dtype {t.dtype} but {name0} has {t0.dtype}; "
+                f"convert them to one dtype (e.g. {name}.to({name0}.dtype))"
+            )
         if t.device != t0.device:
-            raise ValueError(f"{caller}: {name} is on {t.device} but {name0} is on {t0.device}; "
-                             "move them to one device")
+            raise ValueError(
+                f"{caller}: {name} is on {t.device} but {name0} is on {t0.device}; "
+                "move them to one device"
+            )
 
 
-def check_positive(caller: str, name: str, value: object, *, allow_none: bool = False,
-                   allow_zero: bool = False) -> float | None:
+def check_positive(
+    caller: str, name: str, value: object, *, allow_none: bool = False, allow_zero: bool = False
+) -> float | None:
     """A finite real number > 0 (or >= 0 with allow_zero; or None with allow_none)."""
     if value is None and allow_none:
         return None

@@ -66,12 +66,15 @@ def info(check_keops: bool = True, file=None) -> dict:
     if status["fused"]:
         backends[key] = f"off: {status['fused']}"
     else:
-        backends[key] = (f"on for softmin and kernel products from "
-                         f"{status['fused min pairs']:.0e} pairs, float32/64 (torch.compile, "
-                         f"after {status['fused tier-up seconds']:g} s on the blocked path)")
+        backends[key] = (
+            f"on for softmin and kernel products from "
+            f"{status['fused min pairs']:.0e} pairs, float32/64 (torch.compile, "
+            f"after {status['fused tier-up seconds']:g} s on the blocked path)"
+        )
     report["backends"] = backends
     report["auto backend for large problems"] = reductions.resolve_backend(
-        "auto", reductions.TENSORIZED_MAX_PAIRS + 1, torch.device("cpu"))
+        "auto", reductions.TENSORIZED_MAX_PAIRS + 1, torch.device("cpu")
+    )
     if file is not False:
         out = file or sys.stdout
         for key, value in report.items():

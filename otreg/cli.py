@@ -34,6 +34,7 @@ class _Relaxation(click.ParamType):
             self.fail(f"{value!r} is neither 'auto' nor a number in [1, 2)", param, ctx)
         return w
 
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="otreg")
 def main() -> None:
@@ -52,38 +53,79 @@ def info(no_keops: bool) -> None:
 @main.command("register")
 @click.argument("source", type=click.Path(dir_okay=False))
 @click.argument("target", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
-              help="Folder for warped.vtk, parameters.npz, registration.json and pictures.")
-@click.option("--model", default="lddmm", show_default=True,
-              type=click.Choice(MODELS))
-@click.option("--prealign", default="rigid", show_default=True,
-              type=click.Choice(PREALIGNS))
-@click.option("--loss", default=None,
-              type=click.Choice([name for name in LOSSES if name != "landmarks"]),
-              help="Data term at every level [default: sinkhorn at the coarse level, varifold "
-                   "at the fine one].")
-@click.option("--sigma", default=20.0, show_default=True, type=float,
-              help="LDDMM kernel width, mm.")
-@click.option("--label", default=None, type=float,
-              help="Segmentation label (for the inputs that are volumes).")
-@click.option("--level", default=None, type=float,
-              help="Threshold of probability maps, in the map's own units (volumes only).")
-@click.option("--points", default=None, type=click.IntRange(min=100),
-              help="Decimate both surfaces to about this many vertices first.")
-@click.option("--max-iter", default=30, show_default=True, type=click.IntRange(min=1),
-              help="L-BFGS iterations a level.")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Folder for warped.vtk, parameters.npz, registration.json and pictures.",
+)
+@click.option("--model", default="lddmm", show_default=True, type=click.Choice(MODELS))
+@click.option("--prealign", default="rigid", show_default=True, type=click.Choice(PREALIGNS))
+@click.option(
+    "--loss",
+    default=None,
+    type=click.Choice([name for name in LOSSES if name != "landmarks"]),
+    help="Data term at every level [default: sinkhorn at the coarse level, varifold "
+    "at the fine one].",
+)
+@click.option(
+    "--sigma", default=20.0, show_default=True, type=float, help="LDDMM kernel width, mm."
+)
+@click.option(
+    "--label",
+    default=None,
+    type=float,
+    help="Segmentation label (for the inputs that are volumes).",
+)
+@click.option(
+    "--level",
+    default=None,
+    type=float,
+    help="Threshold of probability maps, in the map's own units (volumes only).",
+)
+@click.option(
+    "--points",
+    default=None,
+    type=click.IntRange(min=100),
+    help="Decimate both surfaces to about this many vertices first.",
+)
+@click.option(
+    "--max-iter",
+    default=30,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="L-BFGS iterations a level.",
+)
 @click.option("--picture/--no-picture", default=True, show_default=True)
-def register_cmd(source: str, target: str, output: str, model: str, prealign: str, loss: str,
-                 sigma: float, label: float | None, level: float | None, points: int | None,
-                 max_iter: int, picture: bool) -> None:
+def register_cmd(
+    source: str,
+    target: str,
+    output: str,
+    model: str,
+    prealign: str,
+    loss: str,
+    sigma: float,
+    label: float | None,
+    level: float | None,
+    points: int | None,
+    max_iter: int,
+    picture: bool,
+) -> None:
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
     from . import LBFGSOptions, LDDMMOptions, register
 
     _check_output(output, [source, target], picture)
     try:
         src, tgt = (_load(p, label, level, points) for p in (source, target))
-        res = register(src, tgt, model=LDDMMOptions(sigma=sigma) if model == "lddmm" else model,
-                       prealign=prealign, loss=loss, optimizer=LBFGSOptions(max_iter=max_iter))
+        res = register(
+            src,
+            tgt,
+            model=LDDMMOptions(sigma=sigma) if model == "lddmm" else model,
+            prealign=prealign,
+            loss=loss,
+            optimizer=LBFGSOptions(max_iter=max_iter),
+        )
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise click.ClickException(str(err)) from err
     _write_outputs(res, src, tgt, output, picture)
@@ -93,8 +135,9 @@ _OUTPUTS = ("warped.vtk", "parameters.npz", "registration.json")
 _PICTURES = ("picture.png", "history.png")
 
 
-def _check_output(output: str, inputs: list[str], picture: bool,
-                  extra: tuple[str, ...] = ()) -> None:
+def _check_output(
+    output: str, inputs: list[str], picture: bool, extra: tuple[str, ...] = ()
+) -> None:
     """Refuse, before any work, an output folder that cannot be one or whose files would
     replace an input."""
     from pathlib import Path
@@ -107,9 +150,11 @@ def _check_output(output: str, inputs: list[str], picture: bool,
         target = (folder / name).resolve()
         for given in inputs:
             if Path(given).resolve() == target:
-                raise click.BadParameter(f"writing {name} into {output} would replace the "
-                                         f"input {given}; choose another folder",
-                                         param_hint="-o")
+                raise click.BadParameter(
+                    f"writing {name} into {output} would replace the "
+                    f"input {given}; choose another folder",
+                    param_hint="-o",
+                )
 
 
 def _load(path: str, label: float | None, level: float | None, points: int | None):
@@ -140,41 +185,73 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
             dist = point_to_surface_distances(warped.points.detach().double().numpy(), tgt)
         except ImportError:  # pragma: no cover - pyvista is needed for pictures anyway
             dist = None
-        plot_shapes({"source": src, "target": tgt, "warped (distance to target)": warped},
-                    Path(folder) / "picture.png",
-                    scalars=None if dist is None else {"warped (distance to target)": (
-                        "distance to target (mm)", dist)})
+        plot_shapes(
+            {"source": src, "target": tgt, "warped (distance to target)": warped},
+            Path(folder) / "picture.png",
+            scalars=None
+            if dist is None
+            else {"warped (distance to target)": ("distance to target (mm)", dist)},
+        )
         if res.history:
             plot_history(res.history, Path(folder) / "history.png")
     m = res.metrics
     before = surface_distances(src, tgt, to=m.get("distance_to", "auto"))
     written = sorted(p.name for p in Path(folder).iterdir() if not p.name.startswith("."))
     click.echo(f"wrote {folder}/ ({', '.join(written)})")
-    click.echo(f"  mean surface distance  {before['mean_mm']:.3f} mm before, "
-               f"{m['mean_mm']:.3f} mm after (to the {m.get('distance_to', 'vertices')})")
-    click.echo(f"  Hausdorff distance     {before['hausdorff_mm']:.2f} mm before, "
-               f"{m['hausdorff_mm']:.2f} mm after")
+    click.echo(
+        f"  mean surface distance  {before['mean_mm']:.3f} mm before, "
+        f"{m['mean_mm']:.3f} mm after (to the {m.get('distance_to', 'vertices')})"
+    )
+    click.echo(
+        f"  Hausdorff distance     {before['hausdorff_mm']:.2f} mm before, "
+        f"{m['hausdorff_mm']:.2f} mm after"
+    )
     if "vertex_error_mean_mm" in m:
-        click.echo(f"  vertex error (truth)   mean {m['vertex_error_mean_mm']:.3f} mm, max "
-                   f"{m['vertex_error_max_mm']:.2f} mm")
+        click.echo(
+            f"  vertex error (truth)   mean {m['vertex_error_mean_mm']:.3f} mm, max "
+            f"{m['vertex_error_max_mm']:.2f} mm"
+        )
     if "jacobian_min" in m:
-        click.echo(f"  Jacobian determinant   {m['jacobian_min']:.3f} to {m['jacobian_max']:.3f}"
-                   f" ({100 * m['jacobian_negative_fraction']:.1f}% negative)")
-    click.echo(f"  time                   {m['seconds']:.1f} s, peak RSS "
-               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+        click.echo(
+            f"  Jacobian determinant   {m['jacobian_min']:.3f} to {m['jacobian_max']:.3f}"
+            f" ({100 * m['jacobian_negative_fraction']:.1f}% negative)"
+        )
+    click.echo(
+        f"  time                   {m['seconds']:.1f} s, peak RSS "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
+    )
 
 
 @main.command()
-@click.option("-o", "--output", default="otreg-demo", show_default=True,
-              type=click.Path(file_okay=False), help="Folder for the results.")
-@click.option("--pair", default="hemispheres", show_default=True,
-              type=click.Choice(["hemispheres", "synthetic"]),
-              help="hemispheres: left onto the mirrored right hemisphere; synthetic: left onto "
-                   "a subject made from it by a known deformation (vertex errors reported).")
-@click.option("--surface", default="pial", show_default=True,
-              type=click.Choice(["pial", "white"]), help="Which fsaverage5 surface.")
-@click.option("--points", default=None, type=click.IntRange(min=100),
-              help="Decimate both surfaces to about this many vertices (a quick run).")
+@click.option(
+    "-o",
+    "--output",
+    default="otreg-demo",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for the results.",
+)
+@click.option(
+    "--pair",
+    default="hemispheres",
+    show_default=True,
+    type=click.Choice(["hemispheres", "synthetic"]),
+    help="hemispheres: left onto the mirrored right hemisphere; synthetic: left onto "
+    "a subject made from it by a known deformation (vertex errors reported).",
+)
+@click.option(
+    "--surface",
+    default="pial",
+    show_default=True,
+    type=click.Choice(["pial", "white"]),
+    help="Which fsaverage5 surface.",
+)
+@click.option(
+    "--points",
+    default=None,
+    type=click.IntRange(min=100),
+    help="Decimate both surfaces to about this many vertices (a quick run).",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def demo(output: str, pair: str, surface: str, points: int | None, progress: bool) -> None:
     """Register two real brain surfaces (fsaverage5, from nilearn's wheel) and write the
@@ -186,8 +263,9 @@ def demo(output: str, pair: str, surface: str, points: int | None, progress: boo
     try:
         left = datasets.fsaverage5(surface, "left")
     except (ImportError, FileNotFoundError) as err:
-        raise click.ClickException(f"{err}; install the data extra: pip install "
-                                   "'otreg[data,mesh]'") from err
+        raise click.ClickException(
+            f"{err}; install the data extra: pip install 'otreg[data,mesh]'"
+        ) from err
     if points is not None:
         left = left.decimate(points)
     if pair == "hemispheres":
@@ -211,27 +289,64 @@ def demo(output: str, pair: str, surface: str, points: int | None, progress: boo
 @main.command()
 @click.argument("source", type=click.Path(dir_okay=False))
 @click.argument("target", type=click.Path(dir_okay=False))
-@click.option("--blur", default=2.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True), help="Blur in mm (eps = blur^2).")
-@click.option("--scaling", default=0.7, show_default=True,
-              type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
-              help="eps-scaling factor per annealing step.")
-@click.option("--tol", default=1e-3, show_default=True, type=click.FloatRange(min=0),
-              help="Marginal-error tolerance at the final blur.")
-@click.option("--max-iter", default=1000, show_default=True, type=click.IntRange(min=1),
-              help="Most Sinkhorn iterations (the annealing ones included).")
-@click.option("--reach", default=None, type=click.FloatRange(min=0, min_open=True),
-              help="Unbalanced OT reach in mm (default: balanced).")
-@click.option("--relaxation", default="auto", show_default=True, type=_Relaxation(),
-              help="Over-relaxation of the Sinkhorn updates: 'auto' (adapted to the measured "
-                   "convergence rate) or a weight in [1, 2) (1: plain updates).")
+@click.option(
+    "--blur",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Blur in mm (eps = blur^2).",
+)
+@click.option(
+    "--scaling",
+    default=0.7,
+    show_default=True,
+    type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
+    help="eps-scaling factor per annealing step.",
+)
+@click.option(
+    "--tol",
+    default=1e-3,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Marginal-error tolerance at the final blur.",
+)
+@click.option(
+    "--max-iter",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most Sinkhorn iterations (the annealing ones included).",
+)
+@click.option(
+    "--reach",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Unbalanced OT reach in mm (default: balanced).",
+)
+@click.option(
+    "--relaxation",
+    default="auto",
+    show_default=True,
+    type=_Relaxation(),
+    help="Over-relaxation of the Sinkhorn updates: 'auto' (adapted to the measured "
+    "convergence rate) or a weight in [1, 2) (1: plain updates).",
+)
 @click.option("--label", default=None, type=float, help="Segmentation label for volumes.")
 @click.option("--level", default=None, type=float, help="Threshold for probability maps.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON line.")
-def distance(source: str, target: str, blur: float, scaling: float, tol: float, max_iter: int,
-             reach: float | None, relaxation: float | str, label: float | None,
-             level: float | None,
-             as_json: bool) -> None:
+def distance(
+    source: str,
+    target: str,
+    blur: float,
+    scaling: float,
+    tol: float,
+    max_iter: int,
+    reach: float | None,
+    relaxation: float | str,
+    label: float | None,
+    level: float | None,
+    as_json: bool,
+) -> None:
     """Sinkhorn divergence between two shapes' measures (area-weighted, normalised).
 
     SOURCE and TARGET are meshes, point clouds or volumes (with --label or --level).
@@ -249,38 +364,70 @@ def distance(source: str, target: str, blur: float, scaling: float, tol: float, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)  # reported below instead
         try:
-            options = SinkhornOptions(blur=blur, reach=reach, scaling=scaling, tol=tol,
-                                      max_iter=max_iter, relaxation=relaxation)
+            options = SinkhornOptions(
+                blur=blur,
+                reach=reach,
+                scaling=scaling,
+                tol=tol,
+                max_iter=max_iter,
+                relaxation=relaxation,
+            )
             value, res = divergence("otreg distance", x, y, a / a.sum(), b / b.sum(), options)
         except (ValueError, TypeError) as err:
             raise click.ClickException(str(err)) from err
     value = float(value.detach())
-    out = {"source": source, "target": target, "divergence_mm2": value,
-           "sqrt_2d_mm": math.sqrt(max(0.0, 2 * value)), "blur_mm": blur,
-           "iterations": res.n_iter, "converged": res.converged, "stopped": res.stopped,
-           "marginal_error": res.marginal_error if math.isfinite(res.marginal_error) else None,
-           "seconds": time.perf_counter() - start}
+    out = {
+        "source": source,
+        "target": target,
+        "divergence_mm2": value,
+        "sqrt_2d_mm": math.sqrt(max(0.0, 2 * value)),
+        "blur_mm": blur,
+        "iterations": res.n_iter,
+        "converged": res.converged,
+        "stopped": res.stopped,
+        "marginal_error": res.marginal_error if math.isfinite(res.marginal_error) else None,
+        "seconds": time.perf_counter() - start,
+    }
     if as_json:
         click.echo(json.dumps(out))
         return
-    click.echo(f"Sinkhorn divergence {value:.4f} mm^2 (sqrt(2 S) = {out['sqrt_2d_mm']:.3f} mm, "
-               f"a W2-like distance), blur {blur} mm, {res.n_iter} iterations, "
-               f"{out['seconds']:.1f} s")
+    click.echo(
+        f"Sinkhorn divergence {value:.4f} mm^2 (sqrt(2 S) = {out['sqrt_2d_mm']:.3f} mm, "
+        f"a W2-like distance), blur {blur} mm, {res.n_iter} iterations, "
+        f"{out['seconds']:.1f} s"
+    )
     if not res.converged:
-        hint = {"stalled": "it stopped decreasing (the rounding floor): raise --tol or --blur",
-                "diverged": "the iteration diverged: use --relaxation auto"}.get(
-            res.stopped, "raise --max-iter or --blur for a converged value")
-        click.echo(f"warning: marginal error {res.marginal_error:.2e} >= tol {tol:g}: {hint}",
-                   err=True)
+        hint = {
+            "stalled": "it stopped decreasing (the rounding floor): raise --tol or --blur",
+            "diverged": "the iteration diverged: use --relaxation auto",
+        }.get(res.stopped, "raise --max-iter or --blur for a converged value")
+        click.echo(
+            f"warning: marginal error {res.marginal_error:.2e} >= tol {tol:g}: {hint}", err=True
+        )
 
 
 @main.command()
-@click.option("--n", "n", default=10_000, show_default=True, type=click.IntRange(min=1),
-              help="Points on each circle.")
-@click.option("--iters", default=None, type=click.IntRange(min=3),
-              help="Run exactly this many Sinkhorn iterations (default: until tol).")
-@click.option("--tol", default=1e-6, show_default=True, type=click.FloatRange(min=0),
-              help="Marginal-error tolerance when --iters is not given.")
+@click.option(
+    "--n",
+    "n",
+    default=10_000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Points on each circle.",
+)
+@click.option(
+    "--iters",
+    default=None,
+    type=click.IntRange(min=3),
+    help="Run exactly this many Sinkhorn iterations (default: until tol).",
+)
+@click.option(
+    "--tol",
+    default=1e-6,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Marginal-error tolerance when --iters is not given.",
+)
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(BACKENDS))
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON line.")
 def circles(n: int, iters: int | None, tol: float, backend: str, as_json: bool) -> None:
@@ -301,13 +448,25 @@ def circles(n: int, iters: int | None, tol: float, backend: str, as_json: bool) 
     with warnings.catch_warnings():
         if iters is not None:  # a fixed count: not converging to tol=0 is the point
             warnings.simplefilter("ignore")
-        res = sinkhorn(x, y, blur=blur, diameter=blur, form="scaling", backend=backend,
-                       tol=0.0 if iters else tol, max_iter=iters or 10_000)
+        res = sinkhorn(
+            x,
+            y,
+            blur=blur,
+            diameter=blur,
+            form="scaling",
+            backend=backend,
+            tol=0.0 if iters else tol,
+            max_iter=iters or 10_000,
+        )
     (grad,) = torch.autograd.grad(res.cost, x)
     seconds = time.perf_counter() - start
     out = {
-        "n": n, "iterations": res.n_iter, "marginal_error": res.marginal_error,
-        "ot_value": float(res.cost.detach()), "grad_norm": float(grad.norm()), "seconds": seconds,
+        "n": n,
+        "iterations": res.n_iter,
+        "marginal_error": res.marginal_error,
+        "ot_value": float(res.cost.detach()),
+        "grad_norm": float(grad.norm()),
+        "seconds": seconds,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "backend": res.backend,
     }

@@ -55,8 +55,10 @@ class Shape:
         bad = ~torch.isfinite(pts.detach())
         if bool(bad.any()):
             rows = int(bad.any(1).sum())
-            raise ValueError(f"{caller}: points has {rows} rows with NaN or infinite coordinates; "
-                             "all coordinates must be finite")
+            raise ValueError(
+                f"{caller}: points has {rows} rows with NaN or infinite coordinates; "
+                "all coordinates must be finite"
+            )
         self.points = pts
         if self.faces is not None:
             faces = _as_tensor(self.faces)
@@ -64,25 +66,31 @@ class Shape:
                 raise TypeError(f"{caller}: faces has dtype {faces.dtype}; it must be integer")
             faces = faces.long()
             if faces.dim() != 2 or faces.shape[1] != 3:
-                raise ValueError(f"{caller}: faces has shape {tuple(faces.shape)}; triangles are "
-                                 "(F, 3)")
+                raise ValueError(
+                    f"{caller}: faces has shape {tuple(faces.shape)}; triangles are (F, 3)"
+                )
             if faces.numel() and (int(faces.min()) < 0 or int(faces.max()) >= pts.shape[0]):
-                raise ValueError(f"{caller}: faces index vertices {int(faces.min())} to "
-                                 f"{int(faces.max())} but there are {pts.shape[0]} points")
+                raise ValueError(
+                    f"{caller}: faces index vertices {int(faces.min())} to "
+                    f"{int(faces.max())} but there are {pts.shape[0]} points"
+                )
             self.faces = faces.to(pts.device)
         if self.weights is not None:
             w = _as_tensor(self.weights, pts.dtype).to(pts.device)
             if w.shape != (pts.shape[0],):
-                raise ValueError(f"{caller}: weights has shape {tuple(w.shape)}; it must be "
-                                 f"({pts.shape[0]},)")
+                raise ValueError(
+                    f"{caller}: weights has shape {tuple(w.shape)}; it must be ({pts.shape[0]},)"
+                )
             if bool((w < 0).any()) or not bool(torch.isfinite(w).all()):
                 raise ValueError(f"{caller}: weights must be finite and >= 0")
             self.weights = w
         for key, value in list(self.data.items()):
             value = _as_tensor(value).to(pts.device)
             if value.shape[0] != pts.shape[0]:
-                raise ValueError(f"{caller}: data[{key!r}] has {value.shape[0]} rows but there "
-                                 f"are {pts.shape[0]} points")
+                raise ValueError(
+                    f"{caller}: data[{key!r}] has {value.shape[0]} rows but there "
+                    f"are {pts.shape[0]} points"
+                )
             self.data[key] = value
 
     # ------------------------------------------------------------------ basics
@@ -102,8 +110,10 @@ class Shape:
         lo, hi = self.points.detach().min(0).values, self.points.detach().max(0).values
         box = ", ".join(f"{a:.1f}..{b:.1f}" for a, b in zip(lo.tolist(), hi.tolist()))
         src = f", source={self.source!r}" if self.source else ""
-        return (f"Shape({self.n_points:,} points, {self.n_faces:,} triangles, "
-                f"{self.points.dtype}, {self.unit}, box [{box}]{src})")
+        return (
+            f"Shape({self.n_points:,} points, {self.n_faces:,} triangles, "
+            f"{self.points.dtype}, {self.unit}, box [{box}]{src})"
+        )
 
     def to(self, *args, **kwargs) -> Shape:
         """A copy with points (and weights, data) moved or cast like ``Tensor.to``."""
@@ -116,16 +126,19 @@ class Shape:
     def with_points(self, points: torch.Tensor) -> Shape:
         """The same connectivity and data on new point positions (e.g. deformed ones)."""
         if tuple(points.shape) != tuple(self.points.shape):
-            raise ValueError(f"Shape.with_points: points has shape {tuple(points.shape)}; "
-                             f"this shape has {tuple(self.points.shape)}")
+            raise ValueError(
+                f"Shape.with_points: points has shape {tuple(points.shape)}; "
+                f"this shape has {tuple(self.points.shape)}"
+            )
         return replace(self, points=points, source=None)
 
     def mirror(self, axis: int = 0) -> Shape:
         """The reflection through the plane ``coordinate[axis] = 0`` (x = 0: left <-> right
         in RAS/MNI space), with the triangles reoriented so that normals stay outward."""
         if not isinstance(axis, int) or not 0 <= axis < self.dim:
-            raise ValueError(f"Shape.mirror: axis is {axis!r}; it must be an integer in "
-                             f"[0, {self.dim})")
+            raise ValueError(
+                f"Shape.mirror: axis is {axis!r}; it must be an integer in [0, {self.dim})"
+            )
         sign = torch.ones(self.dim, dtype=self.points.dtype, device=self.points.device)
         sign[axis] = -1
         faces = None if self.faces is None else self.faces[:, [0, 2, 1]]
@@ -133,8 +146,10 @@ class Shape:
 
     def _need_faces(self, what: str) -> torch.Tensor:
         if self.faces is None or self.n_faces == 0:
-            raise ValueError(f"Shape.{what}: this shape has no triangles; {what} needs a "
-                             "surface (load a mesh, or a segmentation through marching cubes)")
+            raise ValueError(
+                f"Shape.{what}: this shape has no triangles; {what} needs a "
+                "surface (load a mesh, or a segmentation through marching cubes)"
+            )
         if self.dim != 3:
             raise ValueError(f"Shape.{what}: needs 3-D points, these are {self.dim}-D")
         return self.faces
@@ -199,16 +214,16 @@ class Shape:
         surface, else 1 each; ``"auto"``: faces for surfaces, points for clouds.
         """
         if kind not in ("auto", "faces", "points"):
-            raise ValueError(f"Shape.measure: kind is {kind!r}; choose 'auto', 'faces' or "
-                             "'points'")
+            raise ValueError(f"Shape.measure: kind is {kind!r}; choose 'auto', 'faces' or 'points'")
         if kind == "faces" or (kind == "auto" and self.n_faces > 0):
             return self.face_centers, self.face_areas
         if self.weights is not None:
             return self.points, self.weights
         if self.n_faces > 0:
             return self.points, self.point_areas
-        return self.points, torch.ones(self.n_points, dtype=self.points.dtype,
-                                       device=self.points.device)
+        return self.points, torch.ones(
+            self.n_points, dtype=self.points.dtype, device=self.points.device
+        )
 
     # ------------------------------------------------------------------ pyvista
     def to_pyvista(self):
@@ -228,8 +243,9 @@ class Shape:
         return mesh
 
     @classmethod
-    def from_pyvista(cls, mesh, dtype: torch.dtype = torch.float32, source: str | None = None
-                     ) -> Shape:
+    def from_pyvista(
+        cls, mesh, dtype: torch.dtype = torch.float32, source: str | None = None
+    ) -> Shape:
         """From any pyvista/VTK dataset: its surface, triangulated."""
         pv = _pyvista()
         if not isinstance(mesh, pv.PolyData):
@@ -243,10 +259,13 @@ class Shape:
         faces = None
         if mesh.n_cells and mesh.faces.size:
             faces = torch.as_tensor(mesh.faces.reshape(-1, 4)[:, 1:].astype(np.int64))
-        data = {k: torch.as_tensor(np.asarray(mesh.point_data[k]))
-                for k in mesh.point_data.keys()
-                if k not in ("weights", "Normals", "RegionId") and not k.startswith("vtk")
-                and np.asarray(mesh.point_data[k]).dtype.kind in "fiub"}
+        data = {
+            k: torch.as_tensor(np.asarray(mesh.point_data[k]))
+            for k in mesh.point_data.keys()
+            if k not in ("weights", "Normals", "RegionId")
+            and not k.startswith("vtk")
+            and np.asarray(mesh.point_data[k]).dtype.kind in "fiub"
+        }
         weights = mesh.point_data["weights"] if "weights" in mesh.point_data else None
         return cls(pts, faces, weights=weights, data=data, source=source)
 
@@ -254,8 +273,9 @@ class Shape:
         """A coarser surface of about ``target_points`` vertices (VTK quadric decimation)."""
         self._need_faces("decimate")
         if not isinstance(target_points, int) or target_points < 4:
-            raise ValueError(f"Shape.decimate: target_points is {target_points!r}; it must be "
-                             "an integer >= 4")
+            raise ValueError(
+                f"Shape.decimate: target_points is {target_points!r}; it must be an integer >= 4"
+            )
         if target_points >= self.n_points:
             return self
         mesh = self.to_pyvista()
@@ -267,8 +287,11 @@ class Shape:
         """Taubin smoothing (shrinks far less than Laplacian smoothing), VTK's filter."""
         self._need_faces("smooth")
         out = self.to_pyvista().smooth_taubin(n_iter=n_iter, pass_band=pass_band)
-        return self.with_points(torch.as_tensor(np.asarray(out.points), dtype=self.points.dtype,
-                                                device=self.points.device))
+        return self.with_points(
+            torch.as_tensor(
+                np.asarray(out.points), dtype=self.points.dtype, device=self.points.device
+            )
+        )
 
     def components(self) -> list[Shape]:
         """Connected components, largest first (by vertex count)."""

@@ -12,9 +12,13 @@ from .shapes import Shape
 __all__ = ["plot_shapes", "plot_history"]
 
 
-def plot_shapes(shapes: dict[str, Shape], path: str | Path, colors: dict[str, str] | None = None,
-                window_size: tuple[int, int] = (1500, 500),
-                scalars: dict[str, tuple[str, object]] | None = None) -> Path:
+def plot_shapes(
+    shapes: dict[str, Shape],
+    path: str | Path,
+    colors: dict[str, str] | None = None,
+    window_size: tuple[int, int] = (1500, 500),
+    scalars: dict[str, tuple[str, object]] | None = None,
+) -> Path:
     """Render shapes side by side (one view a shape) to a PNG, off-screen.
 
     ``scalars`` colours some shapes by a value per vertex: ``{name: (title, values (N,))}``,
@@ -45,8 +49,13 @@ def _draw(plotter, shapes, names, colors, scalars) -> None:
         if name in scalars:
             title, values = scalars[name]
             mesh.point_data[title] = np.asarray(values, dtype=float)
-            plotter.add_mesh(mesh, scalars=title, cmap="viridis", smooth_shading=True,
-                             scalar_bar_args={"title": title, "vertical": False, "fmt": "%.1f"})
+            plotter.add_mesh(
+                mesh,
+                scalars=title,
+                cmap="viridis",
+                smooth_shading=True,
+                scalar_bar_args={"title": title, "vertical": False, "fmt": "%.1f"},
+            )
         else:
             plotter.add_mesh(mesh, color=colors.get(name, "lightgrey"), smooth_shading=True)
         plotter.view_yz(negative=True)  # a lateral view of a left hemisphere

@@ -36,8 +36,9 @@ def two_meshes(tmp_path):
 
 
 def test_distance_between_a_mesh_and_its_translate(two_meshes):
-    result = run("distance", *two_meshes, "--blur", "0.5", "--tol", "1e-4", "--max-iter",
-                 "2000", "--json")
+    result = run(
+        "distance", *two_meshes, "--blur", "0.5", "--tol", "1e-4", "--max-iter", "2000", "--json"
+    )
     assert result.exit_code == 0
     out = json.loads(result.output)
     assert out["converged"]
@@ -62,8 +63,14 @@ def test_demo_registers_two_brain_surfaces_and_writes_everything(pair, tmp_path)
     result = run("demo", "-o", str(out), "--pair", pair, "--points", "400", "--no-progress")
     assert result.exit_code == 0, result.output
     assert {p.name for p in out.iterdir()} == {
-        "source.vtk", "target.vtk", "warped.vtk", "parameters.npz", "registration.json",
-        "picture.png", "history.png"}
+        "source.vtk",
+        "target.vtk",
+        "warped.vtk",
+        "parameters.npz",
+        "registration.json",
+        "picture.png",
+        "history.png",
+    }
     doc = json.loads((out / "registration.json").read_text())
     m = doc["metrics"]
     assert m["jacobian_negative_fraction"] == 0.0
@@ -100,8 +107,17 @@ def test_register_choices_come_from_the_library():
 def test_register_a_linear_model_writes_its_options(two_meshes, tmp_path):
     pytest.importorskip("pyvista")
     out = tmp_path / "out"
-    result = run("register", *two_meshes, "-o", str(out), "--model", "rigid", "--max-iter",
-                 "7", "--no-picture")
+    result = run(
+        "register",
+        *two_meshes,
+        "-o",
+        str(out),
+        "--model",
+        "rigid",
+        "--max-iter",
+        "7",
+        "--no-picture",
+    )
     assert result.exit_code == 0, result.output
     options = json.loads((out / "registration.json").read_text())["options"]
     assert options["model"] == "rigid" and options["lddmm"] is None

@@ -6,8 +6,9 @@ import torch
 from otreg.costs import diameter, epsilon_schedule, get_cost
 
 
-@pytest.mark.parametrize("p, diam, blur, scaling", [(2, 3.0, 0.01, 0.5), (1, 5.0, 0.1, 0.7),
-                                                     (2, 2.0, 0.05, 0.9)])
+@pytest.mark.parametrize(
+    "p, diam, blur, scaling", [(2, 3.0, 0.01, 0.5), (1, 5.0, 0.1, 0.7), (2, 2.0, 0.05, 0.9)]
+)
 def test_epsilon_schedule_follows_the_documented_rule(p, diam, blur, scaling):
     eps = epsilon_schedule(p, diam, blur, scaling)
     assert eps[0] == pytest.approx(diam**p) and eps[1] == pytest.approx(diam**p)
@@ -21,10 +22,13 @@ def test_epsilon_schedule_follows_the_documented_rule(p, diam, blur, scaling):
 def test_costs_closed_forms():
     x = torch.tensor([[[0.0, 0.0], [1.0, 1.0]]], dtype=torch.float64)
     y = torch.tensor([[[3.0, 4.0]]], dtype=torch.float64)
-    assert torch.allclose(get_cost("sqeuclidean").dense(x, y)[0, :, 0],
-                          torch.tensor([12.5, 6.5], dtype=torch.float64))
-    assert torch.allclose(get_cost("euclidean").dense(x, y)[0, :, 0],
-                          torch.tensor([5.0, 13**0.5], dtype=torch.float64))
+    assert torch.allclose(
+        get_cost("sqeuclidean").dense(x, y)[0, :, 0], torch.tensor([12.5, 6.5], dtype=torch.float64)
+    )
+    assert torch.allclose(
+        get_cost("euclidean").dense(x, y)[0, :, 0],
+        torch.tensor([5.0, 13**0.5], dtype=torch.float64),
+    )
     assert diameter(x, y) == pytest.approx(5.0)
 
 

@@ -49,8 +49,11 @@ def graph():
 
 
 def package_of(module: str) -> str:
-    return module if (ROOT.parent / module.replace(".", "/") / "__init__.py").exists() \
+    return (
+        module
+        if (ROOT.parent / module.replace(".", "/") / "__init__.py").exists()
         else module.rsplit(".", 1)[0]
+    )
 
 
 def test_no_import_cycles():
@@ -67,7 +70,7 @@ def test_no_import_cycles():
         path.append(node)
         for nxt in sorted(edges[node]):
             if state.get(nxt) == 1:
-                cycle = path[path.index(nxt):] + [nxt]
+                cycle = path[path.index(nxt) :] + [nxt]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -84,8 +87,12 @@ def test_multiscale_does_not_import_the_loop():
 
 
 def test_pykeops_is_imported_in_one_module():
-    users = {name for name, path in modules().items()
-             for target, _ in imports(name, path) if target.split(".")[0] == "pykeops"}
+    users = {
+        name
+        for name, path in modules().items()
+        for target, _ in imports(name, path)
+        if target.split(".")[0] == "pykeops"
+    }
     assert users == {"otreg.reductions._keops"}
 
 
@@ -100,14 +107,20 @@ def test_private_names_stay_inside_their_package():
             hidden_module = any(part.startswith("_") for part in target.split(".")[1:])
             owner, user = package_of(target), package_of(name)
             # a package's private parts serve that package and the packages inside it
-            if (private or hidden_module) and user != owner and \
-                    not user.startswith(owner + "."):
+            if (private or hidden_module) and user != owner and not user.startswith(owner + "."):
                 crossing.append(f"{name} imports {target} {private}")
     assert not crossing, crossing
 
 
 def test_every_public_name_is_exported_and_exists():
-    for module in (otreg, otreg.ot, otreg.reductions, otreg.loops, otreg.registration,
-                   otreg.datasets, otreg.io):
+    for module in (
+        otreg,
+        otreg.ot,
+        otreg.reductions,
+        otreg.loops,
+        otreg.registration,
+        otreg.datasets,
+        otreg.io,
+    ):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"

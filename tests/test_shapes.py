@@ -45,23 +45,34 @@ def test_decimate_smooth_components():
     smooth = sphere.smooth(10)
     assert smooth.n_points == sphere.n_points
     assert float(smooth.volume) == pytest.approx(float(sphere.volume), rel=0.02)
-    two = Shape(torch.cat([tetra().points, tetra(5.0).points]),
-                torch.cat([tetra().faces, tetra().faces + 4]))
+    two = Shape(
+        torch.cat([tetra().points, tetra(5.0).points]),
+        torch.cat([tetra().faces, tetra().faces + 4]),
+    )
     parts = two.components()
     assert len(parts) == 2 and all(p.n_points == 4 for p in parts)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(points=torch.zeros(0, 3)), ValueError, "points is empty"),
-    (dict(points=torch.zeros(3)), ValueError, "must be \\(N, D\\)"),
-    (dict(points=torch.tensor([[0.0, float("nan"), 0]])), ValueError, "1 rows with NaN"),
-    (dict(points=torch.zeros(3, 3), faces=torch.tensor([[0, 1, 5]])), ValueError,
-     "index vertices 0 to 5 but there are 3"),
-    (dict(points=torch.zeros(3, 3), faces=torch.tensor([[0.0, 1, 2]])), TypeError,
-     "must be integer"),
-    (dict(points=torch.zeros(3, 3), weights=-torch.ones(3)), ValueError, "finite and >= 0"),
-    (dict(points=torch.zeros(3, 3), data={"curv": torch.zeros(2)}), ValueError, "has 2 rows"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(points=torch.zeros(0, 3)), ValueError, "points is empty"),
+        (dict(points=torch.zeros(3)), ValueError, "must be \\(N, D\\)"),
+        (dict(points=torch.tensor([[0.0, float("nan"), 0]])), ValueError, "1 rows with NaN"),
+        (
+            dict(points=torch.zeros(3, 3), faces=torch.tensor([[0, 1, 5]])),
+            ValueError,
+            "index vertices 0 to 5 but there are 3",
+        ),
+        (
+            dict(points=torch.zeros(3, 3), faces=torch.tensor([[0.0, 1, 2]])),
+            TypeError,
+            "must be integer",
+        ),
+        (dict(points=torch.zeros(3, 3), weights=-torch.ones(3)), ValueError, "finite and >= 0"),
+        (dict(points=torch.zeros(3, 3), data={"curv": torch.zeros(2)}), ValueError, "has 2 rows"),
+    ],
+)
 def test_bad_shapes(kwargs, error, match):
     with pytest.raises(error, match=match):
         Shape(**kwargs)

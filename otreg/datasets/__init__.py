@@ -23,16 +23,29 @@ from .._checks import check_choice, check_int, check_positive
 from ..shapes import Shape
 from ._ground_truth import KernelFlow, RigidMotion, random_flow, random_rigid
 
-__all__ = ["circles", "noisy_sphere", "fsaverage5", "mni152", "mni152_surface",
-           "synthetic_subjects", "SyntheticSubject", "nilearn_data_dir"]
+__all__ = [
+    "circles",
+    "noisy_sphere",
+    "fsaverage5",
+    "mni152",
+    "mni152_surface",
+    "synthetic_subjects",
+    "SyntheticSubject",
+    "nilearn_data_dir",
+]
 
 FSAVERAGE5_SURFACES = ("pial", "white", "inflated", "sphere")
-_FS_FILES = {"pial": "pial_{hemi}.gii.gz", "white": "white_{hemi}.gii.gz",
-             "inflated": "infl_{hemi}.gii.gz", "sphere": "sphere_{hemi}.gii.gz"}
+_FS_FILES = {
+    "pial": "pial_{hemi}.gii.gz",
+    "white": "white_{hemi}.gii.gz",
+    "inflated": "infl_{hemi}.gii.gz",
+    "sphere": "sphere_{hemi}.gii.gz",
+}
 
 
-def circles(n: int = 10_000, shift: float = 1.0, dtype: torch.dtype = torch.float32
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def circles(
+    n: int = 10_000, shift: float = 1.0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two unit circles of n evenly spaced points each, the second shifted by ``shift`` along x.
 
     Returns:
@@ -45,9 +58,14 @@ def circles(n: int = 10_000, shift: float = 1.0, dtype: torch.dtype = torch.floa
     return x.to(dtype), y.to(dtype)
 
 
-def noisy_sphere(n: int, radius: float = 1.0, center: tuple[float, float, float] = (0, 0, 0),
-                 noise: float = 0.02, seed: int = 0, dtype: torch.dtype = torch.float32
-                 ) -> torch.Tensor:
+def noisy_sphere(
+    n: int,
+    radius: float = 1.0,
+    center: tuple[float, float, float] = (0, 0, 0),
+    noise: float = 0.02,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """n points uniformly distributed on a sphere, plus Gaussian noise of std ``noise``.
 
     Returns:
@@ -69,13 +87,15 @@ def nilearn_data_dir() -> Path:
     try:
         import nilearn
     except ImportError as err:
-        raise ImportError("the real brain data ships with nilearn: pip install 'otreg[data]'"
-                          ) from err
+        raise ImportError(
+            "the real brain data ships with nilearn: pip install 'otreg[data]'"
+        ) from err
     return Path(nilearn.__file__).parent / "datasets" / "data"
 
 
-def fsaverage5(surface: str = "pial", hemi: str = "left", dtype: torch.dtype = torch.float32
-               ) -> Shape:
+def fsaverage5(
+    surface: str = "pial", hemi: str = "left", dtype: torch.dtype = torch.float32
+) -> Shape:
     """An fsaverage5 hemisphere (10,242 vertices, 20,480 triangles), MNI-like space, mm."""
     from ..io import load_shape
 
@@ -91,8 +111,12 @@ def mni152(tissue: str = "wm") -> Path:
     return nilearn_data_dir() / f"mni_icbm152_{tissue}_tal_nlin_sym_09a_converted.nii.gz"
 
 
-def mni152_surface(tissue: str = "wm", threshold: float = 0.5, largest: bool = True,
-                   dtype: torch.dtype = torch.float32) -> Shape:
+def mni152_surface(
+    tissue: str = "wm",
+    threshold: float = 0.5,
+    largest: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> Shape:
     """The boundary of the MNI152 tissue map thresholded at ``threshold`` (a probability).
 
     ``largest`` keeps the largest connected component: a closed surface.
@@ -101,8 +125,7 @@ def mni152_surface(tissue: str = "wm", threshold: float = 0.5, largest: bool = T
 
     threshold = check_positive("mni152_surface", "threshold", threshold)
     if threshold >= 1:
-        raise ValueError(f"mni152_surface: threshold is {threshold}; it is a probability in "
-                         "(0, 1)")
+        raise ValueError(f"mni152_surface: threshold is {threshold}; it is a probability in (0, 1)")
     shape = load_shape(mni152(tissue), level=threshold * 255, dtype=dtype)  # stored as 0-255
     if largest:
         source = shape.source
@@ -130,10 +153,19 @@ class SyntheticSubject:
         return self.flow.inverse(self.rigid.inverse(points))
 
 
-def synthetic_subjects(base: Shape | None = None, n: int = 4, *, sigma: float = 25.0,
-                       magnitude: float = 6.0, n_controls: int = 40, max_angle: float = 10.0,
-                       max_shift: float = 10.0, seed: int = 0, out_dir: str | Path | None = None,
-                       volume: str | None = None) -> list[SyntheticSubject]:
+def synthetic_subjects(
+    base: Shape | None = None,
+    n: int = 4,
+    *,
+    sigma: float = 25.0,
+    magnitude: float = 6.0,
+    n_controls: int = 40,
+    max_angle: float = 10.0,
+    max_shift: float = 10.0,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    volume: str | None = None,
+) -> list[SyntheticSubject]:
     """Subjects made from a real surface by known smooth diffeomorphisms and rigid motions.
 
     Args:
@@ -189,23 +221,41 @@ def synthetic_subjects(base: Shape | None = None, n: int = 4, *, sigma: float = 
     return subjects
 
 
-def _write_subject(out: Path, name: str, base: Shape, shape: Shape, flow: KernelFlow,
-                   rigid: RigidMotion, volume: str | None) -> dict[str, Path]:
+def _write_subject(
+    out: Path,
+    name: str,
+    base: Shape,
+    shape: Shape,
+    flow: KernelFlow,
+    rigid: RigidMotion,
+    volume: str | None,
+) -> dict[str, Path]:
     from ..io import atomic_write, save_shape
 
     files = {"surface": save_shape(shape, out / f"{name}.vtk")}
-    truth = {"base_points": base.points.detach().double().numpy(),
-             "points": shape.points.detach().double().numpy(),
-             "rotation": rigid.rotation.numpy(), "translation": rigid.translation.numpy(),
-             "center": rigid.center.numpy(), "controls": flow.controls.numpy(),
-             "momenta": flow.momenta.numpy(), "sigma": np.array(flow.sigma)}
+    truth = {
+        "base_points": base.points.detach().double().numpy(),
+        "points": shape.points.detach().double().numpy(),
+        "rotation": rigid.rotation.numpy(),
+        "translation": rigid.translation.numpy(),
+        "center": rigid.center.numpy(),
+        "controls": flow.controls.numpy(),
+        "momenta": flow.momenta.numpy(),
+        "sigma": np.array(flow.sigma),
+    }
     files["truth"] = out / f"{name}_truth.npz"
     atomic_write(files["truth"], lambda p: np.savez(p, **truth))
-    meta = {"name": name, "sigma_mm": flow.sigma, "rotation_degrees": rigid.angle_degrees,
-            "translation_mm": rigid.translation.tolist(), "n_controls": len(flow.controls),
-            "max_displacement_mm": float((shape.points.double() - rigid(
-                base.points.double())).norm(dim=1).max()),
-            "files": {"surface": files["surface"].name, "truth": files["truth"].name}}
+    meta = {
+        "name": name,
+        "sigma_mm": flow.sigma,
+        "rotation_degrees": rigid.angle_degrees,
+        "translation_mm": rigid.translation.tolist(),
+        "n_controls": len(flow.controls),
+        "max_displacement_mm": float(
+            (shape.points.double() - rigid(base.points.double())).norm(dim=1).max()
+        ),
+        "files": {"surface": files["surface"].name, "truth": files["truth"].name},
+    }
     if volume is not None:
         files["volume"] = out / f"{name}.nii.gz"
         _write_warped_volume(mni152(volume), files["volume"], flow, rigid)
@@ -215,8 +265,9 @@ def _write_subject(out: Path, name: str, base: Shape, shape: Shape, flow: Kernel
     return files
 
 
-def _write_warped_volume(src: Path, dst: Path, flow: KernelFlow, rigid: RigidMotion,
-                         stride: int = 4) -> None:
+def _write_warped_volume(
+    src: Path, dst: Path, flow: KernelFlow, rigid: RigidMotion, stride: int = 4
+) -> None:
     """Resample ``src`` at T^-1(world grid): the volume moves with the surface."""
     import nibabel as nib
     from scipy.ndimage import map_coordinates, zoom
@@ -234,10 +285,15 @@ def _write_warped_volume(src: Path, dst: Path, flow: KernelFlow, rigid: RigidMot
     vox = nib.affines.apply_affine(np.linalg.inv(img.affine), back)
     coarse = vox.reshape(*[len(a) for a in axes], 3) - grid.reshape(*[len(a) for a in axes], 3)
     factors = [s / len(a) for s, a in zip(shape, axes)]
-    disp = np.stack([zoom(coarse[..., d], factors, order=1)[:shape[0], :shape[1], :shape[2]]
-                     for d in range(3)])
+    disp = np.stack(
+        [
+            zoom(coarse[..., d], factors, order=1)[: shape[0], : shape[1], : shape[2]]
+            for d in range(3)
+        ]
+    )
     ident = np.stack(np.meshgrid(*[np.arange(s) for s in shape], indexing="ij"))
     warped = map_coordinates(data.astype(np.float32), ident + disp, order=1, mode="constant")
-    out = nib.Nifti1Image(np.clip(np.rint(warped), 0, 255).astype(data.dtype), img.affine,
-                          img.header)
+    out = nib.Nifti1Image(
+        np.clip(np.rint(warped), 0, 255).astype(data.dtype), img.affine, img.header
+    )
     atomic_write(dst, lambda p: nib.save(out, str(p)))

@@ -38,9 +38,15 @@ def _ext(path: Path) -> str:
     return path.suffix.lower()
 
 
-def load_shape(path: str | Path, label: int | float | None = None, *,
-               level: float | None = None, smooth: int = 0,
-               decimate: int | None = None, dtype: torch.dtype = torch.float32) -> Shape:
+def load_shape(
+    path: str | Path,
+    label: int | float | None = None,
+    *,
+    level: float | None = None,
+    smooth: int = 0,
+    decimate: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Shape:
     """Read a surface or point cloud, in world mm.
 
     Args:
@@ -61,8 +67,10 @@ def load_shape(path: str | Path, label: int | float | None = None, *,
         raise TypeError(f"{caller}: path must be a str or Path, got {type(path).__name__}")
     path = Path(path)
     if not isinstance(smooth, int) or isinstance(smooth, bool) or smooth < 0:
-        raise ValueError(f"{caller}: smooth is {smooth!r}; it must be a number of Taubin smoothing "
-                         "iterations, an integer >= 0")
+        raise ValueError(
+            f"{caller}: smooth is {smooth!r}; it must be a number of Taubin smoothing "
+            "iterations, an integer >= 0"
+        )
     if not path.exists():
         raise FileNotFoundError(f"{caller}: {path} does not exist")
     if path.is_dir():
@@ -74,8 +82,10 @@ def load_shape(path: str | Path, label: int | float | None = None, *,
         shape = _volume.volume_to_shape(path, caller, label=label, level=level, dtype=dtype)
     else:
         if label is not None or level is not None:
-            raise ValueError(f"{caller}: label= and level= apply to volumes "
-                             f"({', '.join(VOLUME_EXTS)}), not to {path.name}")
+            raise ValueError(
+                f"{caller}: label= and level= apply to volumes "
+                f"({', '.join(VOLUME_EXTS)}), not to {path.name}"
+            )
         if ext in _files.PYVISTA_EXTS:
             shape = _files.read_pyvista(path, caller, dtype)
         elif ext in (".gii", ".gii.gz"):
@@ -85,9 +95,11 @@ def load_shape(path: str | Path, label: int | float | None = None, *,
         elif _files.is_freesurfer_surface(path):
             shape = _files.read_freesurfer(path, caller, dtype)
         else:
-            raise ValueError(f"{caller}: {path.name} has an unknown format; otreg reads volumes "
-                             f"({', '.join(VOLUME_EXTS)}), meshes ({', '.join(MESH_EXTS)}) and "
-                             "FreeSurfer surfaces (lh.pial, rh.white, ...)")
+            raise ValueError(
+                f"{caller}: {path.name} has an unknown format; otreg reads volumes "
+                f"({', '.join(VOLUME_EXTS)}), meshes ({', '.join(MESH_EXTS)}) and "
+                "FreeSurfer surfaces (lh.pial, rh.white, ...)"
+            )
     if smooth:
         shape = shape.smooth(n_iter=smooth)
     if decimate is not None:
@@ -107,10 +119,15 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
     if not isinstance(shape, Shape):
         raise TypeError(f"{caller}: shape must be an otreg Shape, got {type(shape).__name__}")
     path = Path(path)
-    if shape.source is not None and path.exists() and path.resolve() == Path(
-            shape.source).resolve():
-        raise ValueError(f"{caller}: {path} is the file this shape was read from; otreg never "
-                         "overwrites an input: choose another path")
+    if (
+        shape.source is not None
+        and path.exists()
+        and path.resolve() == Path(shape.source).resolve()
+    ):
+        raise ValueError(
+            f"{caller}: {path} is the file this shape was read from; otreg never "
+            "overwrites an input: choose another path"
+        )
     ext = _ext(path)
     if ext in _files.PYVISTA_EXTS:
         fmt = "pyvista"
@@ -121,13 +138,17 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
     elif ext == ".surf" or path.name.startswith(("lh.", "rh.")):
         fmt = "freesurfer"
     else:
-        raise ValueError(f"{caller}: cannot write {path.name}: use one of "
-                         f"{', '.join(_files.PYVISTA_EXTS)}, .gii, .csv, .npy, or a FreeSurfer "
-                         "name (lh.NAME, rh.NAME, *.surf)")
+        raise ValueError(
+            f"{caller}: cannot write {path.name}: use one of "
+            f"{', '.join(_files.PYVISTA_EXTS)}, .gii, .csv, .npy, or a FreeSurfer "
+            "name (lh.NAME, rh.NAME, *.surf)"
+        )
     needs_faces = fmt in ("gifti", "freesurfer") or ext == ".stl"  # STL stores triangles only
     if needs_faces and (shape.faces is None or shape.n_faces == 0):
-        raise ValueError(f"{caller}: {path.name} is a surface format but the shape has no "
-                         "triangles; save point clouds as .csv, .npy or .vtk")
+        raise ValueError(
+            f"{caller}: {path.name} is a surface format but the shape has no "
+            "triangles; save point clouds as .csv, .npy or .vtk"
+        )
     if fmt in ("gifti", "freesurfer") and shape.dim != 3:
         raise ValueError(f"{caller}: {path.name} needs 3-D points, the shape's are {shape.dim}-D")
     _files.write_shape(shape, path, fmt)

@@ -23,9 +23,24 @@ def is_freesurfer_surface(path: Path) -> bool:
         return fh.read(3) == FREESURFER_MAGIC
 
 
-_PLY_SIZES = {"char": 1, "uchar": 1, "int8": 1, "uint8": 1, "short": 2, "ushort": 2,
-              "int16": 2, "uint16": 2, "int": 4, "uint": 4, "int32": 4, "uint32": 4,
-              "float": 4, "float32": 4, "double": 8, "float64": 8}
+_PLY_SIZES = {
+    "char": 1,
+    "uchar": 1,
+    "int8": 1,
+    "uint8": 1,
+    "short": 2,
+    "ushort": 2,
+    "int16": 2,
+    "uint16": 2,
+    "int": 4,
+    "uint": 4,
+    "int32": 4,
+    "uint32": 4,
+    "float": 4,
+    "float32": 4,
+    "double": 8,
+    "float64": 8,
+}
 
 
 def check_ply_size(path: Path, caller: str) -> None:
@@ -61,9 +76,11 @@ def check_ply_size(path: Path, caller: str) -> None:
             fh.seek(body)
             have = sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
     if have < (need if binary else rows):
-        raise ValueError(f"{caller}: {path} is truncated: its header announces more data "
-                         f"({need if binary else rows:,} {'bytes' if binary else 'lines'} at "
-                         f"least) than the file holds")
+        raise ValueError(
+            f"{caller}: {path} is truncated: its header announces more data "
+            f"({need if binary else rows:,} {'bytes' if binary else 'lines'} at "
+            f"least) than the file holds"
+        )
 
 
 def read_pyvista(path: Path, caller: str, dtype) -> Shape:
@@ -77,13 +94,17 @@ def read_pyvista(path: Path, caller: str, dtype) -> Shape:
         # exception, and return what they read so far: turn the message into the error
         with warnings.catch_warnings():
             warnings.simplefilter("error", pv.VTKExecutionWarning)
-            with pv.vtk_verbosity("off"), pv.VtkErrorCatcher(
-                    raise_errors=True, send_to_logging=False, emit_warnings=True):
+            with (
+                pv.vtk_verbosity("off"),
+                pv.VtkErrorCatcher(raise_errors=True, send_to_logging=False, emit_warnings=True),
+            ):
                 mesh = pv.read(str(path))
     except Exception as err:
         text = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
-        raise ValueError(f"{caller}: {path} could not be read as a mesh; it may be truncated or "
-                         f"corrupt ({type(err).__name__}: {text})") from err
+        raise ValueError(
+            f"{caller}: {path} could not be read as a mesh; it may be truncated or "
+            f"corrupt ({type(err).__name__}: {text})"
+        ) from err
     if mesh.n_points == 0:
         raise ValueError(f"{caller}: {path} has no points")
     return Shape.from_pyvista(mesh, dtype=dtype, source=str(path))
@@ -98,15 +119,19 @@ def read_gifti(path: Path, caller: str, dtype) -> Shape:
             raw = gzip.decompress(raw)
         img = nib.GiftiImage.from_bytes(raw)
     except Exception as err:
-        raise ValueError(f"{caller}: {path} could not be read as GIFTI ({type(err).__name__}: "
-                         f"{err})") from err
+        raise ValueError(
+            f"{caller}: {path} could not be read as GIFTI ({type(err).__name__}: {err})"
+        ) from err
     points = img.agg_data("pointset")
     faces = img.agg_data("triangle")
     if points is None or len(np.shape(points)) != 2:
         raise ValueError(f"{caller}: {path} holds no surface (no NIFTI_INTENT_POINTSET array)")
     faces = None if faces is None else np.asarray(faces, dtype=np.int64)
-    return Shape(torch.as_tensor(np.asarray(points, dtype=np.float64), dtype=dtype),
-                 None if faces is None else torch.as_tensor(faces), source=str(path))
+    return Shape(
+        torch.as_tensor(np.asarray(points, dtype=np.float64), dtype=dtype),
+        None if faces is None else torch.as_tensor(faces),
+        source=str(path),
+    )
 
 
 def read_freesurfer(path: Path, caller: str, dtype) -> Shape:
@@ -116,17 +141,26 @@ def read_freesurfer(path: Path, caller: str, dtype) -> Shape:
     try:
         coords, faces, meta = fs.read_geometry(str(path), read_metadata=True)
     except Exception as err:
-        raise ValueError(f"{caller}: {path} could not be read as a FreeSurfer surface "
-                         f"({type(err).__name__}: {err})") from err
+        raise ValueError(
+            f"{caller}: {path} could not be read as a FreeSurfer surface "
+            f"({type(err).__name__}: {err})"
+        ) from err
     cras = meta.get("cras") if meta else None
     if cras is None:
-        warnings.warn(f"{caller}: {path} carries no volume info: its coordinates are left in "
-                      "FreeSurfer's tkr-RAS frame, which may be shifted from scanner RAS (the "
-                      "frame of the subject's NIfTI volumes)", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{caller}: {path} carries no volume info: its coordinates are left in "
+            "FreeSurfer's tkr-RAS frame, which may be shifted from scanner RAS (the "
+            "frame of the subject's NIfTI volumes)",
+            UserWarning,
+            stacklevel=3,
+        )
     else:
         coords = coords + np.asarray(cras, dtype=np.float64)
-    return Shape(torch.as_tensor(coords, dtype=dtype), torch.as_tensor(faces.astype(np.int64)),
-                 source=str(path))
+    return Shape(
+        torch.as_tensor(coords, dtype=dtype),
+        torch.as_tensor(faces.astype(np.int64)),
+        source=str(path),
+    )
 
 
 def read_points(path: Path, caller: str, dtype) -> Shape:
@@ -139,11 +173,14 @@ def read_points(path: Path, caller: str, dtype) -> Shape:
             skip = 1 if any(c.isalpha() for c in first) else 0
             pts = np.loadtxt(path, delimiter=",", skiprows=skip, ndmin=2)
     except Exception as err:
-        raise ValueError(f"{caller}: {path} could not be read as a point cloud "
-                         f"({type(err).__name__}: {err})") from err
+        raise ValueError(
+            f"{caller}: {path} could not be read as a point cloud ({type(err).__name__}: {err})"
+        ) from err
     if pts.ndim != 2 or pts.shape[0] == 0:
-        raise ValueError(f"{caller}: {path} holds an array of shape {pts.shape}; a point cloud "
-                         "is (N, D) with N >= 1")
+        raise ValueError(
+            f"{caller}: {path} holds an array of shape {pts.shape}; a point cloud "
+            "is (N, D) with N >= 1"
+        )
     return Shape(torch.as_tensor(pts.astype(np.float64), dtype=dtype), source=str(path))
 
 
@@ -175,21 +212,29 @@ def write_shape(shape: Shape, path: Path, fmt: str) -> None:
         elif fmt == "gifti":
             import nibabel as nib
 
-            arrays = [nib.gifti.GiftiDataArray(pts.astype(np.float32),
-                                               intent="NIFTI_INTENT_POINTSET")]
+            arrays = [
+                nib.gifti.GiftiDataArray(pts.astype(np.float32), intent="NIFTI_INTENT_POINTSET")
+            ]
             if faces is not None:
-                arrays.append(nib.gifti.GiftiDataArray(faces.astype(np.int32),
-                                                       intent="NIFTI_INTENT_TRIANGLE"))
+                arrays.append(
+                    nib.gifti.GiftiDataArray(faces.astype(np.int32), intent="NIFTI_INTENT_TRIANGLE")
+                )
             nib.save(nib.GiftiImage(darrays=arrays), str(tmp))
         elif fmt == "freesurfer":
             import nibabel.freesurfer as fs
 
             # Coordinates are scanner RAS: record c_ras = 0 so that readers add nothing.
-            info = {"head": np.array([2, 0, 20], dtype=np.int32), "valid": "1  # volume info valid",
-                    "filename": "otreg", "volume": np.array([256, 256, 256]),
-                    "voxelsize": np.ones(3), "xras": np.array([-1.0, 0, 0]),
-                    "yras": np.array([0, 0, -1.0]), "zras": np.array([0, 1.0, 0]),
-                    "cras": np.zeros(3)}
+            info = {
+                "head": np.array([2, 0, 20], dtype=np.int32),
+                "valid": "1  # volume info valid",
+                "filename": "otreg",
+                "volume": np.array([256, 256, 256]),
+                "voxelsize": np.ones(3),
+                "xras": np.array([-1.0, 0, 0]),
+                "yras": np.array([0, 0, -1.0]),
+                "zras": np.array([0, 1.0, 0]),
+                "cras": np.zeros(3),
+            }
             fs.write_geometry(str(tmp), pts, faces.astype(np.int32), volume_info=info)
         elif fmt == "npy":
             with open(tmp, "wb") as fh:

@@ -18,13 +18,17 @@ def load_volume(path: Path, caller: str):
         img = nib.load(str(path))
         data = np.asanyarray(img.dataobj)
     except (OSError, EOFError, ValueError, nib.filebasedimages.ImageFileError) as err:
-        raise ValueError(f"{caller}: {path} could not be read as a volume ({type(err).__name__}: "
-                         f"{err}); the file may be truncated or not NIfTI/MGZ") from err
+        raise ValueError(
+            f"{caller}: {path} could not be read as a volume ({type(err).__name__}: "
+            f"{err}); the file may be truncated or not NIfTI/MGZ"
+        ) from err
     if data.ndim == 4 and data.shape[3] == 1:
         data = data[..., 0]
     if data.ndim != 3:
-        raise ValueError(f"{caller}: {path} has shape {data.shape}; a surface needs a 3-D volume "
-                         "(select one volume of a 4-D series first)")
+        raise ValueError(
+            f"{caller}: {path} has shape {data.shape}; a surface needs a 3-D volume "
+            "(select one volume of a 4-D series first)"
+        )
     if 0 in data.shape:
         raise ValueError(f"{caller}: {path} is empty (shape {data.shape})")
     return data, np.asarray(img.affine, dtype=np.float64)
@@ -32,35 +36,43 @@ def load_volume(path: Path, caller: str):
 
 def _mask(data: np.ndarray, label, level, path: Path, caller: str) -> np.ndarray:
     if label is not None and level is not None:
-        raise ValueError(f"{caller}: give label= (a segmentation value) or level= (a threshold "
-                         "of a probability map), not both")
+        raise ValueError(
+            f"{caller}: give label= (a segmentation value) or level= (a threshold "
+            "of a probability map), not both"
+        )
     if label is not None:
         mask = data == label
         if not mask.any():
-            present = np.unique(data[np.isfinite(data)]) if data.dtype.kind == "f" else \
-                np.unique(data)
+            present = (
+                np.unique(data[np.isfinite(data)]) if data.dtype.kind == "f" else np.unique(data)
+            )
             shown = ", ".join(f"{v:g}" for v in present[:30])
             more = f" and {present.size - 30} more" if present.size > 30 else ""
-            raise ValueError(f"{caller}: label {label} is absent from {path}; labels present: "
-                             f"{shown}{more}")
+            raise ValueError(
+                f"{caller}: label {label} is absent from {path}; labels present: {shown}{more}"
+            )
         return mask
     if level is not None:
         mask = data >= level
         if not mask.any():
-            raise ValueError(f"{caller}: no voxel of {path} reaches level={level} (max "
-                             f"{np.nanmax(data):g})")
+            raise ValueError(
+                f"{caller}: no voxel of {path} reaches level={level} (max {np.nanmax(data):g})"
+            )
         return mask
     values = np.unique(data)
     if values.size <= 2 and set(values.tolist()) <= {0, 1}:
         if not (data == 1).any():
             raise ValueError(f"{caller}: the mask {path} is all zero")
         return data == 1
-    raise ValueError(f"{caller}: {path} has {values.size} distinct values; give label= for a "
-                     "segmentation or level= for a probability map")
+    raise ValueError(
+        f"{caller}: {path} has {values.size} distinct values; give label= for a "
+        "segmentation or level= for a probability map"
+    )
 
 
-def volume_to_shape(path: Path, caller: str, label=None, level=None, step_size: int = 1,
-                    dtype=torch.float32) -> Shape:
+def volume_to_shape(
+    path: Path, caller: str, label=None, level=None, step_size: int = 1, dtype=torch.float32
+) -> Shape:
     """Marching cubes (scikit-image) on the mask, mapped through the affine to world mm.
 
     The mask is padded by one voxel so that the surface is closed. Triangles are oriented so
@@ -72,13 +84,13 @@ def volume_to_shape(path: Path, caller: str, label=None, level=None, step_size: 
     data, affine = load_volume(path, caller)
     mask = _mask(data, label, level, path, caller)
     padded = np.pad(mask.astype(np.float32), 1)
-    verts, faces, _, _ = marching_cubes(padded, level=0.5, step_size=step_size,
-                                        allow_degenerate=False)
+    verts, faces, _, _ = marching_cubes(
+        padded, level=0.5, step_size=step_size, allow_degenerate=False
+    )
     verts = verts - 1.0  # undo the padding: voxel indices of the original grid
     world = nib.affines.apply_affine(affine, verts)
     faces = faces.astype(np.int64)
     shape = Shape(torch.as_tensor(world, dtype=torch.float64), torch.as_tensor(faces))
     if float(shape.volume) < 0:  # outward normals in world space, whatever the affine
         faces = faces[:, [0, 2, 1]]
-    return Shape(torch.as_tensor(world, dtype=dtype), torch.as_tensor(faces),
-                 source=str(path))
+    return Shape(torch.as_tensor(world, dtype=dtype), torch.as_tensor(faces), source=str(path))

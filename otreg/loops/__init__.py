@@ -5,5 +5,12 @@ from .iterate import STRATEGIES, iterate
 from .profile import ProfileResult, profile
 from .schedules import binomial_schedule, min_recomputations
 
-__all__ = ["iterate", "STRATEGIES", "fixed_point", "binomial_schedule", "min_recomputations",
-           "profile", "ProfileResult"]
+__all__ = [
+    "iterate",
+    "STRATEGIES",
+    "fixed_point",
+    "binomial_schedule",
+    "min_recomputations",
+    "profile",
+    "ProfileResult",
+]

@@ -38,13 +38,14 @@ def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
 def _unflat(v: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     out, k = [], 0
     for t in like:
-        out.append(v[k:k + t.numel()].view_as(t))
+        out.append(v[k : k + t.numel()].view_as(t))
         k += t.numel()
     return tuple(out)
 
 
-def _solve_adjoint(apply_jt: Callable, g: torch.Tensor, solver: str, tol: float,
-                   max_iter: int) -> tuple[torch.Tensor, float, int]:
+def _solve_adjoint(
+    apply_jt: Callable, g: torch.Tensor, solver: str, tol: float, max_iter: int
+) -> tuple[torch.Tensor, float, int]:
     """Solve (I - J^T) u = g; returns (u, relative residual, iterations)."""
     gnorm = float(g.norm()) or 1.0
     if solver == "fixed_point":
@@ -67,8 +68,14 @@ def _solve_adjoint(apply_jt: Callable, g: torch.Tensor, solver: str, tol: float,
             return (t - apply_jt(t)).detach().cpu().double().numpy()
 
         op = LinearOperator((g.numel(), g.numel()), matvec=matvec, dtype=np.float64)
-        sol, _ = gmres(op, g.detach().cpu().double().numpy(), rtol=tol, atol=0.0,
-                       restart=min(50, g.numel()), maxiter=max_iter)
+        sol, _ = gmres(
+            op,
+            g.detach().cpu().double().numpy(),
+            rtol=tol,
+            atol=0.0,
+            restart=min(50, g.numel()),
+            maxiter=max_iter,
+        )
         u, n = torch.as_tensor(sol, dtype=g.dtype, device=g.device), count[0]
     residual = float((u - apply_jt(u) - g).norm()) / gnorm
     return u, residual, n
@@ -85,7 +92,7 @@ class _Implicit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_out):
         saved = ctx.saved_tensors
-        z, params = saved[:ctx.n_state], saved[ctx.n_state:]
+        z, params = saved[: ctx.n_state], saved[ctx.n_state :]
         g = _flat([go if go is not None else torch.zeros_like(t) for go, t in zip(grad_out, z)])
         with torch.enable_grad():
             zz = tuple(t.detach().requires_grad_() for t in z)
@@ -93,28 +100,40 @@ class _Implicit(torch.autograd.Function):
             flat_out = _flat(out)
 
             def apply_jt(u: torch.Tensor) -> torch.Tensor:
-                grads = torch.autograd.grad(flat_out, zz, u, retain_graph=True,
-                                            allow_unused=True)
-                return _flat([gr if gr is not None else torch.zeros_like(t)
-                              for gr, t in zip(grads, zz)])
+                grads = torch.autograd.grad(flat_out, zz, u, retain_graph=True, allow_unused=True)
+                return _flat(
+                    [gr if gr is not None else torch.zeros_like(t) for gr, t in zip(grads, zz)]
+                )
 
             o = ctx.opts
             u, residual, n = _solve_adjoint(apply_jt, g, o["solver"], o["tol"], o["max_iter"])
             ctx.report.update(backward_residual=residual, backward_iterations=n)
             if residual > 10 * o["tol"]:
-                warnings.warn(f"fixed_point: the adjoint solve stopped at relative residual "
-                              f"{residual:.3g} > {o['tol']:g} after {n} iterations; the "
-                              "gradient is approximate", ConvergenceWarning, stacklevel=2)
+                warnings.warn(
+                    f"fixed_point: the adjoint solve stopped at relative residual "
+                    f"{residual:.3g} > {o['tol']:g} after {n} iterations; the "
+                    "gradient is approximate",
+                    ConvergenceWarning,
+                    stacklevel=2,
+                )
             wanted = [p for p in params if p.requires_grad]
-            grads = iter(torch.autograd.grad(flat_out, wanted, u, allow_unused=True)
-                         if wanted else ())
+            grads = iter(
+                torch.autograd.grad(flat_out, wanted, u, allow_unused=True) if wanted else ()
+            )
         gp = tuple(next(grads) if p.requires_grad else None for p in params)
         return (None, None, None, None, *(None for _ in z), *gp)
 
 
-def implicit(step: Callable, z_star, params: Sequence[torch.Tensor] = (), *,
-             solver: str = "gmres", tol: float = 1e-8, max_iter: int = 1000,
-             report: dict | None = None):
+def implicit(
+    step: Callable,
+    z_star,
+    params: Sequence[torch.Tensor] = (),
+    *,
+    solver: str = "gmres",
+    tol: float = 1e-8,
+    max_iter: int = 1000,
+    report: dict | None = None,
+):
     """Attach implicit gradients to an already computed fixed point ``z_star`` of ``step``.
 
     Returns z_star (same values) whose gradients with respect to ``params`` solve the adjoint
@@ -123,8 +142,9 @@ def implicit(step: Callable, z_star, params: Sequence[torch.Tensor] = (), *,
     z, single = _as_tuple("implicit", z_star)
     run = _Step(step, tuple(params), False, single, z)
     opts = {"solver": solver, "tol": tol, "max_iter": max_iter}
-    out = _Implicit.apply(run, opts, {} if report is None else report, len(z),
-                          *(t.detach() for t in z), *params)
+    out = _Implicit.apply(
+        run, opts, {} if report is None else report, len(z), *(t.detach() for t in z), *params
+    )
     return out[0] if single else tuple(out)
 
 
@@ -174,8 +194,9 @@ def fixed_point(
     max_iter = check_int(caller, "max_iter", max_iter, 1)
     check_choice(caller, "backward", backward, BACKWARDS)
     check_choice(caller, "solver", solver, SOLVERS)
-    backward_tol = tol if backward_tol is None else check_positive(caller, "backward_tol",
-                                                                     backward_tol)
+    backward_tol = (
+        tol if backward_tol is None else check_positive(caller, "backward_tol", backward_tol)
+    )
     backward_max_iter = check_int(caller, "backward_max_iter", backward_max_iter, 1)
     params = tuple(params)
     run = _Step(step, params, False, single, z)
@@ -185,16 +206,27 @@ def fixed_point(
         for n in range(1, max_iter + 1):  # noqa: B007
             nxt = run(current)
             change = float(_flat(nxt).sub(_flat(current)).norm()) / max(
-                float(_flat(nxt).norm()), 1e-30)
+                float(_flat(nxt).norm()), 1e-30
+            )
             current = nxt
             if change <= tol:
                 break
     report.update(n_iter=n, converged=change <= tol, residual=change)
     if change > tol:
-        warnings.warn(f"{caller}: stopped after {n} iterations with relative change {change:.3g} "
-                      f"> tol={tol:g}; raise max_iter or check that step contracts",
-                      ConvergenceWarning, stacklevel=2)
+        warnings.warn(
+            f"{caller}: stopped after {n} iterations with relative change {change:.3g} "
+            f"> tol={tol:g}; raise max_iter or check that step contracts",
+            ConvergenceWarning,
+            stacklevel=2,
+        )
     if backward == "unroll":
         return iterate(step, x0, n, params, strategy="store")
-    return implicit(step, current[0] if single else current, params, solver=solver,
-                    tol=backward_tol, max_iter=backward_max_iter, report=report)
+    return implicit(
+        step,
+        current[0] if single else current,
+        params,
+        solver=solver,
+        tol=backward_tol,
+        max_iter=backward_max_iter,
+        report=report,
+    )

@@ -29,8 +29,16 @@ from .schedules import binomial_schedule
 __all__ = ["iterate", "STRATEGIES", "parse_bytes", "state_bytes"]
 
 STRATEGIES = ("store", "checkpoint", "reversible", "offload")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
 
 State = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -38,22 +46,27 @@ State = torch.Tensor | tuple[torch.Tensor, ...]
 def parse_bytes(caller: str, memory: int | str) -> int:
     """``"500MB"``, ``"2 GiB"`` or an integer number of bytes -> bytes."""
     if isinstance(memory, bool):
-        raise TypeError(f"{caller}: memory must be bytes (int) or a string like '500MB', "
-                        f"got {memory!r}")
+        raise TypeError(
+            f"{caller}: memory must be bytes (int) or a string like '500MB', got {memory!r}"
+        )
     if isinstance(memory, int):
         value = memory
     elif isinstance(memory, str):
         text = memory.strip().upper().replace(" ", "")
         number = text.rstrip("KMGIB")
-        unit = text[len(number):]
+        unit = text[len(number) :]
         try:
             value = int(float(number) * _UNITS[unit])
         except (ValueError, KeyError):
-            raise ValueError(f"{caller}: memory is {memory!r}; give bytes or a size like '500MB', "
-                             "'2GB', '512MiB'") from None
+            raise ValueError(
+                f"{caller}: memory is {memory!r}; give bytes or a size like '500MB', "
+                "'2GB', '512MiB'"
+            ) from None
     else:
-        raise TypeError(f"{caller}: memory must be bytes (int) or a string like '500MB', "
-                        f"got {type(memory).__name__}")
+        raise TypeError(
+            f"{caller}: memory must be bytes (int) or a string like '500MB', "
+            f"got {type(memory).__name__}"
+        )
     if value <= 0:
         raise ValueError(f"{caller}: memory is {memory!r}; it must be positive")
     return value
@@ -70,15 +83,22 @@ def _as_tuple(caller: str, x0: object) -> tuple[tuple[torch.Tensor, ...], bool]:
         return (x0,), True
     if isinstance(x0, (tuple, list)) and x0 and all(isinstance(t, torch.Tensor) for t in x0):
         return tuple(x0), False
-    raise TypeError(f"{caller}: x0 must be a tensor or a non-empty tuple of tensors, "
-                    f"got {type(x0).__name__}")
+    raise TypeError(
+        f"{caller}: x0 must be a tensor or a non-empty tuple of tensors, got {type(x0).__name__}"
+    )
 
 
 class _Step:
     """The user's step as a function of tuples, with a shape check and RNG handling."""
 
-    def __init__(self, step: Callable, params: tuple, module: bool, single: bool,
-                 like: tuple[torch.Tensor, ...]) -> None:
+    def __init__(
+        self,
+        step: Callable,
+        params: tuple,
+        module: bool,
+        single: bool,
+        like: tuple[torch.Tensor, ...],
+    ) -> None:
         self.step, self.params, self.module, self.single = step, params, module, single
         self.signature = [(t.shape, t.dtype, t.device) for t in like]
         self.devices = sorted({t.device.index for t in like if t.device.type == "cuda"})
@@ -90,8 +110,10 @@ class _Step:
         out_t = (out,) if isinstance(out, torch.Tensor) else tuple(out)
         got = [(t.shape, t.dtype, t.device) for t in out_t]
         if got != self.signature:
-            raise ValueError(f"iterate: step changed the state from {self._fmt(self.signature)} "
-                             f"to {self._fmt(got)}; a step must keep shapes, dtypes and devices")
+            raise ValueError(
+                f"iterate: step changed the state from {self._fmt(self.signature)} "
+                f"to {self._fmt(got)}; a step must keep shapes, dtypes and devices"
+            )
         return out_t
 
     @staticmethod
@@ -120,8 +142,9 @@ def _vjp(run: _Step, state: tuple, params: tuple, grad_state: tuple):
         pairs = [(o, g) for o, g in zip(out, grad_state) if g is not None and o.requires_grad]
         if not pairs:
             return tuple(None for _ in x), tuple(None for _ in params)
-        grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
-                                    allow_unused=True)
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True
+        )
     it = iter(grads)
     gx = tuple(next(it) if t.requires_grad else None for t in x)
     gp = tuple(next(it) if p.requires_grad else None for p in params)
@@ -137,8 +160,7 @@ def _add(total: list, grads: tuple) -> None:
 # ----------------------------------------------------------------------- checkpoint
 class _Checkpointed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: _Step, n: int, snapshots: int, report: dict, n_state: int,
-                *tensors):
+    def forward(ctx, run: _Step, n: int, snapshots: int, report: dict, n_state: int, *tensors):
         state, params = tuple(tensors[:n_state]), tuple(tensors[n_state:])
         actions = binomial_schedule(n, snapshots)
         first_taped = next(k for k, a in enumerate(actions) if a.kind == "taped")
@@ -169,7 +191,7 @@ class _Checkpointed(torch.autograd.Function):
         grad_params: list = [None] * len(params)
         max_stored = len(slots)
         with torch.random.fork_rng(devices=run.devices):
-            for action in ctx.actions[ctx.first_taped:]:
+            for action in ctx.actions[ctx.first_taped :]:
                 if action.kind == "taped":
                     run.set_rng_state(rng)
                     grad_state, gp = _vjp(run, current, params, grad_state)
@@ -188,8 +210,11 @@ class _Checkpointed(torch.autograd.Function):
                     max_stored = max(max_stored, len(slots))
                 elif action.kind == "free":
                     del slots[action.start]
-        ctx.report.update(max_stored=max_stored, untaped_evaluations=evaluations,
-                          recomputations=evaluations - int(ctx.report["n_steps"]))
+        ctx.report.update(
+            max_stored=max_stored,
+            untaped_evaluations=evaluations,
+            recomputations=evaluations - int(ctx.report["n_steps"]),
+        )
         ctx.slots = ctx.working = None
         return (None, None, None, None, None, *grad_state, *grad_params)
 
@@ -197,8 +222,7 @@ class _Checkpointed(torch.autograd.Function):
 # ----------------------------------------------------------------------- reversible
 class _Reversible(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: _Step, inverse: Callable, n: int, report: dict, n_state: int,
-                *tensors):
+    def forward(ctx, run: _Step, inverse: Callable, n: int, report: dict, n_state: int, *tensors):
         state, params = tuple(tensors[:n_state]), tuple(tensors[n_state:])
         current = state
         for _ in range(n):
@@ -210,7 +234,7 @@ class _Reversible(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_out):
         saved, k = ctx.saved_tensors, ctx.n_state
-        x0, current, params = saved[:k], saved[k:2 * k], saved[2 * k:]
+        x0, current, params = saved[:k], saved[k : 2 * k], saved[2 * k :]
         run = ctx.run
         grad_state, grad_params = grad_out, [None] * len(params)
         for _ in range(ctx.n):
@@ -271,23 +295,27 @@ def iterate(
     if module:
         param_t = tuple(p for p in params.parameters() if p.requires_grad)
     else:
-        if isinstance(params, torch.Tensor) or not all(isinstance(p, torch.Tensor)
-                                                        for p in params):
+        if isinstance(params, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in params):
             raise TypeError(f"{caller}: params must be a tuple of tensors or an nn.Module")
         param_t = tuple(params)
     run = _Step(step, param_t, module, single, state)
     report = {} if report is None else report
     report.update(strategy=strategy, n_steps=n, state_bytes=state_bytes(state))
     if strategy == "reversible" and not callable(inverse):
-        raise ValueError(f"{caller}: strategy='reversible' needs inverse=, a callable giving "
-                         "x_k from x_{k+1}")
+        raise ValueError(
+            f"{caller}: strategy='reversible' needs inverse=, a callable giving x_k from x_{{k+1}}"
+        )
     if strategy != "checkpoint" and (memory is not None or snapshots is not None):
-        raise ValueError(f"{caller}: memory and snapshots apply to strategy='checkpoint' only, "
-                         f"not {strategy!r}")
+        raise ValueError(
+            f"{caller}: memory and snapshots apply to strategy='checkpoint' only, not {strategy!r}"
+        )
 
     if strategy in ("store", "offload"):
-        ctx = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
-               if strategy == "offload" else contextlib.nullcontext())
+        ctx = (
+            torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+            if strategy == "offload"
+            else contextlib.nullcontext()
+        )
         start = time.perf_counter()
         current = state
         with ctx:
@@ -319,6 +347,8 @@ def _snapshots(caller: str, n: int, state: tuple, memory, snapshots) -> int:
         return max(1, math.ceil(math.sqrt(n)))
     budget, size = parse_bytes(caller, memory), max(1, state_bytes(state))
     if budget < size:
-        raise ValueError(f"{caller}: memory budget {budget:,} bytes is smaller than one state "
-                         f"({size:,} bytes); checkpointing needs room for at least one")
+        raise ValueError(
+            f"{caller}: memory budget {budget:,} bytes is smaller than one state "
+            f"({size:,} bytes); checkpointing needs room for at least one"
+        )
     return budget // size

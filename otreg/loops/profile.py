@@ -31,8 +31,9 @@ def _proc_status_bytes(key: str) -> int | None:
     return None
 
 
-def measure_peak(fn: Callable[[], object],
-                 device: torch.device) -> tuple[object, float, int | None]:
+def measure_peak(
+    fn: Callable[[], object], device: torch.device
+) -> tuple[object, float, int | None]:
     """Run fn(); return (its result, seconds, peak bytes above the starting level or None)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -60,15 +61,16 @@ class ProfileResult(list):
     """Rows (dicts) of :func:`profile`; ``str()`` renders the table."""
 
     def __str__(self) -> str:
-        head = (f"{'strategy':<12} {'peak memory':>12} {'time (s)':>9} {'recomputed':>10} "
-                f"{'max |grad - store|':>19}")
+        head = (
+            f"{'strategy':<12} {'peak memory':>12} {'time (s)':>9} {'recomputed':>10} "
+            f"{'max |grad - store|':>19}"
+        )
         lines = [head, "-" * len(head)]
         for r in self:
             mem = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:,.1f} MiB"
             diff = "" if r["grad_diff"] is None else f"{r['grad_diff']:.2e}"
             rec = "" if r.get("recomputations") is None else str(r["recomputations"])
-            lines.append(f"{r['strategy']:<12} {mem:>12} {r['seconds']:>9.3f} {rec:>10} "
-                         f"{diff:>19}")
+            lines.append(f"{r['strategy']:<12} {mem:>12} {r['seconds']:>9.3f} {rec:>10} {diff:>19}")
         return "\n".join(lines)
 
 
@@ -126,8 +128,15 @@ def profile(
         diff = None
         if reference is not None:
             diff = max(float((g - r).abs().max()) for g, r in zip(grads, reference))
-        rows.append({"strategy": strategy, "peak_bytes": peak, "seconds": seconds,
-                     "recomputations": report.get("recomputations"),
-                     "drift": report.get("drift"), "snapshots": report.get("snapshots"),
-                     "grad_diff": diff})
+        rows.append(
+            {
+                "strategy": strategy,
+                "peak_bytes": peak,
+                "seconds": seconds,
+                "recomputations": report.get("recomputations"),
+                "drift": report.get("drift"),
+                "snapshots": report.get("snapshots"),
+                "grad_diff": diff,
+            }
+        )
     return rows

@@ -11,5 +11,14 @@ from .plan import TransportPlan
 from .problem import Implicit, Multiscale, SinkhornOptions, Unroll
 from .solver import SinkhornResult, sinkhorn
 
-__all__ = ["sinkhorn", "SinkhornResult", "sinkhorn_divergence", "SinkhornLoss", "TransportPlan",
-           "SinkhornOptions", "Implicit", "Unroll", "Multiscale"]
+__all__ = [
+    "sinkhorn",
+    "SinkhornResult",
+    "sinkhorn_divergence",
+    "SinkhornLoss",
+    "TransportPlan",
+    "SinkhornOptions",
+    "Implicit",
+    "Unroll",
+    "Multiscale",
+]

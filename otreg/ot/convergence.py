@@ -49,7 +49,7 @@ class Relaxation:
             return
         e = self._errors
         e.append(err)
-        if len(e) > 3 * self.WINDOW and min(e[-self.WINDOW:]) >= e[0] and self.w > 1:
+        if len(e) > 3 * self.WINDOW and min(e[-self.WINDOW :]) >= e[0] and self.w > 1:
             self._set(1 + (self.w - 1) / 2)  # no progress at this w: back off
             return
         if len(e) <= self.SETTLE + self.WINDOW or e[-1] >= e[-1 - self.WINDOW]:

@@ -34,12 +34,25 @@ __all__ = ["sinkhorn_divergence", "SinkhornLoss", "divergence"]
 
 
 def _fits(t, like) -> bool:
-    return t is not None and t.shape == like.shape and t.dtype == like.dtype and \
-        t.device == like.device
+    return (
+        t is not None
+        and t.shape == like.shape
+        and t.dtype == like.dtype
+        and t.device == like.device
+    )
 
 
-def divergence(caller: str, x, y, a, b, options: SinkhornOptions, *, debias: bool = True,
-               warm: dict | None = None) -> tuple[torch.Tensor, SinkhornResult]:
+def divergence(
+    caller: str,
+    x,
+    y,
+    a,
+    b,
+    options: SinkhornOptions,
+    *,
+    debias: bool = True,
+    warm: dict | None = None,
+) -> tuple[torch.Tensor, SinkhornResult]:
     """``(value, result)``: the debiased divergence (or the plain OT cost when ``debias`` is
     False), ``()`` or ``(B,)``, and the :class:`~otreg.ot.solver.SinkhornResult` of the
     cross term OT(a, b), whose ``converged`` covers every term. Errors name ``caller``.
@@ -48,9 +61,11 @@ def divergence(caller: str, x, y, a, b, options: SinkhornOptions, *, debias: boo
     used as warm starts where their shapes fit (skipping the eps-scaling) and updated.
     """
     if options.backward_kind != "envelope":
-        raise ValueError(f"{caller}: backward is {options.backward!r}; the divergence's "
-                         "gradient is exact with 'envelope'. For differentiable potentials "
-                         "use otreg.sinkhorn(..., backward='implicit')")
+        raise ValueError(
+            f"{caller}: backward is {options.backward!r}; the divergence's "
+            "gradient is exact with 'envelope'. For differentiable potentials "
+            "use otreg.sinkhorn(..., backward='implicit')"
+        )
     p = Problem.build(caller, x, y, a, b, options)
     xd, yd, ad, bd = p.x.detach(), p.y.detach(), p.a.detach(), p.b.detach()
     w = {} if warm is None else warm
@@ -71,18 +86,29 @@ def divergence(caller: str, x, y, a, b, options: SinkhornOptions, *, debias: boo
     value = cross
     converged = report_convergence(caller, "OT(a, b)", p, xy.n_iter, xy.rule)
     if debias:
-        value = value - 0.5 * (dual_value(p, p.x, p.x, p.a, p.a, aa.f, aa.kernel)[0]
-                               + dual_value(p, p.y, p.y, p.b, p.b, bb.f, bb.kernel)[0])
+        value = value - 0.5 * (
+            dual_value(p, p.x, p.x, p.a, p.a, aa.f, aa.kernel)[0]
+            + dual_value(p, p.y, p.y, p.b, p.b, bb.f, bb.kernel)[0]
+        )
         value = value + p.eps / 2 * (p.a.sum(1) - p.b.sum(1)) ** 2
         converged &= report_convergence(caller, "OT(a, a)", p, aa.n_iter, aa.rule)
         converged &= report_convergence(caller, "OT(b, b)", p, bb.n_iter, bb.rule)
     backend = backend_used(p)
     plan = TransportPlan(xd, yd, ad, bd, f, xy.g, p.eps, p.cost, backend, p.batched)
     result = SinkhornResult(
-        f=unbatch(f, p.batched), g=unbatch(xy.g, p.batched), cost=unbatch(cross, p.batched),
-        n_iter=xy.n_iter, converged=converged, marginal_error=xy.rule.error, eps=p.eps,
-        backend="multiscale" if p.multiscale else backend, form=p.form,
-        stopped=xy.rule.reason, plan=plan, options=options)
+        f=unbatch(f, p.batched),
+        g=unbatch(xy.g, p.batched),
+        cost=unbatch(cross, p.batched),
+        n_iter=xy.n_iter,
+        converged=converged,
+        marginal_error=xy.rule.error,
+        eps=p.eps,
+        backend="multiscale" if p.multiscale else backend,
+        form=p.form,
+        stopped=xy.rule.reason,
+        plan=plan,
+        options=options,
+    )
     return unbatch(value, p.batched), result
 
 
@@ -120,8 +146,14 @@ def _legacy(caller: str, changes: dict) -> dict:
         return changes
     changes = dict(changes)
     _, changes["multiscale"] = _legacy_options(
-        caller, "envelope", changes.get("multiscale", "auto"), _UNSET, _UNSET,
-        changes.pop("truncate", _UNSET), changes.pop("cluster_scale", _UNSET))
+        caller,
+        "envelope",
+        changes.get("multiscale", "auto"),
+        _UNSET,
+        _UNSET,
+        changes.pop("truncate", _UNSET),
+        changes.pop("cluster_scale", _UNSET),
+    )
     return changes
 
 
@@ -147,16 +179,21 @@ class SinkhornLoss(nn.Module):
         **changes: the other options of :func:`otreg.sinkhorn`, by name.
     """
 
-    def __init__(self, blur: float | None = None, reach: float | None = None,
-                 debias: bool = True, warm_start: bool = False,
-                 options: SinkhornOptions | None = None, **changes) -> None:
+    def __init__(
+        self,
+        blur: float | None = None,
+        reach: float | None = None,
+        debias: bool = True,
+        warm_start: bool = False,
+        options: SinkhornOptions | None = None,
+        **changes,
+    ) -> None:
         super().__init__()
         caller = "SinkhornLoss"
         if not isinstance(debias, bool):
             raise TypeError(f"{caller}: debias must be True or False, got {debias!r}")
         if not isinstance(warm_start, bool):
-            raise TypeError(f"{caller}: warm_start must be True or False, got "
-                            f"{warm_start!r}")
+            raise TypeError(f"{caller}: warm_start must be True or False, got {warm_start!r}")
         if blur is not None:
             changes["blur"] = blur
         if reach is not None:
@@ -167,9 +204,11 @@ class SinkhornLoss(nn.Module):
         self.last_result: SinkhornResult | None = None
 
     def extra_repr(self) -> str:
-        changed = {f.name: getattr(self.options, f.name)
-                   for f in dataclasses.fields(self.options)
-                   if getattr(self.options, f.name) != f.default}
+        changed = {
+            f.name: getattr(self.options, f.name)
+            for f in dataclasses.fields(self.options)
+            if getattr(self.options, f.name) != f.default
+        }
         opts = "".join(f"{k}={v!r}, " for k, v in changed.items())
         return f"{opts}debias={self.debias}, warm_start={self.warm_start}"
 
@@ -183,9 +222,12 @@ class SinkhornLoss(nn.Module):
         elif len(args) == 4:
             a, x, b, y = args
         else:
-            raise TypeError(f"SinkhornLoss: call it as loss(x, y) or loss(a, x, b, y), got "
-                            f"{len(args)} arguments")
+            raise TypeError(
+                f"SinkhornLoss: call it as loss(x, y) or loss(a, x, b, y), got "
+                f"{len(args)} arguments"
+            )
         warm = self._warm if self.warm_start else None
-        value, self.last_result = divergence("SinkhornLoss", x, y, a, b, self.options,
-                                             debias=self.debias, warm=warm)
+        value, self.last_result = divergence(
+            "SinkhornLoss", x, y, a, b, self.options, debias=self.debias, warm=warm
+        )
         return value

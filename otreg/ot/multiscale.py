@@ -94,8 +94,18 @@ def multiscale_unfit(cost, form: str, backward: str) -> str | None:
     return None
 
 
-def _pattern_pairs(cx: Clusters, cy: Clusters, fx, gy, dx, dy, threshold: float,
-                   candidates=None, scale: float | None = None, block: int = 1 << 20):
+def _pattern_pairs(
+    cx: Clusters,
+    cy: Clusters,
+    fx,
+    gy,
+    dx,
+    dy,
+    threshold: float,
+    candidates=None,
+    scale: float | None = None,
+    block: int = 1 << 20,
+):
     """The kept cluster pairs (I, J): lower bound of the slack <= threshold (cost units).
 
     ``fx`` (N,), ``gy`` (M,) potentials in sorted order; ``dx`` (Kx, D), ``dy`` (Ky, D) the
@@ -113,15 +123,17 @@ def _pattern_pairs(cx: Clusters, cy: Clusters, fx, gy, dx, dy, threshold: float,
         R = cx.radii[I] + cy.radii[J]
         d_sum = (dx[I] + dy[J]).norm(dim=-1)
         out = []
-        for rho, r in (((delta - dx[I]).norm(dim=-1), cy.radii[J]),
-                       ((delta + dy[J]).norm(dim=-1), cx.radii[I])):
+        for rho, r in (
+            ((delta - dx[I]).norm(dim=-1), cy.radii[J]),
+            ((delta + dy[J]).norm(dim=-1), cx.radii[I]),
+        ):
             out.append(half_sq - rho**2 / 2 + (rho - R).clamp_min(0) ** 2 / 2 - d_sum * r)
         return torch.maximum(*out) - F[I] - G[J]
 
     Kx, Ky = cx.n_clusters, cy.n_clusters
     if candidates is not None:
         cI, cJ = candidates
-        chunks = [(cI[k:k + block], cJ[k:k + block]) for k in range(0, len(cI), block)]
+        chunks = [(cI[k : k + block], cJ[k : k + block]) for k in range(0, len(cI), block)]
     elif scale is not None and Kx * Ky > HIERARCHY_MIN_PAIRS:
         chunks = _parent_candidates(cx, cy, fx, gy, threshold, scale, block)
     else:
@@ -165,11 +177,13 @@ def _pattern_pairs(cx: Clusters, cy: Clusters, fx, gy, dx, dy, threshold: float,
     return key // Ky, key % Ky
 
 
-def _parent_candidates(cx: Clusters, cy: Clusters, fx, gy, threshold: float, scale: float,
-                       block: int):
+def _parent_candidates(
+    cx: Clusters, cy: Clusters, fx, gy, threshold: float, scale: float, block: int
+):
     """Chunks (I, J) of the cluster pairs whose parents (clusters of the clusters' centres,
     cells ``2 * scale`` wide) the bound keeps: every pair the bound could keep, as a parent
     pair's bound is a lower bound for all its children's points."""
+
     def parent_level(c: Clusters, f: torch.Tensor):
         of = grid_labels(c.centres, 2 * scale)  # (K,) parent of each cluster
         pc = clusters_by_label(c.points, torch.ones_like(f), of[c.labels])
@@ -179,13 +193,11 @@ def _parent_candidates(cx: Clusters, cy: Clusters, fx, gy, threshold: float, sca
     ofx, px, pfx, pdx = parent_level(cx, fx)
     same = cy is cx and torch.equal(gy, fx)  # a cloud against itself: one parent level
     ofy, py, pgy, pdy = (ofx, px, pfx, pdx) if same else parent_level(cy, gy)
-    P, Q = _pattern_pairs(px, py, pfx, pgy, pdx, pdy, threshold, scale=2 * scale,
-                          block=block)
+    P, Q = _pattern_pairs(px, py, pfx, pgy, pdx, pdy, threshold, scale=2 * scale, block=block)
     (sx, nx, ox), (sy, ny, oy) = (_children(of) for of in (ofx, ofy))
     count = nx[P] * ny[Q]  # child pairs of each kept parent pair
     ends = torch.cumsum(count, 0)
-    marks = torch.tensor(range(block, int(ends[-1]), block), dtype=ends.dtype,
-                         device=ends.device)
+    marks = torch.tensor(range(block, int(ends[-1]), block), dtype=ends.dtype, device=ends.device)
     bounds = [0, *torch.searchsorted(ends, marks, right=True).unique().tolist(), len(P)]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi <= lo:
@@ -217,10 +229,14 @@ def _cluster_gradients(c: Clusters, f: torch.Tensor) -> torch.Tensor:
     dx = c.points - (mean_x / n[:, None])[lab]
     df = f - (mean_f / n)[lab]
     cov = torch.zeros(K, D, D, dtype=f.dtype, device=f.device).index_add_(
-        0, lab, dx[:, :, None] * dx[:, None, :])
+        0, lab, dx[:, :, None] * dx[:, None, :]
+    )
     rhs = torch.zeros(K, D, dtype=f.dtype, device=f.device).index_add_(0, lab, dx * df[:, None])
-    ridge = 1e-3 * cov.diagonal(dim1=1, dim2=2).sum(-1) + 1e-12 * float(c.radii.max()) ** 2 + \
-        torch.finfo(f.dtype).tiny
+    ridge = (
+        1e-3 * cov.diagonal(dim1=1, dim2=2).sum(-1)
+        + 1e-12 * float(c.radii.max()) ** 2
+        + torch.finfo(f.dtype).tiny
+    )
     eye = torch.eye(D, dtype=f.dtype, device=f.device)
     return torch.linalg.solve(cov + ridge[:, None, None] * eye, rhs)
 
@@ -252,8 +268,14 @@ class TruncatedKernel:
 
     refresh_every = REFRESH
 
-    def __init__(self, p, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor | None = None,
-                 b: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        p,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        y: torch.Tensor | None = None,
+        b: torch.Tensor | None = None,
+    ) -> None:
         self.p = p
         self.truncate, self.scale = p.multiscale.truncate, p.multiscale.cluster_scale
         self.symmetric = y is None
@@ -318,8 +340,7 @@ class TruncatedKernel:
         self._margin = 0.0
         refresh = not full and self.kernels is not None
         candidates = self.kernels.pairs if refresh else None
-        I, J = _pattern_pairs(self.cx, self.cy, fb, gb, dx, dy, threshold, candidates,
-                              self.scale)
+        I, J = _pattern_pairs(self.cx, self.cy, fb, gb, dx, dy, threshold, candidates, self.scale)
         if refresh and len(I) > 0.75 * len(candidates[0]):
             return  # the current kernels hold every pair that matters
         xy = BlockSparse(self.cx, self.cy, I, J)
@@ -348,14 +369,22 @@ class TruncatedKernel:
         X, A = self.cx.centres[None], self.cx.masses[None]
         Y, B = (None, None) if self.symmetric else (self.cy.centres[None], self.cy.masses[None])
         Yc = X if Y is None else Y
-        sub_scale = auto_cluster_scale(bounding_diameter(X, Yc), max(X.shape[1], Yc.shape[1]),
-                                       X.shape[-1])
-        recurse = worthwhile(X.shape[1] * Yc.shape[1], X.shape[-1], math.sqrt(coarse[-1]),
-                             sub_scale)
+        sub_scale = auto_cluster_scale(
+            bounding_diameter(X, Yc), max(X.shape[1], Yc.shape[1]), X.shape[-1]
+        )
+        recurse = worthwhile(
+            X.shape[1] * Yc.shape[1], X.shape[-1], math.sqrt(coarse[-1]), sub_scale
+        )
         self._coarse_eps = coarse[-1]
         sub = dataclasses.replace(p.multiscale, cluster_scale=sub_scale, auto=False)
-        problem = dataclasses.replace(p, schedule=coarse, max_iter=len(coarse), tol=0.0,
-                                      relaxation=1.0, multiscale=sub if recurse else None)
+        problem = dataclasses.replace(
+            p,
+            schedule=coarse,
+            max_iter=len(coarse),
+            tol=0.0,
+            relaxation=1.0,
+            multiscale=sub if recurse else None,
+        )
         return problem, X, A, Y, B
 
     def extrapolate(self, fc: torch.Tensor, gc: torch.Tensor):
@@ -370,8 +399,7 @@ class TruncatedKernel:
         if self.symmetric:
             dy = dx
         else:
-            ty = reductions.softmax_average(Y, X, A.log() + fc / eps, X, eps, p.cost,
-                                            p.backend)[0]
+            ty = reductions.softmax_average(Y, X, A.log() + fc / eps, X, eps, p.cost, p.backend)[0]
             dy = self.cy.centres - ty
         f = fc[0][self.cx.labels] + _dot_rel(self.cx, dx)
         g = gc[0][self.cy.labels] + _dot_rel(self.cy, dy)

@@ -174,8 +174,11 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(SinkhornOptions))
 def _checked(caller: str, options: SinkhornOptions | dict) -> dict:
     """The option values checked and normalised (numbers as floats); errors name
     ``caller``."""
-    v = dict(options) if isinstance(options, dict) else {
-        name: getattr(options, name) for name in _FIELDS}
+    v = (
+        dict(options)
+        if isinstance(options, dict)
+        else {name: getattr(options, name) for name in _FIELDS}
+    )
     v["blur"] = check_positive(caller, "blur", v["blur"])
     if v["reach"] is not None:
         v["reach"] = check_positive(caller, "reach", v["reach"])
@@ -192,37 +195,48 @@ def _checked(caller: str, options: SinkhornOptions | dict) -> dict:
     v["max_iter"] = check_int(caller, "max_iter", v["max_iter"], 1)
     w = v["relaxation"]
     if w != "auto" and (not _number(w) or not 1 <= w < 2):
-        raise ValueError(f"{caller}: relaxation is {w!r}; it must be 'auto' or in [1, 2) "
-                         "(1: plain Sinkhorn updates; 1.5-1.9 over-relaxes them)")
+        raise ValueError(
+            f"{caller}: relaxation is {w!r}; it must be 'auto' or in [1, 2) "
+            "(1: plain Sinkhorn updates; 1.5-1.9 over-relaxes them)"
+        )
     v["relaxation"] = w if w == "auto" else float(w)
     backward = v["backward"]
     if not isinstance(backward, (Implicit, Unroll)):
         check_choice(caller, "backward", backward, BACKWARDS)
     ms = v["multiscale"]
     if not (ms in ("auto", True, False) or isinstance(ms, Multiscale)):
-        raise ValueError(f"{caller}: multiscale is {ms!r}; use 'auto', True, False or "
-                         "otreg.Multiscale(truncate, cluster_scale)")
+        raise ValueError(
+            f"{caller}: multiscale is {ms!r}; use 'auto', True, False or "
+            "otreg.Multiscale(truncate, cluster_scale)"
+        )
     if ms is True or (isinstance(ms, Multiscale) and not ms.auto):
-        backward_kind = backward if isinstance(backward, str) else (
-            "implicit" if isinstance(backward, Implicit) else "unroll")
+        backward_kind = (
+            backward
+            if isinstance(backward, str)
+            else ("implicit" if isinstance(backward, Implicit) else "unroll")
+        )
         unfit = multiscale_unfit(cost, v["form"], backward_kind)
         if unfit:
-            raise ValueError(f"{caller}: multiscale={ms!r} but {unfit}; use "
-                             "multiscale='auto' or False")
+            raise ValueError(
+                f"{caller}: multiscale={ms!r} but {unfit}; use multiscale='auto' or False"
+            )
     return v
 
 
-def resolve_options(caller: str, options: SinkhornOptions | None = None,
-                    **changes: Any) -> SinkhornOptions:
-    """``options`` (default: the defaults) with ``changes``, checked; errors name ``caller``.
-    """
+def resolve_options(
+    caller: str, options: SinkhornOptions | None = None, **changes: Any
+) -> SinkhornOptions:
+    """``options`` (default: the defaults) with ``changes``, checked; errors name ``caller``."""
     if options is not None and not isinstance(options, SinkhornOptions):
-        raise TypeError(f"{caller}: options must be an otreg.SinkhornOptions, got "
-                        f"{type(options).__name__}")
+        raise TypeError(
+            f"{caller}: options must be an otreg.SinkhornOptions, got {type(options).__name__}"
+        )
     unknown = sorted(set(changes) - set(_FIELDS))
     if unknown:
-        raise TypeError(f"{caller}: unknown option(s) {', '.join(unknown)}; the options are "
-                        f"{', '.join(_FIELDS)}")
+        raise TypeError(
+            f"{caller}: unknown option(s) {', '.join(unknown)}; the options are "
+            f"{', '.join(_FIELDS)}"
+        )
     base = options or SinkhornOptions()
     values = {name: getattr(base, name) for name in _FIELDS}
     values.update(changes)
@@ -263,44 +277,70 @@ class Problem:
         x, x_batched = as_points(caller, "x", x)
         y, y_batched = as_points(caller, "y", y)
         if x_batched != y_batched:
-            raise ValueError(f"{caller}: x has shape {tuple(x.shape[x_batched ^ 1:])} and y "
-                             f"{tuple(y.shape[y_batched ^ 1:])}; give both batched (B, N, D) "
-                             "or neither")
+            raise ValueError(
+                f"{caller}: x has shape {tuple(x.shape[x_batched ^ 1 :])} and y "
+                f"{tuple(y.shape[y_batched ^ 1 :])}; give both batched (B, N, D) "
+                "or neither"
+            )
         if x.shape[0] != y.shape[0]:
-            raise ValueError(f"{caller}: x has batch size {x.shape[0]} but y has "
-                             f"{y.shape[0]}; a batch needs the same number of problems on "
-                             "both sides")
+            raise ValueError(
+                f"{caller}: x has batch size {x.shape[0]} but y has "
+                f"{y.shape[0]}; a batch needs the same number of problems on "
+                "both sides"
+            )
         if x.shape[-1] != y.shape[-1]:
-            raise ValueError(f"{caller}: x has points of dimension {x.shape[-1]} but y of "
-                             f"dimension {y.shape[-1]}; both need the same D")
+            raise ValueError(
+                f"{caller}: x has points of dimension {x.shape[-1]} but y of "
+                f"dimension {y.shape[-1]}; both need the same D"
+            )
         check_same_device_dtype(caller, {"x": x, "y": y})
         a = as_weights(caller, "a", a, x, "x")
         b = as_weights(caller, "b", b, y, "y")
         o = options
         cost = get_cost(o.cost, caller)
-        rho = None if o.reach is None else o.reach ** cost.p
+        rho = None if o.reach is None else o.reach**cost.p
         diam = bounding_diameter(x, y) if o.diameter is None else o.diameter
         schedule = epsilon_schedule(cost.p, max(diam, o.blur), o.blur, o.scaling)
         if len(schedule) > o.max_iter:
-            raise ValueError(f"{caller}: max_iter is {o.max_iter} but the eps-scaling schedule "
-                             f"alone has {len(schedule)} steps (diameter {diam:.3g}, blur "
-                             f"{o.blur:.3g}, scaling {o.scaling}); raise max_iter or lower "
-                             "scaling")
+            raise ValueError(
+                f"{caller}: max_iter is {o.max_iter} but the eps-scaling schedule "
+                f"alone has {len(schedule)} steps (diameter {diam:.3g}, blur "
+                f"{o.blur:.3g}, scaling {o.scaling}); raise max_iter or lower "
+                "scaling"
+            )
         if rho is None:
             ma, mb = a.detach().sum(1), b.detach().sum(1)
             rel = ((ma - mb).abs() / torch.maximum(ma, mb)).max()
             if float(rel) > 1e-5:
-                raise ValueError(f"{caller}: a has total mass {ma.max().item():.6g} and b "
-                                 f"{mb.max().item():.6g}; balanced OT (reach=None) needs "
-                                 "equal masses: normalise the weights or set reach for "
-                                 "unbalanced OT")
+                raise ValueError(
+                    f"{caller}: a has total mass {ma.max().item():.6g} and b "
+                    f"{mb.max().item():.6g}; balanced OT (reach=None) needs "
+                    "equal masses: normalise the weights or set reach for "
+                    "unbalanced OT"
+                )
         multiscale = _resolve_multiscale(caller, o, x, y, cost, diam)
-        return cls(x, y, a, b, x_batched, cost, rho, schedule, o.form, o.backend, o.tol,
-                   o.max_iter, o.relaxation, multiscale, o)
+        return cls(
+            x,
+            y,
+            a,
+            b,
+            x_batched,
+            cost,
+            rho,
+            schedule,
+            o.form,
+            o.backend,
+            o.tol,
+            o.max_iter,
+            o.relaxation,
+            multiscale,
+            o,
+        )
 
 
-def _resolve_multiscale(caller: str, o: SinkhornOptions, x, y, cost: Cost,
-                        diam: float) -> Multiscale | None:
+def _resolve_multiscale(
+    caller: str, o: SinkhornOptions, x, y, cost: Cost, diam: float
+) -> Multiscale | None:
     """The multiscale settings for the batched problem x (B, N, D), y (B, M, D), or None
     when every pair is summed; a required multiscale that cannot run raises."""
     setting = o.multiscale_setting
@@ -310,8 +350,9 @@ def _resolve_multiscale(caller: str, o: SinkhornOptions, x, y, cost: Cost,
     if unfit is None and x.shape[0] > 1:
         unfit = f"the inputs are a batch of {x.shape[0]} problems (multiscale solves one)"
     if not setting.auto and unfit:
-        raise ValueError(f"{caller}: multiscale={o.multiscale!r} but {unfit}; use "
-                         "multiscale='auto' or False")
+        raise ValueError(
+            f"{caller}: multiscale={o.multiscale!r} but {unfit}; use multiscale='auto' or False"
+        )
     n, dim = max(x.shape[1], y.shape[1]), x.shape[-1]
     scale = setting.cluster_scale or auto_cluster_scale(diam, n, dim)
     if setting.auto and (unfit or not worthwhile(x.shape[1] * y.shape[1], dim, o.blur, scale)):

@@ -120,7 +120,8 @@ def form_softmin(p: Problem, eps: float, x, y, w_log, pot) -> torch.Tensor:
         raise FloatingPointError(
             f"sinkhorn: form='scaling' under- or overflowed at eps={eps:.3g} (exp(-C/eps) "
             f"rounds to 0 in {x.dtype} for costs above about {87 * eps:.3g}); use form='log', "
-            "which is stable at any eps, or a larger blur")
+            "which is stable at any eps, or a larger blur"
+        )
     return out
 
 
@@ -139,8 +140,14 @@ class DenseKernel:
 
     refresh_every = 1
 
-    def __init__(self, p: Problem, x: torch.Tensor, a: torch.Tensor,
-                 y: torch.Tensor | None = None, b: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        p: Problem,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        y: torch.Tensor | None = None,
+        b: torch.Tensor | None = None,
+    ) -> None:
         self.p, self.symmetric = p, y is None
         self.x, self.a = x, a
         self.y, self.b = (x, a) if y is None else (y, b)
@@ -180,8 +187,9 @@ def make_kernel(p: Problem, x, a, y=None, b=None):
 
 
 # ------------------------------------------------------------------ the loop
-def residual(p: Problem, eps: float, w: torch.Tensor, pot: torch.Tensor,
-             smin: torch.Tensor) -> torch.Tensor:
+def residual(
+    p: Problem, eps: float, w: torch.Tensor, pot: torch.Tensor, smin: torch.Tensor
+) -> torch.Tensor:
     """Relative L1 violation of the optimality condition of ``pot``, per batch, (B,).
 
     The plan's marginal on that side is w * exp((pot - smin)/eps); it must equal w
@@ -230,7 +238,7 @@ def _anneal(p: Problem, kernel, init):
         coarse_p, X, A, Y, B = coarse
         start = solve(coarse_p, X, A, Y, B)
         f, g = kernel.extrapolate(start.f, start.g)
-        schedule, n_iter = p.schedule[len(coarse_p.schedule):], start.n_iter
+        schedule, n_iter = p.schedule[len(coarse_p.schedule) :], start.n_iter
     else:
         eps, lam = p.schedule[0], p.damping(p.schedule[0])
         f = lam * kernel.softmin_xy(eps, torch.zeros_like(kernel.b))
@@ -303,8 +311,9 @@ def dual_value(p: Problem, x, y, a, b, g, kernel) -> tuple[torch.Tensor, torch.T
     if p.rho is None:
         value = (a * f).sum(1) + (b * g).sum(1)
     else:
-        value = p.rho * ((a * -torch.expm1(-f / p.rho)).sum(1)
-                         + (b * -torch.expm1(-g / p.rho)).sum(1))
+        value = p.rho * (
+            (a * -torch.expm1(-f / p.rho)).sum(1) + (b * -torch.expm1(-g / p.rho)).sum(1)
+        )
     return value - eps * (mass - a.sum(1) * b.sum(1)), f.detach()
 
 
@@ -328,8 +337,7 @@ def _pair_step(p: Problem):
     return step
 
 
-def report_convergence(caller: str, what: str, p: Problem, n_iter: int,
-                       rule: StoppingRule) -> bool:
+def report_convergence(caller: str, what: str, p: Problem, n_iter: int, rule: StoppingRule) -> bool:
     """Whether ``tol`` was reached; if not, a ConvergenceWarning that says why (none for
     ``tol=0``: a fixed iteration count was asked for)."""
     err = rule.error
@@ -340,18 +348,26 @@ def report_convergence(caller: str, what: str, p: Problem, n_iter: int,
     head = f"{caller}: {what} stopped after {n_iter} iterations with marginal error {err:.3g}"
     if math.isnan(err):
         head = f"{caller}: {what} stopped after {n_iter} iterations"
-        hint = ("the eps-scaling used all of max_iter, so the marginal error was not measured; "
-                "raise max_iter")
+        hint = (
+            "the eps-scaling used all of max_iter, so the marginal error was not measured; "
+            "raise max_iter"
+        )
     elif rule.reason == "stalled":
-        hint = (f"it stopped decreasing {StoppingRule.PATIENCE} iterations before: the "
-                f"rounding floor of {p.x.dtype} at eps={p.eps:.3g}. Use float64 points, a "
-                f"tol above {err:.2g}, or a larger blur")
+        hint = (
+            f"it stopped decreasing {StoppingRule.PATIENCE} iterations before: the "
+            f"rounding floor of {p.x.dtype} at eps={p.eps:.3g}. Use float64 points, a "
+            f"tol above {err:.2g}, or a larger blur"
+        )
     elif rule.reason == "diverged":
-        hint = (f"the iteration diverged at eps={p.eps:.3g} (relaxation={p.relaxation!r}): "
-                "use relaxation='auto' or a smaller fixed weight")
+        hint = (
+            f"the iteration diverged at eps={p.eps:.3g} (relaxation={p.relaxation!r}): "
+            "use relaxation='auto' or a smaller fixed weight"
+        )
     else:
-        hint = (f"above tol={p.tol:g} at eps={p.eps:.3g}: raise max_iter, or relax tol (a "
-                "larger blur converges faster)")
+        hint = (
+            f"above tol={p.tol:g} at eps={p.eps:.3g}: raise max_iter, or relax tol (a "
+            "larger blur converges faster)"
+        )
     warnings.warn(f"{head}; {hint}", ConvergenceWarning, stacklevel=3)
     return False
 
@@ -361,8 +377,9 @@ def check_init(caller: str, init, p: Problem):
     if init is None:
         return None
     if not (isinstance(init, (tuple, list)) and len(init) == 2):
-        raise TypeError(f"{caller}: init must be a pair of potentials (f, g), got "
-                        f"{type(init).__name__}")
+        raise TypeError(
+            f"{caller}: init must be a pair of potentials (f, g), got {type(init).__name__}"
+        )
     out = []
     for name, t, like in (("f", init[0], p.a), ("g", init[1], p.b)):
         if not isinstance(t, torch.Tensor):
@@ -370,12 +387,16 @@ def check_init(caller: str, init, p: Problem):
         t = t.detach()
         t = t if p.batched else t.unsqueeze(0)
         if t.shape != like.shape:
-            raise ValueError(f"{caller}: init's {name} has shape "
-                             f"{tuple(t.shape[1 - p.batched:])} but the weights have "
-                             f"{tuple(like.shape[1 - p.batched:])}")
+            raise ValueError(
+                f"{caller}: init's {name} has shape "
+                f"{tuple(t.shape[1 - p.batched :])} but the weights have "
+                f"{tuple(like.shape[1 - p.batched :])}"
+            )
         if t.dtype != like.dtype or t.device != like.device:
-            raise TypeError(f"{caller}: init's {name} is {t.dtype} on {t.device} but the "
-                            f"points are {like.dtype} on {like.device}")
+            raise TypeError(
+                f"{caller}: init's {name} is {t.dtype} on {t.device} but the "
+                f"points are {like.dtype} on {like.device}"
+            )
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{caller}: init's {name} has NaN or infinite values")
         out.append(t)
@@ -388,37 +409,53 @@ def unbatch(t: torch.Tensor, batched: bool) -> torch.Tensor:
 
 def backend_used(p: Problem) -> str:
     """The dense backend ``auto`` resolves to for this problem's size and device."""
-    return reductions.resolve_backend(p.backend, p.x.shape[0] * p.x.shape[1] * p.y.shape[1],
-                                      p.x.device)
+    return reductions.resolve_backend(
+        p.backend, p.x.shape[0] * p.x.shape[1] * p.y.shape[1], p.x.device
+    )
 
 
 _UNSET = object()
 
 
-def _legacy_options(caller: str, backward, multiscale, strategy, memory, truncate,
-                    cluster_scale):
+def _legacy_options(caller: str, backward, multiscale, strategy, memory, truncate, cluster_scale):
     """``backward`` and ``multiscale`` with the deprecated ``strategy``/``memory`` and
     ``truncate``/``cluster_scale`` keywords folded into :class:`Unroll` and
     :class:`Multiscale` (a warning each); where they cannot apply, a ``ValueError``."""
     if strategy is not _UNSET or memory is not _UNSET:
         if backward != "unroll":
-            raise ValueError(f"{caller}: strategy and memory apply to backward='unroll' only, "
-                             f"not backward={backward!r}; write backward=otreg.Unroll(strategy,"
-                             " memory)")
-        warnings.warn(f"{caller}: strategy= and memory= are deprecated; write "
-                      "backward=otreg.Unroll(strategy, memory)", DeprecationWarning, stacklevel=3)
-        backward = Unroll(strategy="store" if strategy is _UNSET else strategy,
-                          memory=None if memory is _UNSET else memory)
+            raise ValueError(
+                f"{caller}: strategy and memory apply to backward='unroll' only, "
+                f"not backward={backward!r}; write backward=otreg.Unroll(strategy,"
+                " memory)"
+            )
+        warnings.warn(
+            f"{caller}: strategy= and memory= are deprecated; write "
+            "backward=otreg.Unroll(strategy, memory)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        backward = Unroll(
+            strategy="store" if strategy is _UNSET else strategy,
+            memory=None if memory is _UNSET else memory,
+        )
     if truncate is not _UNSET or cluster_scale is not _UNSET:
         if multiscale is False or isinstance(multiscale, Multiscale):
-            raise ValueError(f"{caller}: truncate and cluster_scale apply to multiscale="
-                             f"'auto' or True only, not {multiscale!r}; write multiscale="
-                             "otreg.Multiscale(truncate, cluster_scale)")
-        warnings.warn(f"{caller}: truncate= and cluster_scale= are deprecated; write "
-                      "multiscale=otreg.Multiscale(truncate, cluster_scale)",
-                      DeprecationWarning, stacklevel=3)
-        settings = {k: v for k, v in (("truncate", truncate), ("cluster_scale", cluster_scale))
-                    if v is not _UNSET}
+            raise ValueError(
+                f"{caller}: truncate and cluster_scale apply to multiscale="
+                f"'auto' or True only, not {multiscale!r}; write multiscale="
+                "otreg.Multiscale(truncate, cluster_scale)"
+            )
+        warnings.warn(
+            f"{caller}: truncate= and cluster_scale= are deprecated; write "
+            "multiscale=otreg.Multiscale(truncate, cluster_scale)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        settings = {
+            k: v
+            for k, v in (("truncate", truncate), ("cluster_scale", cluster_scale))
+            if v is not _UNSET
+        }
         multiscale = Multiscale(**settings, auto=multiscale == "auto")
     return backward, multiscale
 
@@ -506,12 +543,24 @@ def sinkhorn(
         not reached; ``result.converged`` says it too.
     """
     caller = "sinkhorn"
-    backward, multiscale = _legacy_options(caller, backward, multiscale, strategy, memory,
-                                           truncate, cluster_scale)
+    backward, multiscale = _legacy_options(
+        caller, backward, multiscale, strategy, memory, truncate, cluster_scale
+    )
     options = resolve_options(
-        caller, blur=blur, reach=reach, diameter=diameter, scaling=scaling, cost=cost,
-        form=form, backend=backend, tol=tol, max_iter=max_iter, relaxation=relaxation,
-        backward=backward, multiscale=multiscale)
+        caller,
+        blur=blur,
+        reach=reach,
+        diameter=diameter,
+        scaling=scaling,
+        cost=cost,
+        form=form,
+        backend=backend,
+        tol=tol,
+        max_iter=max_iter,
+        relaxation=relaxation,
+        backward=backward,
+        multiscale=multiscale,
+    )
     p = Problem.build(caller, x, y, a, b, options)
     init = check_init(caller, init, p)
     detached = tuple(t.detach() for t in (p.x, p.a, p.y, p.b))
@@ -531,20 +580,39 @@ def sinkhorn(
         step = _pair_step(p)
         if kind == "implicit":
             settings = options.backward if isinstance(options.backward, Implicit) else Implicit()
-            f, g = implicit(step, step((sol.f, sol.g), *params), params, tol=settings.tol,
-                            max_iter=settings.max_iter)
+            f, g = implicit(
+                step,
+                step((sol.f, sol.g), *params),
+                params,
+                tol=settings.tol,
+                max_iter=settings.max_iter,
+            )
         else:  # unroll the iterations at the final eps, from the annealed warm start
             settings = options.backward if isinstance(options.backward, Unroll) else Unroll()
             with torch.no_grad():
-                warm = solve(dataclasses.replace(p, max_iter=len(p.schedule), tol=0.0),
-                             *detached)
-            f, g = iterate(step, (warm.f, warm.g), max(1, sol.n_iter - len(p.schedule)),
-                           params, strategy=settings.strategy, memory=settings.memory)
+                warm = solve(dataclasses.replace(p, max_iter=len(p.schedule), tol=0.0), *detached)
+            f, g = iterate(
+                step,
+                (warm.f, warm.g),
+                max(1, sol.n_iter - len(p.schedule)),
+                params,
+                strategy=settings.strategy,
+                memory=settings.memory,
+            )
         value, _ = dual_value(p, *params, g, DenseKernel(p, p.x, p.a, p.y, p.b))
     backend = backend_used(p)
     plan = TransportPlan(*params, f, g, p.eps, p.cost, backend, p.batched)
     return SinkhornResult(
-        f=unbatch(f, p.batched), g=unbatch(g, p.batched), cost=unbatch(value, p.batched),
-        n_iter=sol.n_iter, converged=converged, marginal_error=sol.rule.error, eps=p.eps,
-        backend="multiscale" if p.multiscale else backend, form=p.form,
-        stopped=sol.rule.reason, plan=plan, options=options)
+        f=unbatch(f, p.batched),
+        g=unbatch(g, p.batched),
+        cost=unbatch(value, p.batched),
+        n_iter=sol.n_iter,
+        converged=converged,
+        marginal_error=sol.rule.error,
+        eps=p.eps,
+        backend="multiscale" if p.multiscale else backend,
+        form=p.form,
+        stopped=sol.rule.reason,
+        plan=plan,
+        options=options,
+    )

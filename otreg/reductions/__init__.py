@@ -86,8 +86,9 @@ def status() -> dict:
     return {
         "keops": _keops.status(),
         "keops build folder": _keops.build_folder() if _keops.status()[0] else None,
-        "fused": ("off (otreg.reductions.COMPILED = False)" if not COMPILED
-                  else _compiled.failure()),
+        "fused": (
+            "off (otreg.reductions.COMPILED = False)" if not COMPILED else _compiled.failure()
+        ),
         "fused min pairs": _compiled.MIN_PAIRS,
         "fused tier-up seconds": _compiled.TIER_UP_SECONDS,
     }
@@ -98,8 +99,7 @@ def keops_status() -> tuple[bool, str]:
     return _keops.status()
 
 
-def resolve_backend(backend: str, pairs: int, device: torch.device,
-                    recorded: bool = False) -> str:
+def resolve_backend(backend: str, pairs: int, device: torch.device, recorded: bool = False) -> str:
     """The backend that ``backend`` means for ``pairs`` = B * N * M pairs on ``device``
     (``recorded``: autograd records the call)."""
     if backend != "auto":
@@ -119,12 +119,14 @@ _IMPLEMENTATIONS = {
 }
 
 
-def _run(kind: str, backend: str, x: torch.Tensor, y: torch.Tensor, *rest, eps: float,
-         cost: Cost) -> torch.Tensor:
+def _run(
+    kind: str, backend: str, x: torch.Tensor, y: torch.Tensor, *rest, eps: float, cost: Cost
+) -> torch.Tensor:
     global _keops_warned
     dense_fn, keops_fn = _IMPLEMENTATIONS[kind]
     recorded = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, y, *rest) if isinstance(t, torch.Tensor))
+        t.requires_grad for t in (x, y, *rest) if isinstance(t, torch.Tensor)
+    )
     chosen = resolve_backend(backend, x.shape[0] * x.shape[1] * y.shape[1], x.device, recorded)
     if chosen == "tensorized":
         return dense_fn(x, y, *rest, eps, cost)
@@ -137,30 +139,42 @@ def _run(kind: str, backend: str, x: torch.Tensor, y: torch.Tensor, *rest, eps: 
                 if backend == "keops":
                     raise KeOpsUnavailable(
                         f"{kind}: the keops backend failed ({type(err).__name__}: {err}). "
-                        f"{_keops.HELP}") from err
+                        f"{_keops.HELP}"
+                    ) from err
                 reason = _keops.record_failure(err)
         elif backend == "keops":
             raise KeOpsUnavailable(f"{kind}: backend='keops' but {reason}. {_keops.HELP}")
         if not _keops_warned:
             _keops_warned = True
-            warnings.warn(f"otreg: {reason}; using the 'blocked' torch backend instead, "
-                          f"which is slower. {_keops.HELP}", RuntimeWarning, stacklevel=4)
-    fused = (COMPILED and kind != "softmax_average" and cost.name == "sqeuclidean"
-             and x.dtype in (torch.float32, torch.float64) and x.device.type == "cpu"
-             and x.shape[0] * x.shape[1] * y.shape[1] >= max(1, _compiled.MIN_PAIRS))
-    return blocked_reduction(kind, x, y, *rest, eps=eps, cost=cost,
-                             block_elements=BLOCK_ELEMENTS, fused=fused)
+            warnings.warn(
+                f"otreg: {reason}; using the 'blocked' torch backend instead, "
+                f"which is slower. {_keops.HELP}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    fused = (
+        COMPILED
+        and kind != "softmax_average"
+        and cost.name == "sqeuclidean"
+        and x.dtype in (torch.float32, torch.float64)
+        and x.device.type == "cpu"
+        and x.shape[0] * x.shape[1] * y.shape[1] >= max(1, _compiled.MIN_PAIRS)
+    )
+    return blocked_reduction(
+        kind, x, y, *rest, eps=eps, cost=cost, block_elements=BLOCK_ELEMENTS, fused=fused
+    )
 
 
-def softmin(x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, eps: float, cost: Cost,
-            backend: str = "auto") -> torch.Tensor:
-    """``-eps log sum_j exp(h_j - C(x_i, y_j)/eps)``: x (B, N, D), y (B, M, D), h (B, M) -> (B, N).
-    """
+def softmin(
+    x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, eps: float, cost: Cost, backend: str = "auto"
+) -> torch.Tensor:
+    """``-eps log sum_j exp(h_j - C(x_i, y_j)/eps)``: x (B, N, D), y (B, M, D), h (B, M) -> (B, N)."""
     return _run("softmin", backend, x, y, h, eps=eps, cost=cost)
 
 
-def kernel_product(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, eps: float, cost: Cost,
-                   backend: str = "auto") -> torch.Tensor:
+def kernel_product(
+    x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, eps: float, cost: Cost, backend: str = "auto"
+) -> torch.Tensor:
     """``sum_j exp(-C(x_i, y_j)/eps) v_j``: v (B, M, E) -> (B, N, E).
 
     For ``cost="sqeuclidean"`` this is the Gaussian kernel exp(-|x - y|^2 / (2 sigma^2)) with
@@ -169,7 +183,14 @@ def kernel_product(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, eps: float
     return _run("kernel_product", backend, x, y, v, eps=eps, cost=cost)
 
 
-def softmax_average(x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, v: torch.Tensor,
-                    eps: float, cost: Cost, backend: str = "auto") -> torch.Tensor:
+def softmax_average(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    v: torch.Tensor,
+    eps: float,
+    cost: Cost,
+    backend: str = "auto",
+) -> torch.Tensor:
     """``sum_j softmax_j(h_j - C(x_i, y_j)/eps) v_j``: h (B, M), v (B, M, E) -> (B, N, E)."""
     return _run("softmax_average", backend, x, y, h, v, eps=eps, cost=cost)

@@ -31,8 +31,11 @@ from . import _compiled, _dense
 
 __all__ = ["blocked_reduction"]
 
-_DENSE = {"softmin": _dense.softmin, "kernel_product": _dense.kernel_product,
-          "softmax_average": _dense.softmax_average}
+_DENSE = {
+    "softmin": _dense.softmin,
+    "kernel_product": _dense.kernel_product,
+    "softmax_average": _dense.softmax_average,
+}
 
 
 class _Blocks:
@@ -155,7 +158,8 @@ class _BlockedReduction(torch.autograd.Function):
         out = _compiled.tiered(
             _compiled.signature(kind, "forward", x, y, w) if fused else None,
             lambda: _compiled.forward(kind, x, y, (w,), eps),
-            lambda: _forward(kind, _Blocks(x, y, h, eps, cost, block_elements), v))
+            lambda: _forward(kind, _Blocks(x, y, h, eps, cost, block_elements), v),
+        )
         ctx.kind, ctx.eps, ctx.cost, ctx.block_elements = kind, eps, cost, block_elements
         ctx.fused = fused
         ctx.save_for_backward(x, y, h, v, out)
@@ -171,16 +175,25 @@ class _BlockedReduction(torch.autograd.Function):
         w, need_w = (h, needs[2]) if v is None else (v, needs[3])
 
         def fused():
-            got = _compiled.backward(ctx.kind, x, y, (w,), ctx.eps, out, grad_out,
-                                     (needs[0], needs[1], need_w))
+            got = _compiled.backward(
+                ctx.kind, x, y, (w,), ctx.eps, out, grad_out, (needs[0], needs[1], need_w)
+            )
             if got is None:
                 return None
             return got[:2] + ([got[2], None] if v is None else [None, got[2]])
 
         grads = _compiled.tiered(
-            _compiled.signature(ctx.kind, "backward", x, y, w) if ctx.fused else None, fused,
-            lambda: _backward(ctx.kind, _Blocks(x, y, h, ctx.eps, ctx.cost, ctx.block_elements),
-                              v, out, grad_out.contiguous(), needs))
+            _compiled.signature(ctx.kind, "backward", x, y, w) if ctx.fused else None,
+            fused,
+            lambda: _backward(
+                ctx.kind,
+                _Blocks(x, y, h, ctx.eps, ctx.cost, ctx.block_elements),
+                v,
+                out,
+                grad_out.contiguous(),
+                needs,
+            ),
+        )
         return (None, None, None, None, None, *grads)
 
 
@@ -194,9 +207,12 @@ def _autograd_backward(ctx, x, y, h, v, grad_out, needs) -> list:
         sl = slice(start, start + rows)
         out_b = dense(x[:, sl], y, *rest, ctx.eps, ctx.cost)
         wanted = [t for t, need in zip(inputs, needs) if need]
-        got = iter(torch.autograd.grad(out_b, wanted, grad_out[:, sl], create_graph=True,
-                                       allow_unused=True))
-        for k, need in enumerate(needs[:len(inputs)]):
+        got = iter(
+            torch.autograd.grad(
+                out_b, wanted, grad_out[:, sl], create_graph=True, allow_unused=True
+            )
+        )
+        for k, need in enumerate(needs[: len(inputs)]):
             if need:
                 g = next(got)
                 if g is not None:
@@ -207,9 +223,16 @@ def _autograd_backward(ctx, x, y, h, v, grad_out, needs) -> list:
     return grads
 
 
-def blocked_reduction(kind: str, x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor,
-                      eps: float, cost: Cost, block_elements: int,
-                      fused: bool = False) -> torch.Tensor:
+def blocked_reduction(
+    kind: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *rest: torch.Tensor,
+    eps: float,
+    cost: Cost,
+    block_elements: int,
+    fused: bool = False,
+) -> torch.Tensor:
     """``kind`` in softmin / kernel_product / softmax_average, computed block by block.
 
     ``rest`` is ``(h,)``, ``(v,)`` or ``(h, v)`` as the kind needs. ``fused``: the call may
@@ -219,5 +242,6 @@ def blocked_reduction(kind: str, x: torch.Tensor, y: torch.Tensor, *rest: torch.
     v = rest[-1] if kind in ("kernel_product", "softmax_average") else None
     if v is not None:
         v = v.contiguous()
-    return _BlockedReduction.apply(kind, eps, cost, block_elements, fused, x.contiguous(),
-                                   y.contiguous(), h, v)
+    return _BlockedReduction.apply(
+        kind, eps, cost, block_elements, fused, x.contiguous(), y.contiguous(), h, v
+    )

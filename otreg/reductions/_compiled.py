@@ -38,8 +38,18 @@ import torch
 
 from . import _dense
 
-__all__ = ["MIN_PAIRS", "TIER_UP_SECONDS", "MAX_SHAPES", "forward", "backward", "signature",
-           "ready", "spent", "tiered", "failure"]
+__all__ = [
+    "MIN_PAIRS",
+    "TIER_UP_SECONDS",
+    "MAX_SHAPES",
+    "forward",
+    "backward",
+    "signature",
+    "ready",
+    "spent",
+    "tiered",
+    "failure",
+]
 
 #: calls with fewer pairs B * N * M stay on the blocked path (per-chunk overheads)
 MIN_PAIRS = 10_000_000
@@ -88,18 +98,17 @@ def _softmin_grad_rows(x, lse, y, h, floor, inv_eps):
 
 def _softmin_grad_cols(y, h, x, lse, g, floor, inv_eps):
     """For rows y_j: sum_i Q_ji and sum_i Q_ji x_i, Q_ji = g_i P_ij -> (R, 1 + D)."""
-    q = g[None, :] * torch.exp(torch.clamp(h[:, None] - lse[None, :] - _sq(y, x, inv_eps),
-                                           min=floor))
-    return torch.stack([q.sum(1)] + [(q * x[None, :, d]).sum(1) for d in range(x.shape[1])],
-                       1)
+    q = g[None, :] * torch.exp(
+        torch.clamp(h[:, None] - lse[None, :] - _sq(y, x, inv_eps), min=floor)
+    )
+    return torch.stack([q.sum(1)] + [(q * x[None, :, d]).sum(1) for d in range(x.shape[1])], 1)
 
 
 def _kp_grad_rows(x, g, y, v, floor, inv_eps):
     """sum_j c_ij and sum_j c_ij y_j, c_ij = K_ij <g_i, v_j> -> (R, 1 + D)."""
     gv = sum(g[:, None, e] * v[None, :, e] for e in range(v.shape[1]))
     c = torch.exp(torch.clamp(-_sq(x, y, inv_eps), min=floor)) * gv
-    return torch.stack([c.sum(1)] + [(c * y[None, :, d]).sum(1) for d in range(y.shape[1])],
-                       1)
+    return torch.stack([c.sum(1)] + [(c * y[None, :, d]).sum(1) for d in range(y.shape[1])], 1)
 
 
 def _kp_grad_cols(y, v, x, g, floor, inv_eps):
@@ -107,13 +116,25 @@ def _kp_grad_cols(y, v, x, g, floor, inv_eps):
     k = torch.exp(torch.clamp(-_sq(y, x, inv_eps), min=floor))
     gv = sum(v[:, None, e] * g[None, :, e] for e in range(v.shape[1]))
     c = k * gv
-    return torch.stack([(k * g[None, :, e]).sum(1) for e in range(g.shape[1])]
-                       + [c.sum(1)] + [(c * x[None, :, d]).sum(1) for d in range(x.shape[1])],
-                       1)
+    return torch.stack(
+        [(k * g[None, :, e]).sum(1) for e in range(g.shape[1])]
+        + [c.sum(1)]
+        + [(c * x[None, :, d]).sum(1) for d in range(x.shape[1])],
+        1,
+    )
 
 
-_FORMULAS = {f.__name__: f for f in (_lse_rows, _kp_rows, _softmin_grad_rows,
-                                     _softmin_grad_cols, _kp_grad_rows, _kp_grad_cols)}
+_FORMULAS = {
+    f.__name__: f
+    for f in (
+        _lse_rows,
+        _kp_rows,
+        _softmin_grad_rows,
+        _softmin_grad_cols,
+        _kp_grad_rows,
+        _kp_grad_cols,
+    )
+}
 
 
 def _compile(fn):
@@ -153,8 +174,12 @@ def _run(fn, *args):
         return fn(*args)
     except Exception as err:  # inductor needs a working C++ compiler
         _failure = f"the compiled code failed ({type(err).__name__}: {str(err)[:300]})"
-        warnings.warn(f"otreg: the fused CPU reductions are off: {_failure}; the blocked "
-                      "path runs instead (about half as fast)", RuntimeWarning, stacklevel=5)
+        warnings.warn(
+            f"otreg: the fused CPU reductions are off: {_failure}; the blocked "
+            "path runs instead (about half as fast)",
+            RuntimeWarning,
+            stacklevel=5,
+        )
         return None
 
 
@@ -165,8 +190,9 @@ def _forward(kind, x, y, rest, eps):
         if kind == "softmin":
             outs.append(_sweep("_lse_rows", [x[b]], [y[b], rest[0][b]], inv_eps) * -eps)
         else:  # clamped where the blocked forward clamps (a product is not normalised)
-            outs.append(_sweep("_kp_rows", [x[b]], [y[b], rest[0][b]],
-                               _dense.exp_floor(x.dtype), inv_eps))
+            outs.append(
+                _sweep("_kp_rows", [x[b]], [y[b], rest[0][b]], _dense.exp_floor(x.dtype), inv_eps)
+            )
     return torch.stack(outs)
 
 
@@ -186,8 +212,7 @@ def _backward(kind, x, y, rest, eps, out, grad_out, needs):
                 gx[b] = G[:, None] * (xb - ybar)
             if gy is not None or gr is not None:
                 Gs, scale = _dense.scaled(G)
-                cols = _sweep("_softmin_grad_cols", [yb, wb], [xb, lse, Gs], floor,
-                              inv_eps) * scale
+                cols = _sweep("_softmin_grad_cols", [yb, wb], [xb, lse, Gs], floor, inv_eps) * scale
                 if gr is not None:  # -eps sum_i G_i P_ij
                     gr[b] = -eps * cols[:, 0]
                 if gy is not None:  # sum_i G_i P_ij (y_j - x_i)
@@ -204,13 +229,13 @@ def _backward(kind, x, y, rest, eps, out, grad_out, needs):
                 if gr is not None:  # sum_i K_ij G_i
                     gr[b] = cols[:, :e] * scale
                 if gy is not None:  # -(1 / eps) sum_i K_ij <G_i, v_j> (y_j - x_i)
-                    gy[b] = (yb * cols[:, e:e + 1] - cols[:, e + 1:]) * (
-                        -scale * v_scale / eps)
+                    gy[b] = (yb * cols[:, e : e + 1] - cols[:, e + 1 :]) * (-scale * v_scale / eps)
     return [gx, gy, gr]
 
 
-def forward(kind: str, x: torch.Tensor, y: torch.Tensor, rest: tuple, eps: float
-            ) -> torch.Tensor | None:
+def forward(
+    kind: str, x: torch.Tensor, y: torch.Tensor, rest: tuple, eps: float
+) -> torch.Tensor | None:
     """The fused ``softmin`` (rest = (h,)) or ``kernel_product`` (rest = (v,)) of x (B, N, D)
     and y (B, M, D), without autograd; None if the compiled code is not available."""
     return _run(_forward, kind, x.detach(), y.detach(), tuple(t.detach() for t in rest), eps)
@@ -219,12 +244,22 @@ def forward(kind: str, x: torch.Tensor, y: torch.Tensor, rest: tuple, eps: float
 def backward(kind: str, x, y, rest: tuple, eps: float, out, grad_out, needs) -> list | None:
     """Gradients with respect to (x, y, rest[0]) (None where ``needs`` is False), or None if
     the compiled code is not available."""
-    return _run(_backward, kind, x.detach(), y.detach(), tuple(t.detach() for t in rest), eps,
-                out.detach(), grad_out.detach().contiguous(), needs)
+    return _run(
+        _backward,
+        kind,
+        x.detach(),
+        y.detach(),
+        tuple(t.detach() for t in rest),
+        eps,
+        out.detach(),
+        grad_out.detach().contiguous(),
+        needs,
+    )
 
 
-def signature(kind: str, direction: str, x: torch.Tensor, y: torch.Tensor,
-              w: torch.Tensor) -> tuple:
+def signature(
+    kind: str, direction: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+) -> tuple:
     """What a compiled formula is specialised on: the reduction, dtype and sizes."""
     return (kind, direction, x.dtype, tuple(x.shape), tuple(y.shape), tuple(w.shape))
 
@@ -234,8 +269,11 @@ def ready(key: tuple) -> bool:
     has spent TIER_UP_SECONDS on it, and fewer than MAX_SHAPES others went fused before."""
     if key in _fused:
         return _failure is None
-    if _failure is not None or _seconds.get(key, 0.0) < TIER_UP_SECONDS or \
-            len(_fused) >= MAX_SHAPES:
+    if (
+        _failure is not None
+        or _seconds.get(key, 0.0) < TIER_UP_SECONDS
+        or len(_fused) >= MAX_SHAPES
+    ):
         return False
     _fused.add(key)
     return True

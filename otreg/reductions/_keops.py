@@ -11,14 +11,22 @@ import torch
 
 from ..costs import Cost
 
-__all__ = ["KeOpsUnavailable", "HELP", "status", "record_failure", "softmin",
-           "kernel_product", "softmax_average", "build_folder"]
+__all__ = [
+    "KeOpsUnavailable",
+    "HELP",
+    "status",
+    "record_failure",
+    "softmin",
+    "kernel_product",
+    "softmax_average",
+    "build_folder",
+]
 
 HELP = (
     "KeOps compiles each formula with a C++ compiler on first use. Check that g++ (>= 8) and "
-    "the Python headers (python3-dev) are installed and that `python -c \"import pykeops; "
-    "pykeops.test_torch_bindings()\"` works; a stale cache is cleared with "
-    "`python -c \"import pykeops; pykeops.clean_pykeops()\"`."
+    'the Python headers (python3-dev) are installed and that `python -c "import pykeops; '
+    'pykeops.test_torch_bindings()"` works; a stale cache is cleared with '
+    '`python -c "import pykeops; pykeops.clean_pykeops()"`.'
 )
 
 

@@ -97,13 +97,14 @@ def clusters_by_label(x: torch.Tensor, a: torch.Tensor, labels: torch.Tensor) ->
     xs, as_ = x[order], a[order]
     masses = torch.zeros(K, dtype=x.dtype, device=x.device).index_add_(0, labels, as_)
     weighted = torch.zeros(K, x.shape[1], dtype=x.dtype, device=x.device).index_add_(
-        0, labels, xs * as_[:, None])
+        0, labels, xs * as_[:, None]
+    )
     plain = torch.zeros_like(weighted).index_add_(0, labels, xs) / counts[:, None]
-    centres = torch.where(masses[:, None] > 0, weighted / masses.clamp_min(
-        torch.finfo(x.dtype).tiny)[:, None], plain)
+    centres = torch.where(
+        masses[:, None] > 0, weighted / masses.clamp_min(torch.finfo(x.dtype).tiny)[:, None], plain
+    )
     dist = (xs - centres[labels]).norm(dim=1)
-    radii = torch.zeros(K, dtype=x.dtype, device=x.device).scatter_reduce_(
-        0, labels, dist, "amax")
+    radii = torch.zeros(K, dtype=x.dtype, device=x.device).scatter_reduce_(0, labels, dist, "amax")
     return Clusters(order, starts, labels, centres, masses, radii, xs)
 
 
@@ -143,8 +144,15 @@ class BlockSparse:
             O(cluster pairs + chunk) however many point pairs the pattern holds.
     """
 
-    def __init__(self, rows: Clusters, cols: Clusters, I: torch.Tensor, J: torch.Tensor,
-                 block_elements: int = 1 << 22, cache_bytes: int = 1 << 28) -> None:
+    def __init__(
+        self,
+        rows: Clusters,
+        cols: Clusters,
+        I: torch.Tensor,
+        J: torch.Tensor,
+        block_elements: int = 1 << 22,
+        cache_bytes: int = 1 << 28,
+    ) -> None:
         self.rows, self.cols = rows, cols
         self._own = None  # padded copies of the clusterings' own points
         self._geometry_cache: dict = {}
@@ -159,8 +167,7 @@ class BlockSparse:
         I_np, self._J = I_np[by_row], J_np[by_row]
         K = len(n_rows)
         self._ptr = np.concatenate([[0], np.cumsum(np.bincount(I_np, minlength=K))])
-        lengths = np.bincount(I_np, weights=self._col_sizes[self._J],
-                              minlength=K).astype(np.int64)
+        lengths = np.bincount(I_np, weights=self._col_sizes[self._J], minlength=K).astype(np.int64)
         # sorted by size then by list length: neighbours in this order pad little
         order = np.lexsort((lengths, n_rows))
         self.chunks = []  # (row clusters (C,), row indices (C, R), column indices or None)
@@ -168,8 +175,9 @@ class BlockSparse:
         N = int(rows.starts[-1])
         row_starts = rows.starts[:-1].cpu().numpy()
         device = rows.centres.device
-        for chunk in _greedy_chunks(n_rows[order].tolist(), lengths[order].tolist(),
-                                    block_elements):
+        for chunk in _greedy_chunks(
+            n_rows[order].tolist(), lengths[order].tolist(), block_elements
+        ):
             chunk = order[chunk]
             tallest, longest = int(n_rows[chunk].max()), int(lengths[chunk].max())
             # rows: (C, tallest) indices into the sorted rows, N for padding
@@ -200,13 +208,13 @@ class BlockSparse:
         owner = pair_owner[pt_pair]
         first = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(chunk)))])
         slot = np.arange(owner.size) - first[owner]
-        col_idx = np.full((len(chunk), self._widths[k]), int(self.cols.starts[-1]),
-                          dtype=np.int32)
+        col_idx = np.full((len(chunk), self._widths[k]), int(self.cols.starts[-1]), dtype=np.int32)
         col_idx[owner, slot] = pts
         return torch.from_numpy(col_idx).to(self.rows.centres.device)
 
-    def softmin(self, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor,
-                eps: float) -> torch.Tensor:
+    def softmin(
+        self, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         """-eps log sum_{kept j} exp(h_j - |x_i - y_j|^2 / (2 eps)), (N,), for the sorted
         clouds x (N, D), y (M, D) and h (M,); differentiable in x, y and h."""
         return _SparseSoftmin.apply(self, eps, x.contiguous(), y.contiguous(), h.contiguous())
@@ -249,8 +257,9 @@ class _SparseSoftmin(torch.autograd.Function):
             col_idx = kernel._column_indices(k)
             X, x_sq, Y, y_sq = kernel._geometry(k, px, py, col_idx)
             col = ph.index_select(0, col_idx.view(-1)).view(col_idx.shape)
-            s = torch.baddbmm(col.sub_(y_sq, alpha=1 / eps).unsqueeze(1), X, Y.transpose(1, 2),
-                              alpha=1.0 / eps)
+            s = torch.baddbmm(
+                col.sub_(y_sq, alpha=1 / eps).unsqueeze(1), X, Y.transpose(1, 2), alpha=1.0 / eps
+            )
             _, m, total = _softmax_(s)
             row = total.log_().add_(m).mul_(-eps).add_(x_sq)
             out.index_copy_(0, row_idx.view(-1), row.view(-1))
@@ -265,7 +274,8 @@ class _SparseSoftmin(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 "multiscale Sinkhorn does not support second derivatives (create_graph=True); "
-                "use multiscale=False")
+                "use multiscale=False"
+            )
         x, y, h = ctx.saved_tensors
         kernel, eps = ctx.kernel, ctx.eps
         needs = ctx.needs_input_grad[2:]

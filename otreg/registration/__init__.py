@@ -16,7 +16,26 @@ from .prealign import prealign
 from .register import register
 from .result import Registration
 
-__all__ = ["register", "Registration", "prealign", "LDDMMOptions", "PrealignOptions",
-           "LBFGSOptions", "Level", "LDDMM", "Rigid", "Similarity", "Affine", "Loss",
-           "make_loss", "LOSSES", "varifold_distance", "metrics", "MODELS", "PREALIGNS",
-           "Attachment", "make_attachment", "ATTACHMENTS"]
+__all__ = [
+    "register",
+    "Registration",
+    "prealign",
+    "LDDMMOptions",
+    "PrealignOptions",
+    "LBFGSOptions",
+    "Level",
+    "LDDMM",
+    "Rigid",
+    "Similarity",
+    "Affine",
+    "Loss",
+    "make_loss",
+    "LOSSES",
+    "varifold_distance",
+    "metrics",
+    "MODELS",
+    "PREALIGNS",
+    "Attachment",
+    "make_attachment",
+    "ATTACHMENTS",
+]

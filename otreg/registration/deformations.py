@@ -41,8 +41,10 @@ def rotation_matrix(w: torch.Tensor) -> torch.Tensor:
     theta = torch.sqrt((w * w).sum() + 1e-24)
     k = w / theta
     K = torch.zeros(3, 3, dtype=w.dtype, device=w.device)
-    K = K.index_put((torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([1, 2, 0, 2, 0, 1])),
-                    torch.stack([-k[2], k[1], k[2], -k[0], -k[1], k[0]]))
+    K = K.index_put(
+        (torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([1, 2, 0, 2, 0, 1])),
+        torch.stack([-k[2], k[1], k[2], -k[0], -k[1], k[0]]),
+    )
     eye = torch.eye(3, dtype=w.dtype, device=w.device)
     return eye + torch.sin(theta) * K + (1 - torch.cos(theta)) * (K @ K)
 
@@ -74,18 +76,21 @@ class _Linear(nn.Module):
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The map as arrays (``linear_kind``, ``linear_matrix``, ``linear_translation``,
         ``linear_center``), as :meth:`otreg.registration.Registration.save` writes them."""
-        return {"linear_kind": np.array(type(self).__name__.lower()),
-                "linear_matrix": self.matrix().detach().cpu().numpy(),
-                "linear_translation": self.translation.detach().cpu().numpy(),
-                "linear_center": self.center.cpu().numpy()}
+        return {
+            "linear_kind": np.array(type(self).__name__.lower()),
+            "linear_matrix": self.matrix().detach().cpu().numpy(),
+            "linear_translation": self.translation.detach().cpu().numpy(),
+            "linear_center": self.center.cpu().numpy(),
+        }
 
     @staticmethod
     def from_arrays(arrays: Mapping[str, np.ndarray]) -> Affine:
         """The map that :meth:`to_arrays` wrote, as an :class:`Affine` of the same matrix,
         translation and center (float64; exact whatever the saved kind)."""
         linear = Affine(torch.as_tensor(arrays["linear_center"])).double()
-        linear.set_from(torch.as_tensor(arrays["linear_matrix"]),
-                        torch.as_tensor(arrays["linear_translation"]))
+        linear.set_from(
+            torch.as_tensor(arrays["linear_matrix"]), torch.as_tensor(arrays["linear_translation"])
+        )
         return linear
 
 
@@ -155,16 +160,25 @@ class LDDMM(nn.Module):
         backend: reduction backend.
     """
 
-    def __init__(self, control_points: torch.Tensor, sigma: float | Sequence[float] = 20.0,
-                 kernel_weights: Sequence[float] | None = None, n_steps: int = 10,
-                 integrator: str = "rk4", strategy: str = "store",
-                 memory: int | str | None = None, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        control_points: torch.Tensor,
+        sigma: float | Sequence[float] = 20.0,
+        kernel_weights: Sequence[float] | None = None,
+        n_steps: int = 10,
+        integrator: str = "rk4",
+        strategy: str = "store",
+        memory: int | str | None = None,
+        backend: str = "auto",
+    ) -> None:
         super().__init__()
         caller = "LDDMM"
         q = torch.as_tensor(control_points).detach()
         if q.dim() != 2 or q.shape[0] == 0:
-            raise ValueError(f"{caller}: control_points has shape {tuple(q.shape)}; it must be "
-                             "(N, D) with N >= 1")
+            raise ValueError(
+                f"{caller}: control_points has shape {tuple(q.shape)}; it must be "
+                "(N, D) with N >= 1"
+            )
         self.kernel = GaussianKernel(sigma, kernel_weights, backend, caller)
         self.n_steps = check_int(caller, "n_steps", n_steps, 1)
         self.integrator = check_choice(caller, "integrator", integrator, INTEGRATORS)
@@ -173,8 +187,10 @@ class LDDMM(nn.Module):
         self.momenta = nn.Parameter(torch.zeros_like(q))
 
     def extra_repr(self) -> str:
-        return (f"{self.control_points.shape[0]} control points, {self.kernel}, "
-                f"n_steps={self.n_steps}, integrator={self.integrator!r}")
+        return (
+            f"{self.control_points.shape[0]} control points, {self.kernel}, "
+            f"n_steps={self.n_steps}, integrator={self.integrator!r}"
+        )
 
     # ---------------------------------------------------------------- dynamics
     def _velocities(self, q, p, x):
@@ -209,21 +225,30 @@ class LDDMM(nn.Module):
         k2 = f(*(s + h / 2 * d for s, d in zip(state, k1)))
         k3 = f(*(s + h / 2 * d for s, d in zip(state, k2)))
         k4 = f(*(s + h * d for s, d in zip(state, k3)))
-        return tuple(s + h / 6 * (a + 2 * b + 2 * c + d)
-                     for s, a, b, c, d in zip(state, k1, k2, k3, k4))
+        return tuple(
+            s + h / 6 * (a + 2 * b + 2 * c + d) for s, a, b, c, d in zip(state, k1, k2, k3, k4)
+        )
 
     def shoot(self, points: torch.Tensor | None = None, report: dict | None = None):
         """Integrate from t = 0 to 1: ``(q_1, p_1, points_1)``."""
         q0 = self.control_points.to(self.momenta.dtype)
         x0 = q0[:0] if points is None else points.to(q0.dtype)
         if x0.shape[1] != q0.shape[1]:
-            raise ValueError(f"LDDMM: points are {x0.shape[1]}-D but the control points "
-                             f"{q0.shape[1]}-D")
+            raise ValueError(
+                f"LDDMM: points are {x0.shape[1]}-D but the control points {q0.shape[1]}-D"
+            )
         kwargs = {}
         if self.strategy == "checkpoint":
             kwargs = {"memory": self.memory}
-        return iterate(self._step, (q0, self.momenta, x0), self.n_steps, (self.momenta,),
-                       strategy=self.strategy, report=report, **kwargs)
+        return iterate(
+            self._step,
+            (q0, self.momenta, x0),
+            self.n_steps,
+            (self.momenta,),
+            strategy=self.strategy,
+            report=report,
+            **kwargs,
+        )
 
     def forward(self, points: torch.Tensor) -> torch.Tensor:
         """Deformed positions of ``points`` (N, 3) at t = 1."""
@@ -232,8 +257,11 @@ class LDDMM(nn.Module):
     def trajectory(self, points: torch.Tensor) -> list[torch.Tensor]:
         """Positions of ``points`` at every time step (n_steps + 1 tensors), no gradient."""
         with torch.no_grad():
-            state = (self.control_points.to(self.momenta.dtype), self.momenta.detach(),
-                     points.to(self.momenta.dtype))
+            state = (
+                self.control_points.to(self.momenta.dtype),
+                self.momenta.detach(),
+                points.to(self.momenta.dtype),
+            )
             out = [state[2]]
             for _ in range(self.n_steps):
                 state = self._step(state)
@@ -254,27 +282,33 @@ class LDDMM(nn.Module):
         """The deformation as arrays (``control_points``, ``momenta``, ``sigma``,
         ``kernel_weights``, ``n_steps``, ``integrator``), as
         :meth:`otreg.registration.Registration.save` writes them."""
-        return {"control_points": self.control_points.cpu().numpy(),
-                "momenta": self.momenta.detach().cpu().numpy(),
-                "sigma": np.array(self.kernel.sigmas),
-                "kernel_weights": np.array(self.kernel.weights),
-                "n_steps": np.array(self.n_steps), "integrator": np.array(self.integrator)}
+        return {
+            "control_points": self.control_points.cpu().numpy(),
+            "momenta": self.momenta.detach().cpu().numpy(),
+            "sigma": np.array(self.kernel.sigmas),
+            "kernel_weights": np.array(self.kernel.weights),
+            "n_steps": np.array(self.n_steps),
+            "integrator": np.array(self.integrator),
+        }
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> LDDMM:
         """The deformation that :meth:`to_arrays` wrote (float64)."""
-        deformation = cls(torch.as_tensor(arrays["control_points"]),
-                          sigma=arrays["sigma"].tolist(),
-                          kernel_weights=arrays["kernel_weights"].tolist(),
-                          n_steps=int(arrays["n_steps"]),
-                          integrator=str(arrays["integrator"])).double()
+        deformation = cls(
+            torch.as_tensor(arrays["control_points"]),
+            sigma=arrays["sigma"].tolist(),
+            kernel_weights=arrays["kernel_weights"].tolist(),
+            n_steps=int(arrays["n_steps"]),
+            integrator=str(arrays["integrator"]),
+        ).double()
         with torch.no_grad():
             deformation.momenta.copy_(torch.as_tensor(arrays["momenta"]))
         return deformation
 
 
-def fit_linear(kind: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
-               center: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_linear(
+    kind: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, center: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted least-squares (A, t) with y ~ A (x - center) + center + t.
 
     ``kind``: ``"rigid"`` (Kabsch), ``"similarity"`` (Umeyama) or ``"affine"``.

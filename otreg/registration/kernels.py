@@ -22,8 +22,13 @@ _SQ = get_cost("sqeuclidean")
 class GaussianKernel:
     """A sum of Gaussian kernels with widths ``sigma`` (mm) and ``weights``."""
 
-    def __init__(self, sigma: float | Sequence[float], weights: Sequence[float] | None = None,
-                 backend: str = "auto", caller: str = "GaussianKernel") -> None:
+    def __init__(
+        self,
+        sigma: float | Sequence[float],
+        weights: Sequence[float] | None = None,
+        backend: str = "auto",
+        caller: str = "GaussianKernel",
+    ) -> None:
         sigmas = [sigma] if isinstance(sigma, (int, float)) else list(sigma)
         if not sigmas:
             raise ValueError(f"{caller}: sigma is empty; give at least one width in mm")
@@ -47,8 +52,9 @@ class GaussianKernel:
             out = w * term if out is None else out + w * term
         return out
 
-    def with_derivative(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def with_derivative(
+        self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum_j k(x_i, y_j) v_j, sum_j k'(x_i, y_j) v_j)`` with one reduction per width;
         k' = sum_s w_s / sigma_s^2 exp(-|x - y|^2 / (2 sigma_s^2)) (for gradients of k)."""
         out = deriv = None

@@ -43,8 +43,13 @@ class Loss:
     the points, as a line search requires.
     """
 
-    def __init__(self, name: str, evaluate: Callable[[Shape, Shape], torch.Tensor],
-                 prepare: Callable[[Shape, Shape], None] | None = None, **options):
+    def __init__(
+        self,
+        name: str,
+        evaluate: Callable[[Shape, Shape], torch.Tensor],
+        prepare: Callable[[Shape, Shape], None] | None = None,
+        **options,
+    ):
         self.name, self.evaluate, self.options = name, evaluate, options
         self._prepare = prepare
 
@@ -81,8 +86,9 @@ def _sinkhorn(options: SinkhornOptions, dtype: torch.dtype | None):
         dt = dtype or x.dtype
         with warnings.catch_warnings():  # an early stop is fine inside an optimiser
             warnings.simplefilter("ignore", ConvergenceWarning)
-            value, _ = divergence("register", x.to(dt), y.to(dt), a.to(dt), b.to(dt),
-                                  opts, warm=warm)
+            value, _ = divergence(
+                "register", x.to(dt), y.to(dt), a.to(dt), b.to(dt), opts, warm=warm
+            )
         return value.to(x.dtype)
 
     def term(warped: Shape, target: Shape) -> torch.Tensor:
@@ -108,8 +114,9 @@ def _kernel_norm_terms(shape: Shape, oriented: bool):
     return c, area * (unit[:, :, None] * unit[:, None, :]).reshape(-1, 9)
 
 
-def varifold_distance(a: Shape, b: Shape, sigma: float, oriented: bool = False,
-                      kernel: GaussianKernel | None = None) -> torch.Tensor:
+def varifold_distance(
+    a: Shape, b: Shape, sigma: float, oriented: bool = False, kernel: GaussianKernel | None = None
+) -> torch.Tensor:
     """|mu_a - mu_b|^2 in the varifold (or currents) kernel space, mm^4 (areas squared)."""
     kernel = kernel or GaussianKernel(sigma)
     ca, fa = _kernel_norm_terms(a, oriented)
@@ -161,9 +168,15 @@ def _chamfer(warped: Shape, target: Shape) -> torch.Tensor:
     return ((x - y[i_xy]) ** 2).sum(1).mean() + ((y - x[i_yx]) ** 2).sum(1).mean()
 
 
-def make_loss(name: str, *, blur: float = 2.0, sinkhorn: SinkhornOptions | None = None,
-              sinkhorn_dtype: torch.dtype | None = torch.float32, sigma: float = 10.0,
-              caller: str = "register") -> Loss:
+def make_loss(
+    name: str,
+    *,
+    blur: float = 2.0,
+    sinkhorn: SinkhornOptions | None = None,
+    sinkhorn_dtype: torch.dtype | None = torch.float32,
+    sigma: float = 10.0,
+    caller: str = "register",
+) -> Loss:
     """Build a data term by name (see the module docstring for the meanings and units).
 
     The Sinkhorn term solves with ``sinkhorn`` (default :data:`SINKHORN_TERM`) at ``blur``
@@ -178,8 +191,10 @@ def make_loss(name: str, *, blur: float = 2.0, sinkhorn: SinkhornOptions | None 
     if name == "sinkhorn":
         blur = check_positive(caller, "blur", blur)
         if sinkhorn is not None and not isinstance(sinkhorn, SinkhornOptions):
-            raise TypeError(f"{caller}: sinkhorn must be an otreg SinkhornOptions or None, got "
-                            f"{type(sinkhorn).__name__}")
+            raise TypeError(
+                f"{caller}: sinkhorn must be an otreg SinkhornOptions or None, got "
+                f"{type(sinkhorn).__name__}"
+            )
         options = (sinkhorn or SINKHORN_TERM).replace(blur=blur)
         term, prepare = _sinkhorn(options, sinkhorn_dtype)
         return Loss(name, term, prepare, blur=blur, reach=options.reach)
@@ -190,8 +205,10 @@ def make_loss(name: str, *, blur: float = 2.0, sinkhorn: SinkhornOptions | None 
     if name == "chamfer":
         return Loss(name, _chamfer)
     if name == "landmarks":
-        raise ValueError(f"{caller}: give landmarks as landmarks=(source_points, target_points); "
-                         "the term is added with weight 'landmarks' in loss")
+        raise ValueError(
+            f"{caller}: give landmarks as landmarks=(source_points, target_points); "
+            "the term is added with weight 'landmarks' in loss"
+        )
     raise ValueError(f"{caller}: unknown loss {name!r}; choose from {', '.join(LOSSES)}")
 
 

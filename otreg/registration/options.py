@@ -63,8 +63,11 @@ class LDDMMOptions:
         check_int(caller, "control_points", self.control_points, 4)
         check_int(caller, "n_steps", self.n_steps, 1)
         check_choice(caller, "integrator", self.integrator, INTEGRATORS)
-        _set(self, "regularization",
-             check_positive(caller, "regularization", self.regularization, allow_zero=True))
+        _set(
+            self,
+            "regularization",
+            check_positive(caller, "regularization", self.regularization, allow_zero=True),
+        )
         check_choice(caller, "strategy", self.strategy, STRATEGIES)
         if self.memory is not None:
             parse_bytes(caller, self.memory)
@@ -92,10 +95,14 @@ class PrealignOptions:
         check_choice(caller, "kind", self.kind, PREALIGNS)
         check_int(caller, "n_iter", self.n_iter, 1)
         if self.blur is not None:
-            if isinstance(self.blur, (str, bytes)) or not isinstance(self.blur, Sequence) \
-                    or len(self.blur) != 2:
-                raise TypeError(f"{caller}: blur must be None or (first, last) in mm, got "
-                                f"{self.blur!r}")
+            if (
+                isinstance(self.blur, (str, bytes))
+                or not isinstance(self.blur, Sequence)
+                or len(self.blur) != 2
+            ):
+                raise TypeError(
+                    f"{caller}: blur must be None or (first, last) in mm, got {self.blur!r}"
+                )
             _set(self, "blur", tuple(check_positive(caller, "blur", b) for b in self.blur))
         check_int(caller, "max_points", self.max_points, 4)
 
@@ -128,8 +135,10 @@ def loss_weights(loss: object, caller: str, what: str = "loss") -> dict[str, flo
     if isinstance(loss, str):
         loss = {loss: 1.0}
     if not isinstance(loss, dict) or not loss:
-        raise ValueError(f"{caller}: {what} is {loss!r}; give a data term name or a non-empty "
-                         "dict of weights, e.g. {'sinkhorn': 1.0}")
+        raise ValueError(
+            f"{caller}: {what} is {loss!r}; give a data term name or a non-empty "
+            "dict of weights, e.g. {'sinkhorn': 1.0}"
+        )
     out = {}
     for name, w in loss.items():
         check_choice(caller, "loss", name, LOSSES)

@@ -38,9 +38,14 @@ def _coarse_measure(shape: Shape, max_points: int) -> tuple[torch.Tensor, torch.
     return x.detach().double(), (a.detach() / a.sum()).double()
 
 
-def prealign(source: Shape, target: Shape, kind: str | PrealignOptions = "rigid",
-             n_iter: int = _UNSET, blur: tuple[float, float] | None = _UNSET,
-             max_points: int = _UNSET) -> _Linear:
+def prealign(
+    source: Shape,
+    target: Shape,
+    kind: str | PrealignOptions = "rigid",
+    n_iter: int = _UNSET,
+    blur: tuple[float, float] | None = _UNSET,
+    max_points: int = _UNSET,
+) -> _Linear:
     """Fit a rigid, similarity or affine map by OT matching (no correspondence needed).
 
     ``kind`` is a name (``"rigid"``, ``"similarity"``, ``"affine"``) or a
@@ -55,16 +60,19 @@ def prealign(source: Shape, target: Shape, kind: str | PrealignOptions = "rigid"
     vertices: a linear map has 12 parameters at most, which a few thousand points fix.
     """
     caller = "prealign"
-    changes = {name: value for name, value in (("n_iter", n_iter), ("blur", blur),
-                                                ("max_points", max_points))
-               if value is not _UNSET}
+    changes = {
+        name: value
+        for name, value in (("n_iter", n_iter), ("blur", blur), ("max_points", max_points))
+        if value is not _UNSET
+    }
     if isinstance(kind, PrealignOptions):
         options = dataclasses.replace(kind, **changes)
     else:
         options = PrealignOptions(kind, **changes)
     if options.kind not in LINEAR:
-        raise ValueError(f"{caller}: kind is {options.kind!r}; choose one of "
-                         f"{', '.join(map(repr, LINEAR))}")
+        raise ValueError(
+            f"{caller}: kind is {options.kind!r}; choose one of {', '.join(map(repr, LINEAR))}"
+        )
     x, a = _coarse_measure(source, options.max_points)
     y, b = _coarse_measure(target, options.max_points)
     size = float((y.max(0).values - y.min(0).values).norm())
@@ -79,8 +87,16 @@ def prealign(source: Shape, target: Shape, kind: str | PrealignOptions = "rigid"
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
             moved = model(x)  # OT in float32 (twice as fast), the fit in float64
-            res = sinkhorn(moved.float(), y.float(), a.float(), b.float(), blur=bl,
-                           scaling=0.7, tol=1e-3, max_iter=60)
+            res = sinkhorn(
+                moved.float(),
+                y.float(),
+                a.float(),
+                b.float(),
+                blur=bl,
+                scaling=0.7,
+                tol=1e-3,
+                max_iter=60,
+            )
             goal = res.plan.barycentric_map().double()
             A, t = fit_linear(options.kind, x, goal, a, center)
             model.set_from(A, t)

@@ -49,21 +49,35 @@ METRIC_POINTS = 20_000
 
 #: The deprecated keywords of register(): which option object now holds each.
 _ALIASES = {
-    **{name: "model" for name in ("sigma", "control_points", "n_steps", "integrator",
-                                  "regularization", "strategy", "memory")},
+    **{
+        name: "model"
+        for name in (
+            "sigma",
+            "control_points",
+            "n_steps",
+            "integrator",
+            "regularization",
+            "strategy",
+            "memory",
+        )
+    },
     "max_iter": "optimizer",
     "tol": "optimizer",
     "reach": "sinkhorn",
 }
-_NEW_SPELLING = {"model": "model=LDDMMOptions({name}=...)",
-                 "optimizer": "optimizer=LBFGSOptions({name}=...)",
-                 "sinkhorn": "sinkhorn=SinkhornOptions({name}=...)"}
+_NEW_SPELLING = {
+    "model": "model=LDDMMOptions({name}=...)",
+    "optimizer": "optimizer=LBFGSOptions({name}=...)",
+    "sinkhorn": "sinkhorn=SinkhornOptions({name}=...)",
+}
 
 
 def _check_shape(caller: str, name: str, shape: object) -> Shape:
     if not isinstance(shape, Shape):
-        raise TypeError(f"{caller}: {name} must be an otreg Shape (see otreg.load_shape), got "
-                        f"{type(shape).__name__}")
+        raise TypeError(
+            f"{caller}: {name} must be an otreg Shape (see otreg.load_shape), got "
+            f"{type(shape).__name__}"
+        )
     if shape.dim != 3:
         raise ValueError(f"{caller}: {name} has {shape.dim}-D points; registration needs 3-D")
     return shape
@@ -86,19 +100,27 @@ def _levels(levels, loss, caller: str) -> list[Level]:
             n, scale, own = lv.points, lv.scale, lv.loss
         elif isinstance(lv, (tuple, list)) and len(lv) in (2, 3):
             n, scale = lv[0], lv[1]
-            own = loss_weights(lv[2], caller, f"the loss of level {k + 1}") if len(lv) == 3 \
-                else None
+            own = (
+                loss_weights(lv[2], caller, f"the loss of level {k + 1}") if len(lv) == 3 else None
+            )
         else:
-            raise ValueError(f"{caller}: each level is (points, scale_mm), (points, scale_mm, "
-                             f"loss) or a Level, got {lv!r}")
+            raise ValueError(
+                f"{caller}: each level is (points, scale_mm), (points, scale_mm, "
+                f"loss) or a Level, got {lv!r}"
+            )
         if own is not None:
             terms = own
         elif loss is not None:
             terms = loss_weights(loss, caller)
         else:
             terms = {"varifold" if k == len(levels) - 1 and len(levels) > 1 else "sinkhorn": 1.0}
-        out.append(Level(check_int(caller, "level points", n, 4),
-                         check_positive(caller, "level scale", scale), terms))
+        out.append(
+            Level(
+                check_int(caller, "level points", n, 4),
+                check_positive(caller, "level scale", scale),
+                terms,
+            )
+        )
     return out
 
 
@@ -109,8 +131,11 @@ def _resolve(caller: str, model, prealign, optimizer, sinkhorn, deprecated: dict
     unknown = sorted(set(deprecated) - set(_ALIASES))
     if unknown:
         raise TypeError(f"{caller}: unknown keyword argument(s) {', '.join(unknown)}")
-    explicit = {"model": isinstance(model, LDDMMOptions), "optimizer": optimizer is not None,
-                "sinkhorn": sinkhorn is not None}
+    explicit = {
+        "model": isinstance(model, LDDMMOptions),
+        "optimizer": optimizer is not None,
+        "sinkhorn": sinkhorn is not None,
+    }
     if isinstance(model, LDDMMOptions):
         lddmm, model = model, "lddmm"
     else:
@@ -121,26 +146,31 @@ def _resolve(caller: str, model, prealign, optimizer, sinkhorn, deprecated: dict
         holder = _ALIASES[name]
         spelling = _NEW_SPELLING[holder].format(name=name)
         if holder == "model" and model != "lddmm":
-            raise ValueError(f"{caller}: {name}= applies to model='lddmm' only, not "
-                             f"model={model!r}")
+            raise ValueError(
+                f"{caller}: {name}= applies to model='lddmm' only, not model={model!r}"
+            )
         if explicit[holder]:
-            raise ValueError(f"{caller}: {name}= and {holder}= were both given; write "
-                             f"{spelling} only")
-        warnings.warn(f"{caller}: {name}= is deprecated; write {spelling}",
-                      DeprecationWarning, stacklevel=3)
+            raise ValueError(
+                f"{caller}: {name}= and {holder}= were both given; write {spelling} only"
+            )
+        warnings.warn(
+            f"{caller}: {name}= is deprecated; write {spelling}", DeprecationWarning, stacklevel=3
+        )
         changes[holder][name] = value
     if changes["model"]:
         lddmm = dataclasses.replace(lddmm, **changes["model"])
     if optimizer is None:
         optimizer = LBFGSOptions(**changes["optimizer"])
     elif not isinstance(optimizer, LBFGSOptions):
-        raise TypeError(f"{caller}: optimizer must be an LBFGSOptions or None, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"{caller}: optimizer must be an LBFGSOptions or None, got {type(optimizer).__name__}"
+        )
     if sinkhorn is None:
         sinkhorn = SINKHORN_TERM.replace(**changes["sinkhorn"])
     elif not isinstance(sinkhorn, SinkhornOptions):
-        raise TypeError(f"{caller}: sinkhorn must be a SinkhornOptions or None, got "
-                        f"{type(sinkhorn).__name__}")
+        raise TypeError(
+            f"{caller}: sinkhorn must be a SinkhornOptions or None, got {type(sinkhorn).__name__}"
+        )
     if isinstance(prealign, PrealignOptions):
         pre = prealign
     else:
@@ -211,8 +241,9 @@ def register(
             raise ValueError(f"{caller}: {name} has no triangles; registration compares surfaces")
     if source.unit != target.unit:
         raise ValueError(f"{caller}: source is in {source.unit} but target in {target.unit}")
-    model, lddmm, pre, optimizer, sinkhorn = _resolve(caller, model, prealign, optimizer,
-                                                      sinkhorn, deprecated)
+    model, lddmm, pre, optimizer, sinkhorn = _resolve(
+        caller, model, prealign, optimizer, sinkhorn, deprecated
+    )
     levels_ = _levels(levels, loss, caller)
     if any("landmarks" in lv.loss for lv in levels_) and landmarks is None:
         raise ValueError(f"{caller}: loss has 'landmarks' but landmarks= is None")
@@ -220,14 +251,22 @@ def register(
     if truth is not None:
         truth = torch.as_tensor(truth)
         if tuple(truth.shape) != tuple(source.points.shape):
-            raise ValueError(f"{caller}: truth has shape {tuple(truth.shape)}; it must give the "
-                             f"target position of every source vertex, "
-                             f"{tuple(source.points.shape)}")
+            raise ValueError(
+                f"{caller}: truth has shape {tuple(truth.shape)}; it must give the "
+                f"target position of every source vertex, "
+                f"{tuple(source.points.shape)}"
+            )
     asdict = dataclasses.asdict
-    options = {"model": model, "lddmm": None if lddmm is None else asdict(lddmm),
-               "prealign": asdict(pre), "levels": [asdict(lv) for lv in levels_],
-               "optimizer": asdict(optimizer), "sinkhorn": asdict(sinkhorn), "loss": loss,
-               "varifold_sigma": varifold_sigma}
+    options = {
+        "model": model,
+        "lddmm": None if lddmm is None else asdict(lddmm),
+        "prealign": asdict(pre),
+        "levels": [asdict(lv) for lv in levels_],
+        "optimizer": asdict(optimizer),
+        "sinkhorn": asdict(sinkhorn),
+        "loss": loss,
+        "varifold_sigma": varifold_sigma,
+    }
     start = time.perf_counter()
     src = source.to(torch.float64)
     tgt = target.to(torch.float64)
@@ -237,16 +276,22 @@ def register(
     moved_src = src if linear is None else src.with_points(linear(src.points).detach())
     deformation = None
     if lddmm is not None:
-        deformation = LDDMM(moved_src.decimate(lddmm.control_points).points, sigma=lddmm.sigma,
-                            n_steps=lddmm.n_steps, integrator=lddmm.integrator,
-                            strategy=lddmm.strategy, memory=lddmm.memory).double()
+        deformation = LDDMM(
+            moved_src.decimate(lddmm.control_points).points,
+            sigma=lddmm.sigma,
+            n_steps=lddmm.n_steps,
+            integrator=lddmm.integrator,
+            strategy=lddmm.strategy,
+            memory=lddmm.memory,
+        ).double()
         lm = None
         if landmarks is not None:
             lsrc = torch.as_tensor(landmarks[0], dtype=torch.float64)
             lsrc = lsrc if linear is None else linear(lsrc).detach()
             lm = (lsrc, torch.as_tensor(landmarks[1], dtype=torch.float64))
-        fit = _Fit(deformation, lddmm.regularization, lm, optimizer, sinkhorn, progress,
-                   history, start)
+        fit = _Fit(
+            deformation, lddmm.regularization, lm, optimizer, sinkhorn, progress, history, start
+        )
         _fit(fit, moved_src, tgt, levels_)
     with torch.no_grad():
         warped_pts = moved_src.points if deformation is None else deformation(moved_src.points)
@@ -258,9 +303,14 @@ def register(
     jac_points = source.points[even_indices(source.n_points, METRIC_POINTS)]
     jac = metrics.jacobian_determinants(result.apply, jac_points)
     w64 = warped.to(torch.float64)
-    result.metrics = metrics.summary(w64, tgt, jac=jac, truth=truth, sigma=varifold_sigma,
-                                     varifold_shapes=(w64.decimate(METRIC_POINTS),
-                                                      tgt.decimate(METRIC_POINTS)))
+    result.metrics = metrics.summary(
+        w64,
+        tgt,
+        jac=jac,
+        truth=truth,
+        sigma=varifold_sigma,
+        varifold_shapes=(w64.decimate(METRIC_POINTS), tgt.decimate(METRIC_POINTS)),
+    )
     result.metrics["jacobian_points"] = int(jac_points.shape[0])
     result.metrics["seconds"] = time.perf_counter() - start
     return result
@@ -283,18 +333,32 @@ class _Fit:
 def _fit(fit: _Fit, src: Shape, tgt: Shape, levels: list[Level]) -> None:
     for level, lv in enumerate(levels):
         s_level, t_level = src.decimate(lv.points), tgt.decimate(lv.points)
-        terms = {name: make_loss(name, blur=lv.scale, sinkhorn=fit.sinkhorn, sigma=lv.scale)
-                 for name in lv.loss if name != "landmarks"}
-        label = (f"level {level + 1}/{len(levels)} ({s_level.n_points} pts, "
-                 f"{'+'.join(lv.loss)} at {lv.scale:g} mm)")
+        terms = {
+            name: make_loss(name, blur=lv.scale, sinkhorn=fit.sinkhorn, sigma=lv.scale)
+            for name in lv.loss
+            if name != "landmarks"
+        }
+        label = (
+            f"level {level + 1}/{len(levels)} ({s_level.n_points} pts, "
+            f"{'+'.join(lv.loss)} at {lv.scale:g} mm)"
+        )
         _fit_level(fit, s_level, t_level, terms, lv.loss, level, label)
         if not all(math.isfinite(h["loss"]) for h in fit.history[-3:]):
-            raise FloatingPointError("register: the objective became NaN or infinite; lower "
-                                     "the kernel width or raise regularization")
+            raise FloatingPointError(
+                "register: the objective became NaN or infinite; lower "
+                "the kernel width or raise regularization"
+            )
 
 
-def _fit_level(fit: _Fit, s_level: Shape, t_level: Shape, terms: dict[str, Loss],
-               weights: dict[str, float], level: int, label: str) -> None:
+def _fit_level(
+    fit: _Fit,
+    s_level: Shape,
+    t_level: Shape,
+    terms: dict[str, Loss],
+    weights: dict[str, float],
+    level: int,
+    label: str,
+) -> None:
     """L-BFGS on the momenta for one level."""
     deformation, history, opts = fit.deformation, fit.history, fit.optimizer
     bar = None
@@ -310,9 +374,15 @@ def _fit_level(fit: _Fit, s_level: Shape, t_level: Shape, terms: dict[str, Loss]
         warped = s_level.with_points(deformation(s_level.points))
         for term in terms.values():
             term.prepare(warped, t_level)
-    optimizer = torch.optim.LBFGS([deformation.momenta], lr=1.0, max_iter=opts.max_iter,
-                                  history_size=opts.history_size, line_search_fn="strong_wolfe",
-                                  tolerance_change=opts.tol, tolerance_grad=1e-12)
+    optimizer = torch.optim.LBFGS(
+        [deformation.momenta],
+        lr=1.0,
+        max_iter=opts.max_iter,
+        history_size=opts.history_size,
+        line_search_fn="strong_wolfe",
+        tolerance_change=opts.tol,
+        tolerance_grad=1e-12,
+    )
 
     def closure():
         optimizer.zero_grad()

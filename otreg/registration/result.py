@@ -50,11 +50,15 @@ class Registration:
         if isinstance(what, np.ndarray):
             return self.transform(torch.as_tensor(what)).numpy()
         if not isinstance(what, torch.Tensor):
-            raise TypeError(f"Registration.transform: give points (N, 3) as a tensor or array, "
-                            f"or a Shape; got {type(what).__name__}")
+            raise TypeError(
+                f"Registration.transform: give points (N, 3) as a tensor or array, "
+                f"or a Shape; got {type(what).__name__}"
+            )
         if what.dim() != 2 or what.shape[1] != 3:
-            raise ValueError(f"Registration.transform: points have shape {tuple(what.shape)}; "
-                             "they must be (N, 3)")
+            raise ValueError(
+                f"Registration.transform: points have shape {tuple(what.shape)}; "
+                "they must be (N, 3)"
+            )
         with torch.no_grad():
             return self.apply(what.detach().double()).to(what.dtype)
 
@@ -79,8 +83,10 @@ class Registration:
                 params.update(part.to_arrays())
         atomic_write(folder / "parameters.npz", lambda p: np.savez(p, **params))
         doc = {"options": self.options, "metrics": self.metrics, "history": self.history}
-        atomic_write(folder / "registration.json",
-                     lambda p: p.write_text(json.dumps(doc, indent=2, default=str)))
+        atomic_write(
+            folder / "registration.json",
+            lambda p: p.write_text(json.dumps(doc, indent=2, default=str)),
+        )
         return folder
 
     @classmethod
@@ -97,5 +103,11 @@ class Registration:
             linear = _Linear.from_arrays(arrays) if "linear_kind" in arrays else None
             deformation = LDDMM.from_arrays(arrays) if "momenta" in arrays else None
         doc = json.loads((folder / "registration.json").read_text())
-        return cls(load_shape(folder / "warped.vtk"), linear, deformation, doc["history"],
-                   doc["metrics"], doc["options"])
+        return cls(
+            load_shape(folder / "warped.vtk"),
+            linear,
+            deformation,
+            doc["history"],
+            doc["metrics"],
+            doc["options"],
+        )

@@ -40,8 +40,9 @@ def test_mni_white_matter_gives_a_closed_surface():
 
 def test_synthetic_subjects_carry_their_ground_truth(tmp_path):
     base = datasets.fsaverage5("pial", "left")
-    subjects = datasets.synthetic_subjects(base, n=2, magnitude=5.0, max_angle=8.0,
-                                           out_dir=tmp_path, seed=3)
+    subjects = datasets.synthetic_subjects(
+        base, n=2, magnitude=5.0, max_angle=8.0, out_dir=tmp_path, seed=3
+    )
     for s in subjects:
         truth = s.transform(base.points.double())
         assert torch.allclose(s.shape.points.double(), truth, atol=1e-3)

@@ -52,8 +52,12 @@ def test_nifti_surface_lands_in_world_mm_with_outward_normals(tmp_path, flip):
     semi = radii * np.array([1.0, 1.5, 2.0])
     vol = 4 / 3 * math.pi * semi.prod()
     p = 1.6075
-    area = 4 * math.pi * (((semi[0] * semi[1]) ** p + (semi[0] * semi[2]) ** p
-                           + (semi[1] * semi[2]) ** p) / 3) ** (1 / p)
+    area = (
+        4
+        * math.pi
+        * (((semi[0] * semi[1]) ** p + (semi[0] * semi[2]) ** p + (semi[1] * semi[2]) ** p) / 3)
+        ** (1 / p)
+    )
     assert float(shape.volume) == pytest.approx(vol, rel=0.06)  # > 0: normals point out
     # a binary mask's staircase adds about 10% of area; Taubin smoothing removes most of it
     assert float(shape.area) == pytest.approx(area, rel=0.15)
@@ -94,8 +98,9 @@ def tetra():
     return Shape(pts, faces)
 
 
-@pytest.mark.parametrize("name", ["s.vtk", "s.vtp", "s.ply", "s.stl", "s.obj", "s.gii",
-                                  "lh.test", "s.csv", "s.npy"])
+@pytest.mark.parametrize(
+    "name", ["s.vtk", "s.vtp", "s.ply", "s.stl", "s.obj", "s.gii", "lh.test", "s.csv", "s.npy"]
+)
 def test_round_trips_keep_points_faces_and_units(tmp_path, name):
     shape = tetra()
     assert float(shape.volume) > 0
@@ -115,18 +120,30 @@ def test_round_trips_keep_points_faces_and_units(tmp_path, name):
 
 def test_freesurfer_surface_is_moved_by_c_ras(tmp_path):
     shape = tetra()
-    info = {"head": np.array([2, 0, 20], dtype=np.int32), "valid": "1  # volume info valid",
-            "filename": "orig.mgz", "volume": np.array([256, 256, 256]),
-            "voxelsize": np.ones(3), "xras": np.array([-1.0, 0, 0]),
-            "yras": np.array([0, 0, -1.0]), "zras": np.array([0, 1.0, 0]),
-            "cras": np.array([5.0, -3.0, 12.0])}
-    nib.freesurfer.write_geometry(str(tmp_path / "lh.pial"), shape.points.numpy(),
-                                  shape.faces.numpy().astype(np.int32), volume_info=info)
+    info = {
+        "head": np.array([2, 0, 20], dtype=np.int32),
+        "valid": "1  # volume info valid",
+        "filename": "orig.mgz",
+        "volume": np.array([256, 256, 256]),
+        "voxelsize": np.ones(3),
+        "xras": np.array([-1.0, 0, 0]),
+        "yras": np.array([0, 0, -1.0]),
+        "zras": np.array([0, 1.0, 0]),
+        "cras": np.array([5.0, -3.0, 12.0]),
+    }
+    nib.freesurfer.write_geometry(
+        str(tmp_path / "lh.pial"),
+        shape.points.numpy(),
+        shape.faces.numpy().astype(np.int32),
+        volume_info=info,
+    )
     back = load_shape(tmp_path / "lh.pial", dtype=torch.float64)
-    assert torch.allclose(back.points, shape.points + torch.tensor([5.0, -3.0, 12.0],
-                                                                   dtype=torch.float64))
-    nib.freesurfer.write_geometry(str(tmp_path / "rh.white"), shape.points.numpy(),
-                                  shape.faces.numpy().astype(np.int32))
+    assert torch.allclose(
+        back.points, shape.points + torch.tensor([5.0, -3.0, 12.0], dtype=torch.float64)
+    )
+    nib.freesurfer.write_geometry(
+        str(tmp_path / "rh.white"), shape.points.numpy(), shape.faces.numpy().astype(np.int32)
+    )
     with pytest.warns(UserWarning, match="tkr-RAS"):
         load_shape(tmp_path / "rh.white")
 
@@ -233,12 +250,12 @@ def test_save_never_overwrites_the_input_and_leaves_no_partial_file(tmp_path):
 
 def test_truncated_mesh_raises_instead_of_returning_part_of_it(tmp_path):
     pytest.importorskip("pyvista")
-    mesh = Shape(torch.rand(2000, 3, dtype=torch.float64) * 50,
-                 torch.randint(0, 2000, (4000, 3)))
+    mesh = Shape(torch.rand(2000, 3, dtype=torch.float64) * 50, torch.randint(0, 2000, (4000, 3)))
     whole = save_shape(mesh, tmp_path / "whole.vtk")
     (tmp_path / "cut.vtk").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
-    with pytest.raises(ValueError, match="cut.vtk could not be read as a mesh; it may be "
-                                         "truncated or corrupt"):
+    with pytest.raises(
+        ValueError, match="cut.vtk could not be read as a mesh; it may be truncated or corrupt"
+    ):
         load_shape(tmp_path / "cut.vtk")
     assert load_shape(whole).n_faces == 4000
 

@@ -25,8 +25,15 @@ def test_implicit_matches_unrolled_on_a_contraction(solver):
     out = {}
     for backward in ("implicit", "unroll"):
         report = {}
-        z = fixed_point(step, torch.zeros(8, dtype=torch.float64), (A, b), tol=1e-13,
-                        backward=backward, solver=solver, report=report)
+        z = fixed_point(
+            step,
+            torch.zeros(8, dtype=torch.float64),
+            (A, b),
+            tol=1e-13,
+            backward=backward,
+            solver=solver,
+            report=report,
+        )
         out[backward] = torch.autograd.grad((z**3).sum(), (A, b))
         assert report["converged"]
     for g_imp, g_unr in zip(out["implicit"], out["unroll"]):
@@ -37,8 +44,13 @@ def test_implicit_matches_unrolled_on_a_contraction(solver):
 def test_implicit_reports_its_residual():
     A, b = contraction()
     report = {}
-    z = fixed_point(lambda z, A, b: torch.tanh(A @ z) / 2 + b, torch.zeros(8, dtype=A.dtype),
-                    (A, b), tol=1e-12, report=report)
+    z = fixed_point(
+        lambda z, A, b: torch.tanh(A @ z) / 2 + b,
+        torch.zeros(8, dtype=A.dtype),
+        (A, b),
+        tol=1e-12,
+        report=report,
+    )
     z.sum().backward()
     assert report["backward_residual"] < 1e-10 and report["backward_iterations"] >= 1
 
@@ -46,8 +58,13 @@ def test_implicit_reports_its_residual():
 def test_non_convergence_warns():
     A, b = contraction()
     with pytest.warns(otreg.ConvergenceWarning, match="fixed_point: stopped after 3"):
-        fixed_point(lambda z, A, b: torch.tanh(A @ z) / 2 + b, torch.zeros(8, dtype=A.dtype),
-                    (A, b), tol=1e-12, max_iter=3)
+        fixed_point(
+            lambda z, A, b: torch.tanh(A @ z) / 2 + b,
+            torch.zeros(8, dtype=A.dtype),
+            (A, b),
+            tol=1e-12,
+            max_iter=3,
+        )
 
 
 @pytest.mark.parametrize("reach", [None, 0.5])
@@ -56,8 +73,9 @@ def test_sinkhorn_implicit_potentials_match_unrolled(reach):
     out = {}
     for backward in ("implicit", "unroll"):
         xx, bb = x.clone().requires_grad_(), b.clone().requires_grad_()
-        res = otreg.sinkhorn(xx, y, a, bb, blur=0.3, reach=reach, tol=1e-13, max_iter=5000,
-                             backward=backward)
+        res = otreg.sinkhorn(
+            xx, y, a, bb, blur=0.3, reach=reach, tol=1e-13, max_iter=5000, backward=backward
+        )
         # a loss on the plan (gauge invariant) and on the potentials
         loss = (res.plan.barycentric_map() ** 2).sum() + (res.f * a).sum() + (res.g * bb).sum()
         out[backward] = torch.autograd.grad(loss, (xx, bb))
@@ -70,8 +88,9 @@ def test_sinkhorn_unroll_with_checkpointing_equals_store():
     out = {}
     for strategy, memory in (("store", None), ("checkpoint", "1KB")):
         xx = x.clone().requires_grad_()
-        res = otreg.sinkhorn(xx, y, a, b, blur=0.3, tol=1e-10, backward="unroll",
-                             strategy=strategy, memory=memory)
+        res = otreg.sinkhorn(
+            xx, y, a, b, blur=0.3, tol=1e-10, backward="unroll", strategy=strategy, memory=memory
+        )
         out[strategy] = torch.autograd.grad(res.f.square().sum(), xx)[0]
     assert torch.allclose(out["store"], out["checkpoint"], rtol=1e-10)
 

@@ -29,8 +29,9 @@ def grads(strategy, n=40, step=noisy_step, **kw):
 
 
 def close(g1, g2, rtol):
-    return all(torch.allclose(a, b, rtol=rtol, atol=rtol * float(b.abs().max()))
-               for a, b in zip(g1, g2))
+    return all(
+        torch.allclose(a, b, rtol=rtol, atol=rtol * float(b.abs().max())) for a, b in zip(g1, g2)
+    )
 
 
 @pytest.mark.parametrize("snapshots", [1, 2, 3, 7, 40, 100])
@@ -108,25 +109,34 @@ def test_rng_is_not_disturbed_by_backward():
 
 def test_profile_table():
     x0, W = make()
-    rows = profile(lambda x, W: torch.tanh(x @ W), x0, 20, (W,), snapshots=3,
-                   strategies=("store", "checkpoint", "offload"))
+    rows = profile(
+        lambda x, W: torch.tanh(x @ W),
+        x0,
+        20,
+        (W,),
+        snapshots=3,
+        strategies=("store", "checkpoint", "offload"),
+    )
     assert [r["strategy"] for r in rows] == ["store", "checkpoint", "offload"]
     assert all(r["grad_diff"] < 1e-12 and r["seconds"] > 0 for r in rows)
     assert rows[1]["recomputations"] == min_recomputations(20, 3) + 1 - 20
     assert "checkpoint" in str(rows)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(n_steps=0), ValueError, "n_steps is 0"),
-    (dict(strategy="revolve"), ValueError, "strategy is 'revolve'"),
-    (dict(strategy="checkpoint", memory="1B"), ValueError, "smaller than one state"),
-    (dict(strategy="checkpoint", memory="lots"), ValueError, "memory is 'lots'"),
-    (dict(strategy="checkpoint", memory="1MB", snapshots=2), ValueError, "not both"),
-    (dict(strategy="store", snapshots=2), ValueError, "checkpoint' only"),
-    (dict(strategy="reversible"), ValueError, "needs inverse="),
-    (dict(step=lambda x, W: x[:2]), ValueError, "step changed the state from"),
-    (dict(step=3), TypeError, "step must be callable"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(n_steps=0), ValueError, "n_steps is 0"),
+        (dict(strategy="revolve"), ValueError, "strategy is 'revolve'"),
+        (dict(strategy="checkpoint", memory="1B"), ValueError, "smaller than one state"),
+        (dict(strategy="checkpoint", memory="lots"), ValueError, "memory is 'lots'"),
+        (dict(strategy="checkpoint", memory="1MB", snapshots=2), ValueError, "not both"),
+        (dict(strategy="store", snapshots=2), ValueError, "checkpoint' only"),
+        (dict(strategy="reversible"), ValueError, "needs inverse="),
+        (dict(step=lambda x, W: x[:2]), ValueError, "step changed the state from"),
+        (dict(step=3), TypeError, "step must be callable"),
+    ],
+)
 def test_bad_arguments(kwargs, error, match):
     x0, W = make()
     args = dict(step=lambda x, W: x @ W, n_steps=5, strategy="store")

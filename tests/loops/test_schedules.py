@@ -19,15 +19,22 @@ def brute_force(n, s):
 
 
 # (n, s, p) from the closed form p = t n - beta(s + 1, t - 1), worked by hand
-TABLE = [(1, 1, 0), (2, 1, 1), (5, 1, 10), (3, 2, 2), (6, 2, 8), (10, 3, 15), (20, 4, 39),
-         (100, 10, 222)]
+TABLE = [
+    (1, 1, 0),
+    (2, 1, 1),
+    (5, 1, 10),
+    (3, 2, 2),
+    (6, 2, 8),
+    (10, 3, 15),
+    (20, 4, 39),
+    (100, 10, 222),
+]
 
 
 @pytest.mark.parametrize("n, s, expected", TABLE)
 def test_min_recomputations_table(n, s, expected):
     t = next(t for t in range(n + 1) if comb(s + t, s) >= n)
-    assert min_recomputations(n, s) == expected == (t * n - comb(s + t, s + 1) if n > 1
-                                                    else 0)
+    assert min_recomputations(n, s) == expected == (t * n - comb(s + t, s + 1) if n > 1 else 0)
 
 
 def test_formula_equals_brute_force():
@@ -36,8 +43,7 @@ def test_formula_equals_brute_force():
             assert min_recomputations(n, s) == brute_force(n, s), (n, s)
 
 
-@pytest.mark.parametrize("n, s", [(1, 1), (7, 1), (30, 2), (50, 3), (200, 5), (1000, 10),
-                                  (12, 20)])
+@pytest.mark.parametrize("n, s", [(1, 1), (7, 1), (30, 2), (50, 3), (200, 5), (1000, 10), (12, 20)])
 def test_schedule_is_optimal_valid_and_within_budget(n, s):
     actions = binomial_schedule(n, s)
     slots, current, taped, advances, most = {0}, 0, [], 0, 1

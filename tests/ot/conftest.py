@@ -10,8 +10,13 @@ import pytest
 from otreg import reductions
 
 
-@pytest.fixture(params=["tensorized", "blocked",
-                        pytest.param("keops", marks=(pytest.mark.slow, pytest.mark.keops))])
+@pytest.fixture(
+    params=[
+        "tensorized",
+        "blocked",
+        pytest.param("keops", marks=(pytest.mark.slow, pytest.mark.keops)),
+    ]
+)
 def each_backend(request, monkeypatch):
     """The backend that ``auto`` resolves to in this test."""
     if request.param == "tensorized":

@@ -45,12 +45,22 @@ CASES = [
     ("unknown backward", (x, y), {"backward": "magic"}, ValueError, "backward is 'magic'"),
     ("max_iter zero", (x, y), {"max_iter": 0}, ValueError, "max_iter is 0"),
     ("max_iter float", (x, y), {"max_iter": 10.0}, TypeError, "max_iter must be an integer"),
-    ("max_iter below schedule", (x, y), {"max_iter": 3, "blur": 0.01}, ValueError,
-     "schedule alone"),
+    (
+        "max_iter below schedule",
+        (x, y),
+        {"max_iter": 3, "blur": 0.01},
+        ValueError,
+        "schedule alone",
+    ),
     ("negative tol", (x, y), {"tol": -1.0}, ValueError, "tol is -1.0"),
     ("batched and not", (x[None], y), {}, ValueError, "batched"),
-    ("batch of unequal sizes", (torch.stack([x, x]), torch.stack([y, y, y])), {}, ValueError,
-     "batch size 2 but y has 3"),
+    (
+        "batch of unequal sizes",
+        (torch.stack([x, x]), torch.stack([y, y, y])),
+        {},
+        ValueError,
+        "batch size 2 but y has 3",
+    ),
 ]
 
 

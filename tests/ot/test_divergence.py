@@ -68,9 +68,10 @@ def test_divergence_is_non_negative(seed):
 def test_divergence_tends_to_the_ot_cost_as_blur_vanishes():
     x, y, a, b = clouds(n=20, m=20, seed=5, shift=0.5)
     emd = ot.emd2(a.numpy(), b.numpy(), get_cost("sqeuclidean").dense(x[None], y[None])[0].numpy())
-    errors = [abs(float(otreg.sinkhorn_divergence(x, y, a, b, blur=blur, tol=1e-8,
-                                                  max_iter=50000)) - emd)
-              for blur in (0.1, 0.03, 0.01)]
+    errors = [
+        abs(float(otreg.sinkhorn_divergence(x, y, a, b, blur=blur, tol=1e-8, max_iter=50000)) - emd)
+        for blur in (0.1, 0.03, 0.01)
+    ]
     assert errors[0] > errors[2] and errors[2] < 2e-3 * emd
 
 
@@ -85,8 +86,9 @@ def test_translation_closed_form():
 def test_sinkhorn_loss_matches_the_functions(each_backend):
     x, y, a, b = clouds()
     loss = otreg.SinkhornLoss(blur=0.2, tol=1e-10)
-    assert torch.allclose(loss(a, x, b, y), otreg.sinkhorn_divergence(x, y, a, b, blur=0.2,
-                                                                      tol=1e-10))
+    assert torch.allclose(
+        loss(a, x, b, y), otreg.sinkhorn_divergence(x, y, a, b, blur=0.2, tol=1e-10)
+    )
     assert torch.allclose(loss(x, y), otreg.sinkhorn_divergence(x, y, blur=0.2, tol=1e-10))
     assert loss.last_result.converged and loss.last_result.backend == each_backend
     plain = otreg.SinkhornLoss(blur=0.2, debias=False, tol=1e-10)

@@ -25,8 +25,7 @@ def spheres(n=1500, dtype=torch.float64):
 
 
 def all_pairs(cx, cy):
-    I, J = torch.meshgrid(torch.arange(cx.n_clusters), torch.arange(cy.n_clusters),
-                          indexing="ij")
+    I, J = torch.meshgrid(torch.arange(cx.n_clusters), torch.arange(cy.n_clusters), indexing="ij")
     return I.flatten(), J.flatten()
 
 
@@ -96,8 +95,7 @@ def test_truncation_drops_only_negligible_terms(hierarchy, monkeypatch):
     kept = torch.zeros(ms.cx.n_clusters, ms.cy.n_clusters, dtype=torch.bool)
     kept[I, J] = True
     kept = kept[ms.cx.labels][:, ms.cy.labels]
-    slack = ((ms.cx.points[:, None] - ms.cy.points[None]) ** 2).sum(-1) / 2 - fs[:, None] - \
-        gs[None]
+    slack = ((ms.cx.points[:, None] - ms.cy.points[None]) ** 2).sum(-1) / 2 - fs[:, None] - gs[None]
     needed = slack <= ms.truncate * p.eps
     assert int((needed & ~kept).sum()) == 0
     assert int(needed.sum()) > 5 * needed.shape[0]  # rows with several pairs to keep
@@ -122,8 +120,7 @@ def test_multiscale_divergence_equals_the_dense_one(reach):
     a = torch.rand(x.shape[0], generator=g, dtype=x.dtype) + 0.5
     b = torch.rand(y.shape[0], generator=g, dtype=x.dtype) + 0.5
     a, b = a / a.sum(), b / b.sum()
-    options = dict(blur=0.03, scaling=0.8, reach=reach, tol=1e-9, max_iter=3000,
-                   relaxation=1.5)
+    options = dict(blur=0.03, scaling=0.8, reach=reach, tol=1e-9, max_iter=3000, relaxation=1.5)
     v_dense, g_dense = _divergence(x, y, a, b, multiscale=False, **options)
     v_ms, g_ms = _divergence(x, y, a, b, multiscale=Multiscale(cluster_scale=0.2), **options)
     torch.testing.assert_close(v_ms, v_dense, rtol=1e-7, atol=1e-10)
@@ -151,28 +148,41 @@ def test_auto_turns_multiscale_on_for_large_problems_only(monkeypatch):
     # not when the blur is as large as the clusters, nor for other costs or batches
     assert otreg.sinkhorn(x, y, blur=0.5).backend != "multiscale"
     assert otreg.sinkhorn(x, y, blur=0.02, cost="euclidean").backend != "multiscale"
-    assert otreg.sinkhorn(torch.stack([x, x]), torch.stack([y, y]), blur=0.02, max_iter=50,
-                          ).backend != "multiscale"
+    assert (
+        otreg.sinkhorn(
+            torch.stack([x, x]),
+            torch.stack([y, y]),
+            blur=0.02,
+            max_iter=50,
+        ).backend
+        != "multiscale"
+    )
 
 
-@pytest.mark.parametrize("options, match", [
-    (dict(multiscale="yes"), "multiscale is 'yes'"),
-    (dict(multiscale=True, cost="euclidean"), "multiscale=True but the cost is 'euclidean'"),
-    (dict(multiscale=True, form="scaling"), "form is 'scaling'"),
-    (dict(multiscale=True, backward="implicit"), "backward is 'implicit'"),
-    (dict(multiscale=Multiscale(), backward="implicit"), "backward is 'implicit'"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(multiscale="yes"), "multiscale is 'yes'"),
+        (dict(multiscale=True, cost="euclidean"), "multiscale=True but the cost is 'euclidean'"),
+        (dict(multiscale=True, form="scaling"), "form is 'scaling'"),
+        (dict(multiscale=True, backward="implicit"), "backward is 'implicit'"),
+        (dict(multiscale=Multiscale(), backward="implicit"), "backward is 'implicit'"),
+    ],
+)
 def test_bad_multiscale_options_raise_naming_them(options, match):
     x, y = spheres(100, torch.float32)
     with pytest.raises(ValueError, match=match):
         otreg.sinkhorn(x, y, **options)
 
 
-@pytest.mark.parametrize("settings, match", [
-    (dict(truncate=0.0), "Multiscale: truncate is 0.0"),
-    (dict(cluster_scale=-1.0), "Multiscale: cluster_scale is -1.0"),
-    (dict(auto="yes"), "Multiscale: auto must be True or False"),
-])
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(truncate=0.0), "Multiscale: truncate is 0.0"),
+        (dict(cluster_scale=-1.0), "Multiscale: cluster_scale is -1.0"),
+        (dict(auto="yes"), "Multiscale: auto must be True or False"),
+    ],
+)
 def test_bad_multiscale_settings_raise_naming_them(settings, match):
     with pytest.raises((ValueError, TypeError), match=match):
         Multiscale(**settings)

@@ -32,32 +32,41 @@ def test_options_are_frozen_and_replace_checks_names_and_values():
     assert dataclasses.asdict(o)["blur"] == 0.1
 
 
-@pytest.mark.parametrize("options, error, match", [
-    (dict(blur=0), ValueError, "SinkhornOptions: blur is 0"),
-    (dict(scaling=1.0), ValueError, "scaling is 1.0"),
-    (dict(cost="cosine"), ValueError, "cost is 'cosine'"),
-    (dict(form="linear"), ValueError, "form is 'linear'"),
-    (dict(backend="cuda"), ValueError, "backend is 'cuda'"),
-    (dict(max_iter=0), ValueError, "max_iter is 0"),
-    (dict(relaxation=2.0), ValueError, "relaxation is 2.0"),
-    (dict(backward="adjoint"), ValueError, "backward is 'adjoint'"),
-    (dict(multiscale="yes"), ValueError, "multiscale is 'yes'"),
-    # impossible combinations cannot be written
-    (dict(multiscale=Multiscale(), backward=Unroll()), ValueError,
-     "multiscale=Multiscale.*backward is 'unroll'"),
-    (dict(multiscale=True, cost="euclidean"), ValueError, "multiscale=True but the cost"),
-])
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        (dict(blur=0), ValueError, "SinkhornOptions: blur is 0"),
+        (dict(scaling=1.0), ValueError, "scaling is 1.0"),
+        (dict(cost="cosine"), ValueError, "cost is 'cosine'"),
+        (dict(form="linear"), ValueError, "form is 'linear'"),
+        (dict(backend="cuda"), ValueError, "backend is 'cuda'"),
+        (dict(max_iter=0), ValueError, "max_iter is 0"),
+        (dict(relaxation=2.0), ValueError, "relaxation is 2.0"),
+        (dict(backward="adjoint"), ValueError, "backward is 'adjoint'"),
+        (dict(multiscale="yes"), ValueError, "multiscale is 'yes'"),
+        # impossible combinations cannot be written
+        (
+            dict(multiscale=Multiscale(), backward=Unroll()),
+            ValueError,
+            "multiscale=Multiscale.*backward is 'unroll'",
+        ),
+        (dict(multiscale=True, cost="euclidean"), ValueError, "multiscale=True but the cost"),
+    ],
+)
 def test_bad_options_raise_naming_them(options, error, match):
     with pytest.raises(error, match=match):
         SinkhornOptions(**options)
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: Implicit(tol=0), "Implicit: tol is 0"),
-    (lambda: Implicit(max_iter=0), "Implicit: max_iter is 0"),
-    (lambda: Unroll(strategy="remember"), "Unroll: strategy is 'remember'"),
-    (lambda: Unroll(memory="lots"), "Unroll: memory is 'lots'"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Implicit(tol=0), "Implicit: tol is 0"),
+        (lambda: Implicit(max_iter=0), "Implicit: max_iter is 0"),
+        (lambda: Unroll(strategy="remember"), "Unroll: strategy is 'remember'"),
+        (lambda: Unroll(memory="lots"), "Unroll: memory is 'lots'"),
+    ],
+)
 def test_bad_strategy_settings_raise_naming_them(make, match):
     with pytest.raises(ValueError, match=match):
         make()
@@ -98,8 +107,9 @@ def test_implicit_and_unroll_objects_match_their_strings():
 def test_deprecated_keywords_warn_and_mean_the_objects():
     x, y, a, b = clouds(12, 15)
     with pytest.warns(DeprecationWarning, match="backward=otreg.Unroll"):
-        old = otreg.sinkhorn(x, y, a, b, blur=0.3, backward="unroll", strategy="checkpoint",
-                             memory="1MB")
+        old = otreg.sinkhorn(
+            x, y, a, b, blur=0.3, backward="unroll", strategy="checkpoint", memory="1MB"
+        )
     assert old.options.backward == Unroll("checkpoint", "1MB")
     with pytest.warns(DeprecationWarning, match="multiscale=otreg.Multiscale"):
         old = otreg.sinkhorn(x, y, a, b, blur=0.3, truncate=8.0)
@@ -108,12 +118,15 @@ def test_deprecated_keywords_warn_and_mean_the_objects():
         otreg.sinkhorn_divergence(x, y, truncate=0.0)
 
 
-@pytest.mark.parametrize("keywords, match", [
-    (dict(strategy="checkpoint"), "strategy and memory apply to backward='unroll' only"),
-    (dict(memory="1MB", backward="implicit"), "apply to backward='unroll' only"),
-    (dict(truncate=3.0, multiscale=False), "truncate and cluster_scale apply to multiscale"),
-    (dict(cluster_scale=0.1, multiscale=Multiscale()), "apply to multiscale"),
-])
+@pytest.mark.parametrize(
+    "keywords, match",
+    [
+        (dict(strategy="checkpoint"), "strategy and memory apply to backward='unroll' only"),
+        (dict(memory="1MB", backward="implicit"), "apply to backward='unroll' only"),
+        (dict(truncate=3.0, multiscale=False), "truncate and cluster_scale apply to multiscale"),
+        (dict(cluster_scale=0.1, multiscale=Multiscale()), "apply to multiscale"),
+    ],
+)
 def test_deprecated_keywords_that_cannot_apply_raise(keywords, match):
     x, y, _, _ = clouds()
     with warnings.catch_warnings():

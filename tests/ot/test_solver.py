@@ -30,8 +30,15 @@ def test_plan_equals_pot_sinkhorn_log(cost, blur):
     x, y, a, b = clouds()
     res = otreg.sinkhorn(x, y, a, b, blur=blur, cost=cost, **TIGHT)
     assert res.converged and res.marginal_error < 1e-12
-    P = ot.sinkhorn(a.numpy(), b.numpy(), cost_matrix(x, y, cost), reg=res.eps,
-                    method="sinkhorn_log", stopThr=1e-15, numItermax=200000)
+    P = ot.sinkhorn(
+        a.numpy(),
+        b.numpy(),
+        cost_matrix(x, y, cost),
+        reg=res.eps,
+        method="sinkhorn_log",
+        stopThr=1e-15,
+        numItermax=200000,
+    )
     ours = res.plan.dense().numpy()
     assert np.abs(ours - P).max() < 1e-8 * P.max()
     assert res.eps == pytest.approx(blur ** get_cost(cost).p)
@@ -42,10 +49,17 @@ def test_unbalanced_plan_equals_pot():
     b = 2 * b  # unequal masses are allowed when unbalanced
     reach, blur = 0.7, 0.2
     res = otreg.sinkhorn(x, y, a, b, blur=blur, reach=reach, **TIGHT)
-    P = ot.unbalanced.sinkhorn_unbalanced(a.numpy(), b.numpy(), cost_matrix(x, y, "sqeuclidean"),
-                                          reg=blur**2, reg_m=reach**2, reg_type="kl",
-                                          method="sinkhorn_stabilized", stopThr=1e-15,
-                                          numItermax=200000)
+    P = ot.unbalanced.sinkhorn_unbalanced(
+        a.numpy(),
+        b.numpy(),
+        cost_matrix(x, y, "sqeuclidean"),
+        reg=blur**2,
+        reg_m=reach**2,
+        reg_type="kl",
+        method="sinkhorn_stabilized",
+        stopThr=1e-15,
+        numItermax=200000,
+    )
     ours = res.plan.dense().numpy()
     assert np.abs(ours - P).max() < 1e-7 * P.max()
 
@@ -91,8 +105,9 @@ def test_gradients_match_finite_differences(reach, debias):
 
     inputs = tuple(t.clone().requires_grad_() for t in (x, y, a, b))
     if reach is None:  # balanced: keep masses equal by moving points only
-        assert torch.autograd.gradcheck(lambda x, y: value(x, y, a, b), inputs[:2],
-                                        eps=1e-6, atol=1e-7)
+        assert torch.autograd.gradcheck(
+            lambda x, y: value(x, y, a, b), inputs[:2], eps=1e-6, atol=1e-7
+        )
     else:
         assert torch.autograd.gradcheck(value, inputs, eps=1e-6, atol=1e-7)
 
@@ -203,15 +218,17 @@ def test_a_diverging_fixed_relaxation_stops_and_says_so():
 
 def test_stopping_rule():
     rule = StoppingRule(tol=1e-4)
-    assert not any(rule.stop(0.5 ** k, floor=lambda: 1e-6) for k in range(13))
-    assert rule.stop(0.5 ** 14, floor=lambda: 1e-6) and rule.reason == "tol"
+    assert not any(rule.stop(0.5**k, floor=lambda: 1e-6) for k in range(13))
+    assert rule.stop(0.5**14, floor=lambda: 1e-6) and rule.reason == "tol"
     # a plateau far above the rounding floor is slow progress, not a stall
     rule = StoppingRule(tol=1e-4)
     assert not any(rule.stop(1e-2, floor=lambda: 1e-7) for _ in range(500))
     # within FLOOR times the floor, PATIENCE iterations without a 1% new low stop the loop
     rule = StoppingRule(tol=1e-4)
-    stops = [rule.stop(2e-4 * (1 + 0.001 * (k % 3)), floor=lambda: 1e-4)
-             for k in range(3 * StoppingRule.PATIENCE)]
+    stops = [
+        rule.stop(2e-4 * (1 + 0.001 * (k % 3)), floor=lambda: 1e-4)
+        for k in range(3 * StoppingRule.PATIENCE)
+    ]
     assert stops.index(True) == StoppingRule.PATIENCE and rule.reason == "stalled"
     rule = StoppingRule(tol=1e-4)
     assert rule.stop(float("nan")) and rule.reason == "diverged"
@@ -232,8 +249,9 @@ def test_result_reports_its_settings(each_backend):
 def test_warm_start_reaches_the_same_solution_in_fewer_iterations():
     x, y, a, b = clouds(n=60, m=50, seed=3)
     first = otreg.sinkhorn(x, y, a, b, blur=0.1, tol=1e-9)
-    moved = x + 0.01 * torch.randn(x.shape, generator=torch.Generator().manual_seed(0),
-                                   dtype=x.dtype)
+    moved = x + 0.01 * torch.randn(
+        x.shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype
+    )
     cold = otreg.sinkhorn(moved, y, a, b, blur=0.1, tol=1e-9)
     warm = otreg.sinkhorn(moved, y, a, b, blur=0.1, tol=1e-9, init=(first.f, first.g))
     assert warm.converged and warm.n_iter < cold.n_iter
@@ -246,8 +264,9 @@ def test_warm_start_reaches_the_same_solution_in_fewer_iterations():
 def test_bad_warm_start_raises_naming_it():
     x, y, a, b = clouds(n=6, m=5)
     f, g = torch.zeros(6, dtype=x.dtype), torch.zeros(5, dtype=x.dtype)
-    with pytest.raises(ValueError, match="init's g has shape \\(4,\\) but the weights have "
-                                         "\\(5,\\)"):
+    with pytest.raises(
+        ValueError, match="init's g has shape \\(4,\\) but the weights have \\(5,\\)"
+    ):
         otreg.sinkhorn(x, y, a, b, init=(f, g[:4]))
     with pytest.raises(TypeError, match="init must be a pair"):
         otreg.sinkhorn(x, y, a, b, init=f)
@@ -261,8 +280,7 @@ def test_bad_warm_start_raises_naming_it():
 def test_over_relaxation_reaches_the_same_solution_in_fewer_iterations(relaxation):
     x, y, a, b = clouds(n=60, m=50, seed=5)
     plain = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=1)
-    fast = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000,
-                          relaxation=relaxation)
+    fast = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=relaxation)
     assert plain.converged and fast.converged
     assert fast.n_iter < plain.n_iter / 2
     assert float(fast.cost) == pytest.approx(float(plain.cost), rel=1e-7)
@@ -291,7 +309,7 @@ def test_adaptive_relaxation_finds_the_optimal_weight_of_a_linear_iteration():
     relax = Relaxation("auto")
     k = 0
     while relax.w == 1.0:
-        relax.observe(theta ** k)
+        relax.observe(theta**k)
         k += 1
     assert k == Relaxation.SETTLE + Relaxation.WINDOW + 1
     assert relax.w == pytest.approx(2 / (1 + math.sqrt(1 - theta)), rel=1e-9)
@@ -306,5 +324,5 @@ def test_adaptive_relaxation_finds_the_optimal_weight_of_a_linear_iteration():
     assert relax.w == pytest.approx(1 + (w - 1) / 2)
     fixed = Relaxation(1.5)
     for j in range(40):
-        fixed.observe(0.5 ** j)
+        fixed.observe(0.5**j)
     assert fixed.w == 1.5

@@ -123,8 +123,9 @@ def broken_keops(monkeypatch):
     monkeypatch.setattr(reductions, "_IMPLEMENTATIONS", table)
     monkeypatch.setattr(_keops, "_failure", None)
     monkeypatch.setattr(reductions, "_keops_warned", False)
-    monkeypatch.setattr(_keops, "status", lambda: (_keops._failure is None,
-                                                   _keops._failure or "ok"))
+    monkeypatch.setattr(
+        _keops, "status", lambda: (_keops._failure is None, _keops._failure or "ok")
+    )
     monkeypatch.setattr(reductions, "TENSORIZED_MAX_PAIRS", 0)
     monkeypatch.setattr(reductions, "TENSORIZED_MAX_PAIRS_RECORDED", 0)
     monkeypatch.setattr(reductions, "KEOPS_ON_CPU", True)  # as on a GPU, where auto prefers keops
@@ -161,8 +162,9 @@ def test_recorded_calls_keep_no_dense_matrix(monkeypatch):
     monkeypatch.setattr(reductions, "TENSORIZED_MAX_PAIRS_RECORDED", 100)
     x, y, _, v = data(torch.float64, B=1, N=60, M=50)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
-                                                  lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel()) or t, lambda t: t
+    ):
         out = reductions.kernel_product(x, y, v, 0.1, SQ, "auto")
     assert max(saved) < 60 * 50
     with torch.no_grad():
@@ -232,8 +234,10 @@ def test_fused_loops_and_their_gradients_equal_the_naive_formulas(kind, fused_no
     w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=ref.dtype)
     got = torch.autograd.grad((out * w).sum(), inputs)
     want = torch.autograd.grad((ref * w).sum(), inputs)
-    assert {"_softmin_grad_rows", "_softmin_grad_cols"} <= set(fused_now._kernels) or \
-        {"_kp_grad_rows", "_kp_grad_cols"} <= set(fused_now._kernels)
+    assert {"_softmin_grad_rows", "_softmin_grad_cols"} <= set(fused_now._kernels) or {
+        "_kp_grad_rows",
+        "_kp_grad_cols",
+    } <= set(fused_now._kernels)
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11 * float(r.abs().max()))
 
@@ -261,11 +265,12 @@ def test_fused_float32_gradients_far_from_the_origin(kind, fused_now, monkeypatc
     inputs = [t.float().requires_grad_() for t in ((x, y, h) if kind == "softmin" else (x, y, v))]
     a, b, w = inputs
     out = call(kind, "blocked", a, b, w, w, 0.01, SQ)
-    got = torch.autograd.grad((out ** 2).sum(), inputs)
+    got = torch.autograd.grad((out**2).sum(), inputs)
     ref_in = [t.detach().double().requires_grad_() for t in inputs]
-    ref = naive(kind, ref_in[0], ref_in[1], ref_in[2] if kind == "softmin" else h,
-                ref_in[2], 0.01, SQ)
-    want = torch.autograd.grad((ref ** 2).sum(), ref_in)
+    ref = naive(
+        kind, ref_in[0], ref_in[1], ref_in[2] if kind == "softmin" else h, ref_in[2], 0.01, SQ
+    )
+    want = torch.autograd.grad((ref**2).sum(), ref_in)
     for g, r in zip(got, want):
         assert float((g.double() - r).abs().max()) < 1e-4 * float(r.abs().max())
 
@@ -313,6 +318,7 @@ def test_fused_loops_fall_back_to_the_blocked_path_with_one_warning(fused_now, m
     def broken(fn):
         def run(*args):
             raise RuntimeError("no C++ compiler")
+
         return run
 
     monkeypatch.setattr(fused_now, "_compile", broken)

@@ -20,8 +20,7 @@ def model(integrator="rk4", n_steps=20, sigma=15.0, seed=0, n=40):
     return m
 
 
-@pytest.mark.parametrize("integrator, rtol", [("rk4", 1e-6), ("leapfrog", 1e-3),
-                                              ("euler", 5e-2)])
+@pytest.mark.parametrize("integrator, rtol", [("rk4", 1e-6), ("leapfrog", 1e-3), ("euler", 5e-2)])
 def test_shooting_conserves_the_hamiltonian(integrator, rtol):
     m = model(integrator)
     q1, p1, _ = m.shoot()
@@ -86,9 +85,11 @@ def test_linear_models_and_fits():
     x = torch.randn(50, 3, generator=g, dtype=D)
     center = x.mean(0)
     t = torch.tensor([1.0, 2.0, -3.0], dtype=D)
-    for kind, cls, A in [("rigid", Rigid, R), ("similarity", Similarity, 1.3 * R),
-                         ("affine", Affine, R @ torch.diag(torch.tensor([1.0, 2.0, 0.5],
-                                                                        dtype=D)))]:
+    for kind, cls, A in [
+        ("rigid", Rigid, R),
+        ("similarity", Similarity, 1.3 * R),
+        ("affine", Affine, R @ torch.diag(torch.tensor([1.0, 2.0, 0.5], dtype=D))),
+    ]:
         y = (x - center) @ A.T + center + t
         A_fit, t_fit = fit_linear(kind, x, y, torch.ones(50, dtype=D), center)
         assert torch.allclose(A_fit, A, atol=1e-10) and torch.allclose(t_fit, t, atol=1e-10)
@@ -99,13 +100,16 @@ def test_linear_models_and_fits():
     assert math.isclose(float(Rigid(center).double().matrix().detach().trace()), 3.0)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(sigma=-1.0), "sigma is -1.0"),
-    (dict(sigma=[]), "sigma is empty"),
-    (dict(n_steps=0), "n_steps is 0"),
-    (dict(integrator="verlet"), "integrator is 'verlet'"),
-    (dict(sigma=(1.0, 2.0), kernel_weights=(1.0,)), "1 weights for 2 widths"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sigma=-1.0), "sigma is -1.0"),
+        (dict(sigma=[]), "sigma is empty"),
+        (dict(n_steps=0), "n_steps is 0"),
+        (dict(integrator="verlet"), "integrator is 'verlet'"),
+        (dict(sigma=(1.0, 2.0), kernel_weights=(1.0,)), "1 weights for 2 widths"),
+    ],
+)
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LDDMM(torch.zeros(5, 3), **kwargs)

@@ -22,9 +22,15 @@ def defaults(cls):
 
 
 def test_documented_defaults():
-    assert defaults(LDDMMOptions) == dict(sigma=20.0, control_points=500, n_steps=6,
-                                          integrator="rk4", regularization=1e-4,
-                                          strategy="store", memory=None)
+    assert defaults(LDDMMOptions) == dict(
+        sigma=20.0,
+        control_points=500,
+        n_steps=6,
+        integrator="rk4",
+        regularization=1e-4,
+        strategy="store",
+        memory=None,
+    )
     assert defaults(PrealignOptions) == dict(kind="rigid", n_iter=8, blur=None, max_points=2000)
     assert defaults(LBFGSOptions) == dict(max_iter=30, tol=1e-5, history_size=20)
     assert MODELS == ("lddmm", "rigid", "similarity", "affine")
@@ -34,48 +40,70 @@ def test_documented_defaults():
 
 def test_defaults_equal_the_old_signatures():
     # the keywords register() took before the option objects, with their defaults
-    old = dict(sigma=20.0, control_points=500, n_steps=6, integrator="rk4",
-               regularization=1e-4, strategy="store", memory=None, max_iter=30, tol=1e-5)
+    old = dict(
+        sigma=20.0,
+        control_points=500,
+        n_steps=6,
+        integrator="rk4",
+        regularization=1e-4,
+        strategy="store",
+        memory=None,
+        max_iter=30,
+        tol=1e-5,
+    )
     new = {**defaults(LDDMMOptions), **defaults(LBFGSOptions)}
     assert {k: new[k] for k in old} == old
     p = inspect.signature(prealign).parameters
     assert p["kind"].default == PrealignOptions().kind
 
 
-@pytest.mark.parametrize("cls, kwargs, error, match", [
-    (LDDMMOptions, dict(sigma=-1), ValueError, "LDDMMOptions: sigma is -1"),
-    (LDDMMOptions, dict(sigma=()), ValueError, "LDDMMOptions: sigma is empty"),
-    (LDDMMOptions, dict(sigma="wide"), TypeError, "LDDMMOptions: sigma must be a number"),
-    (LDDMMOptions, dict(control_points=2), ValueError, "LDDMMOptions: control_points is 2"),
-    (LDDMMOptions, dict(control_points=10.5), TypeError, "control_points must be an integer"),
-    (LDDMMOptions, dict(n_steps=0), ValueError, "LDDMMOptions: n_steps is 0"),
-    (LDDMMOptions, dict(integrator="verlet"), ValueError, "integrator is 'verlet'"),
-    (LDDMMOptions, dict(regularization=-1e-3), ValueError, "regularization is -0.001"),
-    (LDDMMOptions, dict(strategy="magic"), ValueError, "LDDMMOptions: strategy is 'magic'"),
-    (LDDMMOptions, dict(memory="lots"), ValueError, "LDDMMOptions"),
-    (PrealignOptions, dict(kind="bspline"), ValueError, "PrealignOptions: kind is 'bspline'"),
-    (PrealignOptions, dict(n_iter=0), ValueError, "PrealignOptions: n_iter is 0"),
-    (PrealignOptions, dict(blur=(10.0, -1.0)), ValueError, "PrealignOptions: blur is -1.0"),
-    (PrealignOptions, dict(blur=3.0), TypeError, "PrealignOptions: blur must be None or"),
-    (PrealignOptions, dict(max_points=3), ValueError, "PrealignOptions: max_points is 3"),
-    (LBFGSOptions, dict(max_iter=0), ValueError, "LBFGSOptions: max_iter is 0"),
-    (LBFGSOptions, dict(tol=-1.0), ValueError, "LBFGSOptions: tol is -1.0"),
-    (LBFGSOptions, dict(history_size=0), ValueError, "LBFGSOptions: history_size is 0"),
-    (Level, dict(points=2, scale=1.0), ValueError, "Level: points is 2"),
-    (Level, dict(points=100, scale=0), ValueError, "Level: scale is 0"),
-    (Level, dict(points=100, scale=1.0, loss="l2"), ValueError, "Level: loss is 'l2'"),
-    (Level, dict(points=100, scale=1.0, loss={}), ValueError, "Level: loss is \\{\\}"),
-    (Level, dict(points=100, scale=1.0, loss={"varifold": -1}), ValueError,
-     "weight of varifold is -1"),
-])
+@pytest.mark.parametrize(
+    "cls, kwargs, error, match",
+    [
+        (LDDMMOptions, dict(sigma=-1), ValueError, "LDDMMOptions: sigma is -1"),
+        (LDDMMOptions, dict(sigma=()), ValueError, "LDDMMOptions: sigma is empty"),
+        (LDDMMOptions, dict(sigma="wide"), TypeError, "LDDMMOptions: sigma must be a number"),
+        (LDDMMOptions, dict(control_points=2), ValueError, "LDDMMOptions: control_points is 2"),
+        (LDDMMOptions, dict(control_points=10.5), TypeError, "control_points must be an integer"),
+        (LDDMMOptions, dict(n_steps=0), ValueError, "LDDMMOptions: n_steps is 0"),
+        (LDDMMOptions, dict(integrator="verlet"), ValueError, "integrator is 'verlet'"),
+        (LDDMMOptions, dict(regularization=-1e-3), ValueError, "regularization is -0.001"),
+        (LDDMMOptions, dict(strategy="magic"), ValueError, "LDDMMOptions: strategy is 'magic'"),
+        (LDDMMOptions, dict(memory="lots"), ValueError, "LDDMMOptions"),
+        (PrealignOptions, dict(kind="bspline"), ValueError, "PrealignOptions: kind is 'bspline'"),
+        (PrealignOptions, dict(n_iter=0), ValueError, "PrealignOptions: n_iter is 0"),
+        (PrealignOptions, dict(blur=(10.0, -1.0)), ValueError, "PrealignOptions: blur is -1.0"),
+        (PrealignOptions, dict(blur=3.0), TypeError, "PrealignOptions: blur must be None or"),
+        (PrealignOptions, dict(max_points=3), ValueError, "PrealignOptions: max_points is 3"),
+        (LBFGSOptions, dict(max_iter=0), ValueError, "LBFGSOptions: max_iter is 0"),
+        (LBFGSOptions, dict(tol=-1.0), ValueError, "LBFGSOptions: tol is -1.0"),
+        (LBFGSOptions, dict(history_size=0), ValueError, "LBFGSOptions: history_size is 0"),
+        (Level, dict(points=2, scale=1.0), ValueError, "Level: points is 2"),
+        (Level, dict(points=100, scale=0), ValueError, "Level: scale is 0"),
+        (Level, dict(points=100, scale=1.0, loss="l2"), ValueError, "Level: loss is 'l2'"),
+        (Level, dict(points=100, scale=1.0, loss={}), ValueError, "Level: loss is \\{\\}"),
+        (
+            Level,
+            dict(points=100, scale=1.0, loss={"varifold": -1}),
+            ValueError,
+            "weight of varifold is -1",
+        ),
+    ],
+)
 def test_bad_fields_name_the_class_and_field(cls, kwargs, error, match):
     with pytest.raises(error, match=match):
         cls(**kwargs)
 
 
-@pytest.mark.parametrize("obj, name, value", [
-    (LDDMMOptions(), "sigma", 5.0), (PrealignOptions(), "kind", "affine"),
-    (LBFGSOptions(), "max_iter", 3), (Level(100, 2.0), "scale", 1.0)])
+@pytest.mark.parametrize(
+    "obj, name, value",
+    [
+        (LDDMMOptions(), "sigma", 5.0),
+        (PrealignOptions(), "kind", "affine"),
+        (LBFGSOptions(), "max_iter", 3),
+        (Level(100, 2.0), "scale", 1.0),
+    ],
+)
 def test_frozen(obj, name, value):
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(obj, name, value)

@@ -36,8 +36,9 @@ def test_options_object_equals_the_keywords(pial_small, moved):
     assert isinstance(b, Similarity)
     assert torch.equal(a.matrix().detach(), b.matrix().detach())
     # keywords replace the object's fields
-    c = prealign(pial_small, moved, PrealignOptions("similarity", n_iter=8), n_iter=3,
-                 max_points=500)
+    c = prealign(
+        pial_small, moved, PrealignOptions("similarity", n_iter=8), n_iter=3, max_points=500
+    )
     assert torch.equal(a.matrix().detach(), c.matrix().detach())
 
 

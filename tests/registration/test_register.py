@@ -25,20 +25,36 @@ pytest.importorskip("pyvista")
 
 
 def test_register_small_saves_loads_and_reports(pial_small, tmp_path):
-    (subject,) = datasets.synthetic_subjects(pial_small, n=1, magnitude=3.0, max_angle=3.0,
-                                             max_shift=3.0, sigma=30.0, n_controls=20, seed=1)
+    (subject,) = datasets.synthetic_subjects(
+        pial_small,
+        n=1,
+        magnitude=3.0,
+        max_angle=3.0,
+        max_shift=3.0,
+        sigma=30.0,
+        n_controls=20,
+        seed=1,
+    )
     before = float((subject.shape.points - pial_small.points).norm(dim=1).mean())
-    res = register(pial_small, subject.shape,
-                   LDDMMOptions(control_points=200, sigma=25.0, n_steps=5),
-                   levels=(Level(400, 6.0),), optimizer=LBFGSOptions(max_iter=10),
-                   truth=subject.shape.points, progress=False)
+    res = register(
+        pial_small,
+        subject.shape,
+        LDDMMOptions(control_points=200, sigma=25.0, n_steps=5),
+        levels=(Level(400, 6.0),),
+        optimizer=LBFGSOptions(max_iter=10),
+        truth=subject.shape.points,
+        progress=False,
+    )
     assert isinstance(res, Registration) and res.warped.n_points == pial_small.n_points
     assert res.metrics["vertex_error_mean_mm"] < before
     assert res.metrics["jacobian_min"] > 0
     assert res.history and res.history[-1]["loss"] <= res.history[0]["loss"]
     folder = res.save(tmp_path / "out")
-    assert {p.name for p in folder.iterdir()} == {"warped.vtk", "parameters.npz",
-                                                 "registration.json"}
+    assert {p.name for p in folder.iterdir()} == {
+        "warped.vtk",
+        "parameters.npz",
+        "registration.json",
+    }
     back = Registration.load(folder)
     x = pial_small.points[:50]
     assert torch.allclose(back.transform(x), res.transform(x), atol=1e-9)
@@ -46,8 +62,7 @@ def test_register_small_saves_loads_and_reports(pial_small, tmp_path):
     with pytest.raises(TypeError, match="got list"):
         res.transform([[0.0, 0.0, 0.0]])
     moved = res.transform(pial_small)
-    assert isinstance(moved, Shape) and torch.allclose(moved.points, res.warped.points,
-                                                       atol=1e-9)
+    assert isinstance(moved, Shape) and torch.allclose(moved.points, res.warped.points, atol=1e-9)
 
 
 def test_lddmm_recovers_a_synthetic_subject_of_fsaverage5():
@@ -63,24 +78,27 @@ def test_lddmm_recovers_a_synthetic_subject_of_fsaverage5():
     assert "sinkhorn" in res.history[0] and "varifold" in res.history[-1]
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(model="bspline"), ValueError, "model is 'bspline'"),
-    (dict(prealign="magic"), ValueError, "prealign is 'magic'"),
-    (dict(loss="l2"), ValueError, "loss is 'l2'"),
-    (dict(loss={"sinkhorn": -1.0}), ValueError, "weight of sinkhorn is -1.0"),
-    (dict(model=LDDMMOptions), ValueError, "model is <class"),
-    (dict(prealign=PrealignOptions), ValueError, "prealign is"),
-    (dict(optimizer=dict(max_iter=3)), TypeError, "optimizer must be an LBFGSOptions"),
-    (dict(sinkhorn=dict(reach=3.0)), TypeError, "sinkhorn must be a SinkhornOptions"),
-    (dict(levels=()), ValueError, "levels is empty"),
-    (dict(levels=((500, 6.0, "l2"),)), ValueError, "loss is 'l2'"),
-    (dict(levels=((500, 6.0, {}),)), ValueError, "the loss of level 1 is \\{\\}"),
-    (dict(levels=((500,),)), ValueError, "each level is \\(points, scale_mm\\)"),
-    (dict(levels=((2, 6.0),)), ValueError, "level points is 2"),
-    (dict(varifold_sigma=0.0), ValueError, "varifold_sigma is 0.0"),
-    (dict(truth=torch.zeros(5, 3)), ValueError, "truth has shape \\(5, 3\\)"),
-    (dict(loss={"landmarks": 1.0}), ValueError, "landmarks= is None"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(model="bspline"), ValueError, "model is 'bspline'"),
+        (dict(prealign="magic"), ValueError, "prealign is 'magic'"),
+        (dict(loss="l2"), ValueError, "loss is 'l2'"),
+        (dict(loss={"sinkhorn": -1.0}), ValueError, "weight of sinkhorn is -1.0"),
+        (dict(model=LDDMMOptions), ValueError, "model is <class"),
+        (dict(prealign=PrealignOptions), ValueError, "prealign is"),
+        (dict(optimizer=dict(max_iter=3)), TypeError, "optimizer must be an LBFGSOptions"),
+        (dict(sinkhorn=dict(reach=3.0)), TypeError, "sinkhorn must be a SinkhornOptions"),
+        (dict(levels=()), ValueError, "levels is empty"),
+        (dict(levels=((500, 6.0, "l2"),)), ValueError, "loss is 'l2'"),
+        (dict(levels=((500, 6.0, {}),)), ValueError, "the loss of level 1 is \\{\\}"),
+        (dict(levels=((500,),)), ValueError, "each level is \\(points, scale_mm\\)"),
+        (dict(levels=((2, 6.0),)), ValueError, "level points is 2"),
+        (dict(varifold_sigma=0.0), ValueError, "varifold_sigma is 0.0"),
+        (dict(truth=torch.zeros(5, 3)), ValueError, "truth has shape \\(5, 3\\)"),
+        (dict(loss={"landmarks": 1.0}), ValueError, "landmarks= is None"),
+    ],
+)
 def test_bad_options(pial_small, kwargs, error, match):
     with pytest.raises(error, match=match):
         register(pial_small, pial_small, progress=False, **kwargs)
@@ -102,8 +120,14 @@ ALIASES = [  # old keyword, value, the new spelling's keywords
 
 def resolved(**kwargs):
     model = kwargs.pop("model", "lddmm")
-    return _resolve("register", model, "rigid", kwargs.pop("optimizer", None),
-                    kwargs.pop("sinkhorn", None), kwargs)
+    return _resolve(
+        "register",
+        model,
+        "rigid",
+        kwargs.pop("optimizer", None),
+        kwargs.pop("sinkhorn", None),
+        kwargs,
+    )
 
 
 @pytest.mark.parametrize("name, value, new", ALIASES)
@@ -118,15 +142,16 @@ def test_deprecated_alias_warns_and_equals_the_new_spelling(name, value, new):
 
 @pytest.mark.parametrize("name, value, new", ALIASES)
 def test_deprecated_alias_with_its_object_raises(name, value, new):
-    (holder, obj), = new.items()
+    ((holder, obj),) = new.items()
     with pytest.raises(ValueError, match=f"{name}= and {holder}= were both given"):
         resolved(**{holder: obj, name: value})
 
 
 @pytest.mark.parametrize("model", ["rigid", "similarity", "affine"])
 def test_lddmm_alias_with_a_linear_model_raises(model):
-    with pytest.raises(ValueError, match=f"sigma= applies to model='lddmm' only, not "
-                                         f"model='{model}'"):
+    with pytest.raises(
+        ValueError, match=f"sigma= applies to model='lddmm' only, not model='{model}'"
+    ):
         resolved(model=model, sigma=10.0)
 
 
@@ -138,13 +163,17 @@ def test_unknown_keywords_raise_type_error(pial_small):
 def test_deprecated_keywords_end_to_end(pial_small):
     small = dict(levels=((300, 6.0),), prealign="none", progress=False)
     with pytest.warns(DeprecationWarning) as record:
-        old = register(pial_small, pial_small, sigma=25.0, control_points=50, max_iter=2,
-                       **small)
-    assert sorted(str(w.message).split("=")[0] for w in record
-                  if str(w.message).startswith("register:")) == [
-        "register: control_points", "register: max_iter", "register: sigma"]
-    new = register(pial_small, pial_small, LDDMMOptions(sigma=25.0, control_points=50),
-                   optimizer=LBFGSOptions(max_iter=2), **small)
+        old = register(pial_small, pial_small, sigma=25.0, control_points=50, max_iter=2, **small)
+    assert sorted(
+        str(w.message).split("=")[0] for w in record if str(w.message).startswith("register:")
+    ) == ["register: control_points", "register: max_iter", "register: sigma"]
+    new = register(
+        pial_small,
+        pial_small,
+        LDDMMOptions(sigma=25.0, control_points=50),
+        optimizer=LBFGSOptions(max_iter=2),
+        **small,
+    )
     assert old.options == new.options
     assert torch.allclose(old.momenta, new.momenta)
 
@@ -153,8 +182,18 @@ def test_options_record_the_option_objects(pial_small, tmp_path):
     pre = PrealignOptions("similarity", n_iter=2, max_points=300)
     opt = LBFGSOptions(max_iter=2, history_size=5)
     sk = SinkhornOptions(scaling=0.6, tol=1e-2, max_iter=20, relaxation=1.5)
-    res = register(pial_small, pial_small, "affine", pre, "sinkhorn", levels=(Level(200, 8.0),),
-                   optimizer=opt, sinkhorn=sk, varifold_sigma=3.0, progress=False)
+    res = register(
+        pial_small,
+        pial_small,
+        "affine",
+        pre,
+        "sinkhorn",
+        levels=(Level(200, 8.0),),
+        optimizer=opt,
+        sinkhorn=sk,
+        varifold_sigma=3.0,
+        progress=False,
+    )
     o = res.options
     assert o["model"] == "affine" and o["lddmm"] is None and res.deformation is None
     # a linear model is fitted with the pre-alignment's settings, as its own kind
@@ -169,16 +208,25 @@ def test_options_record_the_option_objects(pial_small, tmp_path):
 
 
 def test_default_options_are_recorded(pial_small):
-    res = register(pial_small, pial_small, LDDMMOptions(control_points=50, sigma=30.0),
-                   "none", levels=((200, 8.0),), optimizer=LBFGSOptions(max_iter=1),
-                   progress=False)
-    assert res.options["lddmm"] == dataclasses.asdict(LDDMMOptions(control_points=50,
-                                                                   sigma=30.0))
+    res = register(
+        pial_small,
+        pial_small,
+        LDDMMOptions(control_points=50, sigma=30.0),
+        "none",
+        levels=((200, 8.0),),
+        optimizer=LBFGSOptions(max_iter=1),
+        progress=False,
+    )
+    assert res.options["lddmm"] == dataclasses.asdict(LDDMMOptions(control_points=50, sigma=30.0))
     assert res.options["prealign"]["kind"] == "none" and res.linear is None
     assert res.options["sinkhorn"] == dataclasses.asdict(SINKHORN_TERM)
     assert res.options["levels"][0]["loss"] == {"sinkhorn": 1.0}
-    assert (SINKHORN_TERM.scaling, SINKHORN_TERM.tol, SINKHORN_TERM.max_iter,
-            SINKHORN_TERM.relaxation) == (0.5, 1e-3, 30, 1.9)
+    assert (
+        SINKHORN_TERM.scaling,
+        SINKHORN_TERM.tol,
+        SINKHORN_TERM.max_iter,
+        SINKHORN_TERM.relaxation,
+    ) == (0.5, 1e-3, 30, 1.9)
 
 
 def test_bad_shapes(pial_small):

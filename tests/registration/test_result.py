@@ -33,23 +33,38 @@ def result(linear_cls=Rigid, deformation=True):
         linear.set_from(A, torch.tensor([1.0, -2.0, 0.5], dtype=D))
     lddmm = None
     if deformation:
-        lddmm = LDDMM(10 * torch.rand(6, 3, generator=g, dtype=D), sigma=(5.0, 15.0),
-                      kernel_weights=(1.0, 0.5), n_steps=4, integrator="leapfrog").double()
+        lddmm = LDDMM(
+            10 * torch.rand(6, 3, generator=g, dtype=D),
+            sigma=(5.0, 15.0),
+            kernel_weights=(1.0, 0.5),
+            n_steps=4,
+            integrator="leapfrog",
+        ).double()
         with torch.no_grad():
             lddmm.momenta.copy_(torch.randn(6, 3, generator=g, dtype=D))
-    res = Registration(source, linear, lddmm, [{"level": 0, "loss": 1.0}], {"mean_mm": 0.5},
-                       {"model": "lddmm", "lddmm": {"sigma": (5.0, 15.0)}})
+    res = Registration(
+        source,
+        linear,
+        lddmm,
+        [{"level": 0, "loss": 1.0}],
+        {"mean_mm": 0.5},
+        {"model": "lddmm", "lddmm": {"sigma": (5.0, 15.0)}},
+    )
     res.warped = res.transform(source)
     return res
 
 
-@pytest.mark.parametrize("linear_cls, deformation", [
-    (Rigid, True), (Similarity, True), (Affine, False), (None, True)])
+@pytest.mark.parametrize(
+    "linear_cls, deformation", [(Rigid, True), (Similarity, True), (Affine, False), (None, True)]
+)
 def test_save_load_round_trip(tmp_path, linear_cls, deformation):
     res = result(linear_cls, deformation)
     folder = res.save(tmp_path / "out")
-    assert {p.name for p in folder.iterdir()} == {"warped.vtk", "parameters.npz",
-                                                 "registration.json"}
+    assert {p.name for p in folder.iterdir()} == {
+        "warped.vtk",
+        "parameters.npz",
+        "registration.json",
+    }
     back = Registration.load(folder)
     x = 10 * torch.rand(30, 3, generator=torch.Generator().manual_seed(3), dtype=D)
     assert torch.allclose(back.transform(x), res.transform(x), atol=1e-12)
@@ -62,9 +77,18 @@ def test_save_load_round_trip(tmp_path, linear_cls, deformation):
 def test_parameters_npz_keys_are_unchanged(tmp_path):
     folder = result().save(tmp_path / "out")
     with np.load(folder / "parameters.npz", allow_pickle=False) as p:
-        assert set(p.files) == {"linear_kind", "linear_matrix", "linear_translation",
-                                "linear_center", "control_points", "momenta", "sigma",
-                                "kernel_weights", "n_steps", "integrator"}
+        assert set(p.files) == {
+            "linear_kind",
+            "linear_matrix",
+            "linear_translation",
+            "linear_center",
+            "control_points",
+            "momenta",
+            "sigma",
+            "kernel_weights",
+            "n_steps",
+            "integrator",
+        }
         assert str(p["linear_kind"]) == "rigid" and str(p["integrator"]) == "leapfrog"
         assert p["sigma"].tolist() == [5.0, 15.0] and int(p["n_steps"]) == 4
         assert p["linear_matrix"].shape == (3, 3) and p["momenta"].shape == (6, 3)
