@@ -168,7 +168,10 @@ def _run(
 def softmin(
     x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, eps: float, cost: Cost, backend: str = "auto"
 ) -> torch.Tensor:
-    """``-eps log sum_j exp(h_j - C(x_i, y_j)/eps)``: x (B, N, D), y (B, M, D), h (B, M) -> (B, N)."""
+    """``-eps log sum_j exp(h_j - C(x_i, y_j)/eps)``.
+
+    x (B, N, D), y (B, M, D), h (B, M) -> (B, N).
+    """
     return _run("softmin", backend, x, y, h, eps=eps, cost=cost)
 
 
