@@ -19,12 +19,11 @@ import dataclasses
 import torch
 from torch import nn
 
-from .plan import TransportPlan
 from .problem import Problem, SinkhornOptions, resolve_options
 from .solver import (
     SinkhornResult,
-    backend_used,
     dual_value,
+    make_result,
     report_convergence,
     solve,
     unbatch,
@@ -93,22 +92,7 @@ def divergence(
         value = value + p.eps / 2 * (p.a.sum(1) - p.b.sum(1)) ** 2
         converged &= report_convergence(caller, "OT(a, a)", p, aa.n_iter, aa.rule)
         converged &= report_convergence(caller, "OT(b, b)", p, bb.n_iter, bb.rule)
-    backend = backend_used(p)
-    plan = TransportPlan(xd, yd, ad, bd, f, xy.g, p.eps, p.cost, backend, p.batched)
-    result = SinkhornResult(
-        f=unbatch(f, p.batched),
-        g=unbatch(xy.g, p.batched),
-        cost=unbatch(cross, p.batched),
-        n_iter=xy.n_iter,
-        converged=converged,
-        marginal_error=xy.rule.error,
-        eps=p.eps,
-        backend="multiscale" if p.multiscale else backend,
-        form=p.form,
-        stopped=xy.rule.reason,
-        plan=plan,
-        options=options,
-    )
+    result = make_result(p, (xd, yd, ad, bd), f, xy.g, cross, xy, converged)
     return unbatch(value, p.batched), result
 
 

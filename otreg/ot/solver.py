@@ -63,6 +63,7 @@ __all__ = [
     "dual_value",
     "report_convergence",
     "check_init",
+    "make_result",
     "unbatch",
 ]
 
@@ -600,6 +601,12 @@ def sinkhorn(
                 memory=settings.memory,
             )
         value, _ = dual_value(p, *params, g, DenseKernel(p, p.x, p.a, p.y, p.b))
+    return make_result(p, params, f, g, value, sol, converged)
+
+
+def make_result(p: Problem, params, f, g, value, sol: Solution, converged: bool):
+    """The :class:`SinkhornResult` of a solve: ``params`` the (x, y, a, b) the plan is built
+    on, f, g, value batched; unbatched here as the inputs were."""
     backend = backend_used(p)
     plan = TransportPlan(*params, f, g, p.eps, p.cost, backend, p.batched)
     return SinkhornResult(
@@ -614,5 +621,5 @@ def sinkhorn(
         form=p.form,
         stopped=sol.rule.reason,
         plan=plan,
-        options=options,
+        options=p.options,
     )
