@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from .problem import Problem, SinkhornOptions, resolve_options
+from .problem import _UNSET, Problem, SinkhornOptions, _legacy_options, resolve_options
 from .solver import (
     SinkhornResult,
     dual_value,
@@ -124,7 +124,6 @@ def sinkhorn_divergence(
 
 def _legacy(caller: str, changes: dict) -> dict:
     """The deprecated ``truncate``/``cluster_scale`` keywords folded into ``multiscale``."""
-    from .solver import _UNSET, _legacy_options
 
     if "truncate" not in changes and "cluster_scale" not in changes:
         return changes

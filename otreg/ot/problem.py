@@ -17,6 +17,7 @@ cannot be honoured cannot be written:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -358,3 +359,49 @@ def _resolve_multiscale(
     if setting.auto and (unfit or not worthwhile(x.shape[1] * y.shape[1], dim, o.blur, scale)):
         return None
     return dataclasses.replace(setting, cluster_scale=scale)
+
+
+_UNSET = object()
+
+
+def _legacy_options(caller: str, backward, multiscale, strategy, memory, truncate, cluster_scale):
+    """``backward`` and ``multiscale`` with the deprecated ``strategy``/``memory`` and
+    ``truncate``/``cluster_scale`` keywords folded into :class:`Unroll` and
+    :class:`Multiscale` (a warning each); where they cannot apply, a ``ValueError``."""
+    if strategy is not _UNSET or memory is not _UNSET:
+        if backward != "unroll":
+            raise ValueError(
+                f"{caller}: strategy and memory apply to backward='unroll' only, "
+                f"not backward={backward!r}; write backward=otreg.Unroll(strategy,"
+                " memory)"
+            )
+        warnings.warn(
+            f"{caller}: strategy= and memory= are deprecated; write "
+            "backward=otreg.Unroll(strategy, memory)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        backward = Unroll(
+            strategy="store" if strategy is _UNSET else strategy,
+            memory=None if memory is _UNSET else memory,
+        )
+    if truncate is not _UNSET or cluster_scale is not _UNSET:
+        if multiscale is False or isinstance(multiscale, Multiscale):
+            raise ValueError(
+                f"{caller}: truncate and cluster_scale apply to multiscale="
+                f"'auto' or True only, not {multiscale!r}; write multiscale="
+                "otreg.Multiscale(truncate, cluster_scale)"
+            )
+        warnings.warn(
+            f"{caller}: truncate= and cluster_scale= are deprecated; write "
+            "multiscale=otreg.Multiscale(truncate, cluster_scale)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        settings = {
+            k: v
+            for k, v in (("truncate", truncate), ("cluster_scale", cluster_scale))
+            if v is not _UNSET
+        }
+        multiscale = Multiscale(**settings, auto=multiscale == "auto")
+    return backward, multiscale

@@ -52,7 +52,16 @@ from .._checks import ConvergenceWarning
 from .convergence import Relaxation, StoppingRule, rounding_floor
 from .multiscale import TruncatedKernel
 from .plan import TransportPlan
-from .problem import Implicit, Multiscale, Problem, SinkhornOptions, Unroll, resolve_options
+from .problem import (
+    _UNSET,
+    Implicit,
+    Multiscale,
+    Problem,
+    SinkhornOptions,
+    Unroll,
+    _legacy_options,
+    resolve_options,
+)
 
 __all__ = [
     "sinkhorn",
@@ -413,52 +422,6 @@ def backend_used(p: Problem) -> str:
     return reductions.resolve_backend(
         p.backend, p.x.shape[0] * p.x.shape[1] * p.y.shape[1], p.x.device
     )
-
-
-_UNSET = object()
-
-
-def _legacy_options(caller: str, backward, multiscale, strategy, memory, truncate, cluster_scale):
-    """``backward`` and ``multiscale`` with the deprecated ``strategy``/``memory`` and
-    ``truncate``/``cluster_scale`` keywords folded into :class:`Unroll` and
-    :class:`Multiscale` (a warning each); where they cannot apply, a ``ValueError``."""
-    if strategy is not _UNSET or memory is not _UNSET:
-        if backward != "unroll":
-            raise ValueError(
-                f"{caller}: strategy and memory apply to backward='unroll' only, "
-                f"not backward={backward!r}; write backward=otreg.Unroll(strategy,"
-                " memory)"
-            )
-        warnings.warn(
-            f"{caller}: strategy= and memory= are deprecated; write "
-            "backward=otreg.Unroll(strategy, memory)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        backward = Unroll(
-            strategy="store" if strategy is _UNSET else strategy,
-            memory=None if memory is _UNSET else memory,
-        )
-    if truncate is not _UNSET or cluster_scale is not _UNSET:
-        if multiscale is False or isinstance(multiscale, Multiscale):
-            raise ValueError(
-                f"{caller}: truncate and cluster_scale apply to multiscale="
-                f"'auto' or True only, not {multiscale!r}; write multiscale="
-                "otreg.Multiscale(truncate, cluster_scale)"
-            )
-        warnings.warn(
-            f"{caller}: truncate= and cluster_scale= are deprecated; write "
-            "multiscale=otreg.Multiscale(truncate, cluster_scale)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        settings = {
-            k: v
-            for k, v in (("truncate", truncate), ("cluster_scale", cluster_scale))
-            if v is not _UNSET
-        }
-        multiscale = Multiscale(**settings, auto=multiscale == "auto")
-    return backward, multiscale
 
 
 def sinkhorn(
