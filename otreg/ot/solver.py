@@ -309,13 +309,13 @@ def dual_value(p: Problem, x, y, a, b, g, kernel) -> tuple[torch.Tensor, torch.T
 
     f = lambda softmin(g) is the exact maximiser of the dual over f for this g, computed by one
     differentiable reduction (``kernel.differentiable_softmin``) that carries the dependence
-    on x, y and b. By the envelope theorem the gradient of the value is that of OT_eps at
+    on x and y. By the envelope theorem the gradient of the value is that of OT_eps at
     convergence: sum_j pi_ij grad C(x_i, y_j) for the points, the potentials for the
     weights. Away from convergence it is the gradient for the plan whose rows have the right
     marginal, which is more accurate than evaluating the dual at both iterates.
     """
     eps = p.eps
-    s = kernel.differentiable_softmin(x, y, b, g, eps)  # (B, N)
+    s = kernel.differentiable_softmin(x, y, b.detach(), g, eps)  # (B, N)
     f = p.damping(eps) * s
     mass = (a * torch.exp((f - s) / eps)).sum(1)  # <a x b, exp((f + g - C)/eps)>
     if p.rho is None:
@@ -324,7 +324,25 @@ def dual_value(p: Problem, x, y, a, b, g, kernel) -> tuple[torch.Tensor, torch.T
         value = p.rho * (
             (a * -torch.expm1(-f / p.rho)).sum(1) + (b * -torch.expm1(-g / p.rho)).sum(1)
         )
-    return value - eps * (mass - a.sum(1) * b.sum(1)), f.detach()
+    value = value - eps * (mass - a.sum(1) * b.sum(1))
+    if b.requires_grad:
+        value = value + (weight_path(p, f.detach(), g, kernel) * (b - b.detach())).sum(1)
+    return value, f.detach()
+
+
+def weight_path(p: Problem, f, g, kernel) -> torch.Tensor:
+    """sum_i (d value / d s_i)(d s_i / d b_j), (B, M): the weights' share of the gradient that
+    runs through the softmin s (which is computed with b detached).
+
+    Autograd would give it as softmax_ij / b_j, 0 * inf = NaN where b_j = 0; the exact value
+    is finite there: d s_i / d b_j = -eps exp((g_j - C_ij + s_i) / eps), and weighted by
+    d value / d s_i = a_i exp((f_i - s_i) / eps) (balanced: a_i) it sums to
+    -eps exp((g_j - t_j) / eps) with t = softmin over x of log a + f / eps, one reduction.
+    """
+    with torch.no_grad():
+        fk, gk = kernel.to_kernel_order(f, g)
+        _, t = kernel.to_caller_order(fk, kernel.softmin_yx(p.eps, fk))
+        return -p.eps * torch.exp((g - t) / p.eps)
 
 
 def _pair_step(p: Problem):
