@@ -240,3 +240,23 @@ def test_bad_shapes(pial_small):
     cm = Shape(pial_small.points, pial_small.faces, unit="cm")
     with pytest.raises(ValueError, match="source is in mm but target in cm"):
         register(pial_small, cm)
+
+
+def test_register_a_mesh_with_zero_area_triangles(pial_small):
+    # Its vertices carry zero weight in the OT term: the fit must not produce NaN.
+    pts = pial_small.points
+    extra = torch.stack([pts[0], pts[0], pts[0]])  # a triangle collapsed to a point
+    n = pial_small.n_points
+    faces = torch.cat([pial_small.faces, torch.tensor([[n, n + 1, n + 2]])])
+    degenerate = Shape(torch.cat([pts, extra]), faces)
+    assert float(degenerate.face_areas[-1]) == 0.0
+    res = register(
+        degenerate,
+        pial_small.with_points(pial_small.points + torch.tensor([2.0, 0.0, 0.0])),
+        LDDMMOptions(control_points=100, sigma=25.0, n_steps=4),
+        levels=(Level(10_000, 6.0, "sinkhorn"),),
+        optimizer=LBFGSOptions(max_iter=5),
+        progress=False,
+    )
+    assert torch.isfinite(res.warped.points).all()
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in res.history)
