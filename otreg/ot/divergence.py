@@ -19,9 +19,11 @@ import dataclasses
 import torch
 from torch import nn
 
+from .large_blur import check_range, closed_form_applies
 from .problem import _UNSET, Problem, SinkhornOptions, _legacy_options, resolve_options
 from .solver import (
     SinkhornResult,
+    closed_form_solution,
     dual_value,
     make_result,
     report_convergence,
@@ -67,6 +69,11 @@ def divergence(
         )
     p = Problem.build(caller, x, y, a, b, options)
     xd, yd, ad, bd = p.x.detach(), p.y.detach(), p.a.detach(), p.b.detach()
+    check_range(caller, p)
+    if closed_form_applies(p):  # blur far above the data (large_blur.py)
+        value, xy = closed_form_solution(p, debias)
+        result = make_result(p, (xd, yd, ad, bd), xy.f, xy.g, value, xy, True)
+        return unbatch(value, p.batched), result
     w = {} if warm is None else warm
 
     def warm_start(f_name: str, g_name: str, f_like, g_like):

@@ -264,6 +264,7 @@ class Problem:
     relaxation: float | str
     multiscale: Multiscale | None  # resolved: None when every pair is summed
     options: SinkhornOptions
+    size: float  # the data's bounding-box diagonal, in the points' units
 
     @property
     def eps(self) -> float:
@@ -300,7 +301,8 @@ class Problem:
         o = options
         cost = get_cost(o.cost, caller)
         rho = None if o.reach is None else o.reach**cost.p
-        diam = bounding_diameter(x, y) if o.diameter is None else o.diameter
+        size = bounding_diameter(x, y)
+        diam = size if o.diameter is None else o.diameter
         schedule = epsilon_schedule(cost.p, max(diam, o.blur), o.blur, o.scaling)
         if len(schedule) > o.max_iter:
             raise ValueError(
@@ -336,6 +338,7 @@ class Problem:
             o.relaxation,
             multiscale,
             o,
+            size,
         )
 
 

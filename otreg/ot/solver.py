@@ -50,6 +50,7 @@ import torch
 from .. import reductions
 from .._checks import ConvergenceWarning
 from .convergence import Relaxation, StoppingRule, rounding_floor
+from .large_blur import check_range, closed_form, closed_form_applies, precise_value
 from .multiscale import TruncatedKernel
 from .plan import TransportPlan
 from .problem import (
@@ -222,6 +223,16 @@ class Solution:
     kernel: DenseKernel | TruncatedKernel
 
 
+def closed_form_solution(p: Problem, debias: bool) -> tuple[torch.Tensor, Solution]:
+    """``(value, Solution)`` from the expansion in 1 / eps (:mod:`otreg.ot.large_blur`):
+    no iteration, converged by construction."""
+    value, f, g = closed_form(p, debias)
+    rule = StoppingRule(p.tol)
+    rule.error, rule.reason = 0.0, "closed form"
+    kernel = DenseKernel(p, p.x.detach(), p.a.detach(), p.y.detach(), p.b.detach())
+    return value, Solution(f, g, 0, rule, kernel)
+
+
 def solve(p: Problem, x, a, y=None, b=None, init=None) -> Solution:
     """Potentials of OT(a, b) between x and y (or of OT(a, a) when y is None), without
     autograd. ``init``: potentials (f, g), (B, N) and (B, M), to start from at the final
@@ -314,6 +325,13 @@ def dual_value(p: Problem, x, y, a, b, g, kernel) -> tuple[torch.Tensor, torch.T
     weights. Away from convergence it is the gradient for the plan whose rows have the right
     marginal, which is more accurate than evaluating the dual at both iterates.
     """
+    if precise_value(p, x.dtype) and not isinstance(kernel, TruncatedKernel):
+        # blur far above the data: float32 rounding would swamp the value (large_blur.py)
+        wide = DenseKernel(
+            p, *(t.detach().double() for t in (kernel.x, kernel.a, kernel.y, kernel.b))
+        )
+        value, f = dual_value(p, *(t.double() for t in (x, y, a, b, g)), wide)
+        return value.to(x.dtype), f.to(x.dtype)
     eps = p.eps
     s = kernel.differentiable_softmin(x, y, b.detach(), g, eps)  # (B, N)
     f = p.damping(eps) * s
@@ -545,6 +563,11 @@ def sinkhorn(
     )
     p = Problem.build(caller, x, y, a, b, options)
     init = check_init(caller, init, p)
+    check_range(caller, p)
+    if options.backward_kind == "envelope" and closed_form_applies(p):
+        value, sol = closed_form_solution(p, debias=False)
+        params = tuple(t.detach() for t in (p.x, p.y, p.a, p.b))
+        return make_result(p, params, sol.f, sol.g, value, sol, True)
     detached = tuple(t.detach() for t in (p.x, p.a, p.y, p.b))
     with torch.no_grad():
         sol = solve(p, *detached, init=init)
