@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_choice, check_int, check_positive
+from .._checks import ConvergenceWarning, check_choice, check_int, check_positive
 from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from . import metrics
@@ -312,6 +312,9 @@ def register(
         varifold_shapes=(w64.decimate(METRIC_POINTS), tgt.decimate(METRIC_POINTS)),
     )
     result.metrics["jacobian_points"] = int(jac_points.shape[0])
+    result.metrics["sinkhorn_unconverged_evaluations"] = sum(
+        1 for h in history if not h.get("sinkhorn_converged", True)
+    )
     result.metrics["seconds"] = time.perf_counter() - start
     return result
 
@@ -343,6 +346,18 @@ def _fit(fit: _Fit, src: Shape, tgt: Shape, levels: list[Level]) -> None:
             f"{'+'.join(lv.loss)} at {lv.scale:g} mm)"
         )
         _fit_level(fit, s_level, t_level, terms, lv.loss, level, label)
+        unconverged = sum(
+            1 for h in fit.history if h["level"] == level and not h.get("sinkhorn_converged", 1)
+        )
+        if unconverged:
+            warnings.warn(
+                f"register: at level {level + 1}, {unconverged} evaluation(s) of the Sinkhorn "
+                "term did not reach its tol even from scratch (their values are not a "
+                "divergence); the history marks them (sinkhorn_converged). Raise the level's "
+                "scale or sinkhorn max_iter",
+                ConvergenceWarning,
+                stacklevel=3,
+            )
         if not all(math.isfinite(h["loss"]) for h in fit.history[-3:]):
             raise FloatingPointError(
                 "register: the objective became NaN or infinite; lower "
@@ -393,6 +408,7 @@ def _fit_level(
         for name, term in terms.items():
             value = term(warped, t_level)
             record[name] = float(value.detach())
+            record.update(term.report)
             total = total + weights[name] * value
         if fit.landmarks is not None and "landmarks" in weights:
             value = ((deformation(fit.landmarks[0]) - fit.landmarks[1]) ** 2).sum(1).mean()

@@ -226,7 +226,7 @@ def test_default_options_are_recorded(pial_small):
         SINKHORN_TERM.tol,
         SINKHORN_TERM.max_iter,
         SINKHORN_TERM.relaxation,
-    ) == (0.5, 1e-3, 30, 1.9)
+    ) == (0.5, 1e-3, 300, "auto")
 
 
 def test_bad_shapes(pial_small):
@@ -260,3 +260,17 @@ def test_register_a_mesh_with_zero_area_triangles(pial_small):
     )
     assert torch.isfinite(res.warped.points).all()
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in res.history)
+
+
+def test_sinkhorn_term_stays_a_divergence_on_a_large_deformation():
+    # Left pial onto the unmirrored right pial (a mirror image: rigid cannot align it), at
+    # 2,000 points: each evaluation of the Sinkhorn term must be a converged divergence
+    # (it fell to -5,000 mm^2 while L-BFGS exploited it and the energy exploded).
+    left = datasets.fsaverage5("pial", "left").decimate(2000)
+    right = datasets.fsaverage5("pial", "right").decimate(2000)
+    res = register(left, right, levels=(Level(1000, 6.0, "sinkhorn"),), progress=False)
+    hs = res.history
+    assert hs and all(h["sinkhorn"] >= 0 for h in hs)
+    assert all(h["sinkhorn_converged"] for h in hs)
+    assert max(h["energy"] for h in hs) < 1e5
+    assert res.metrics["sinkhorn_unconverged_evaluations"] == 0
