@@ -15,6 +15,7 @@ converged potentials, so gradients come from the envelope theorem, with no store
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 from torch import nn
@@ -31,7 +32,10 @@ from .solver import (
     unbatch,
 )
 
-__all__ = ["sinkhorn_divergence", "SinkhornLoss", "divergence"]
+__all__ = ["sinkhorn_divergence", "SinkhornLoss", "divergence", "DEFAULT_BLUR_SPAN"]
+
+#: A default blur is flagged when the data span more than this many times it.
+DEFAULT_BLUR_SPAN = 100
 
 
 def _fits(t, like) -> bool:
@@ -53,6 +57,7 @@ def divergence(
     *,
     debias: bool = True,
     warm: dict | None = None,
+    default_blur: bool = False,
 ) -> tuple[torch.Tensor, SinkhornResult]:
     """``(value, result)``: the debiased divergence (or the plain OT cost when ``debias`` is
     False), ``()`` or ``(B,)``, and the :class:`~otreg.ot.solver.SinkhornResult` of the
@@ -60,6 +65,8 @@ def divergence(
 
     ``warm``: a dict of the potentials of a previous call (``f``, ``g``, ``f_aa``, ``g_bb``),
     used as warm starts where their shapes fit (skipping the eps-scaling) and updated.
+    ``default_blur``: the caller did not choose the blur (a warning when the data span
+    more than :data:`DEFAULT_BLUR_SPAN` times it, as brain surfaces in mm do).
     """
     if options.backward_kind != "envelope":
         raise ValueError(
@@ -68,6 +75,15 @@ def divergence(
             "use otreg.sinkhorn(..., backward='implicit')"
         )
     p = Problem.build(caller, x, y, a, b, options)
+    if default_blur and p.size > DEFAULT_BLUR_SPAN * options.blur:
+        warnings.warn(
+            f"{caller}: blur is the default {options.blur:g}, in the points' units, but the "
+            f"points span {p.size:.3g}: the solve resolves details of {options.blur:g} units "
+            "(slow, and rarely what is meant for data in mm). Set blur (1 to 5 suits brain "
+            "surfaces in mm)",
+            UserWarning,
+            stacklevel=3,
+        )
     xd, yd, ad, bd = p.x.detach(), p.y.detach(), p.a.detach(), p.b.detach()
     check_range(caller, p)
     if closed_form_applies(p):  # blur far above the data (large_blur.py)
@@ -125,8 +141,11 @@ def sinkhorn_divergence(
         differentiable with respect to the points and the weights.
     """
     caller = "sinkhorn_divergence"
+    default_blur = (options is None or options.blur == SinkhornOptions.blur) and (
+        "blur" not in changes
+    )
     options = resolve_options(caller, options, **_legacy(caller, changes))
-    return divergence(caller, x, y, a, b, options)[0]
+    return divergence(caller, x, y, a, b, options, default_blur=default_blur)[0]
 
 
 def _legacy(caller: str, changes: dict) -> dict:
@@ -156,8 +175,9 @@ class SinkhornLoss(nn.Module):
     convergence, backend, plan) is kept in ``loss.last_result``.
 
     Args:
-        blur: the final length scale, in the points' units (eps = blur ** p): 0.05 suits
-            clouds of unit size; for brain surfaces in mm, 1 to 5 mm.
+        blur: the final length scale, in the points' units (eps = blur ** p). The default,
+            0.05, suits clouds of unit size; for brain surfaces in mm give 1 to 5 (mm): a
+            default blur far below the data's span warns.
         reach: as in :func:`otreg.sinkhorn`.
         debias: subtract the self-transport terms (a divergence: 0 for equal inputs).
         warm_start: start each call's solves from the previous call's potentials (when the
@@ -184,6 +204,12 @@ class SinkhornLoss(nn.Module):
             raise TypeError(f"{caller}: debias must be True or False, got {debias!r}")
         if not isinstance(warm_start, bool):
             raise TypeError(f"{caller}: warm_start must be True or False, got {warm_start!r}")
+        # flagged (once) when the data span far more than the default blur
+        self._default_blur = (
+            blur is None
+            and "blur" not in changes
+            and (options is None or options.blur == SinkhornOptions.blur)
+        )
         if blur is not None:
             changes["blur"] = blur
         if reach is not None:
@@ -218,6 +244,15 @@ class SinkhornLoss(nn.Module):
             )
         warm = self._warm if self.warm_start else None
         value, self.last_result = divergence(
-            "SinkhornLoss", x, y, a, b, self.options, debias=self.debias, warm=warm
+            "SinkhornLoss",
+            x,
+            y,
+            a,
+            b,
+            self.options,
+            debias=self.debias,
+            warm=warm,
+            default_blur=self._default_blur,
         )
+        self._default_blur = False
         return value

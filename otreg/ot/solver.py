@@ -392,7 +392,7 @@ def report_convergence(caller: str, what: str, p: Problem, n_iter: int, rule: St
     if p.tol == 0:
         return False
     head = f"{caller}: {what} stopped after {n_iter} iterations with marginal error {err:.3g}"
-    if math.isnan(err):
+    if math.isnan(err) and rule.reason != "diverged":
         head = f"{caller}: {what} stopped after {n_iter} iterations"
         hint = (
             "the eps-scaling used all of max_iter, so the marginal error was not measured; "
@@ -404,10 +404,15 @@ def report_convergence(caller: str, what: str, p: Problem, n_iter: int, rule: St
             f"rounding floor of {p.x.dtype} at eps={p.eps:.3g}. Use float64 points, a "
             f"tol above {err:.2g}, or a larger blur"
         )
-    elif rule.reason == "diverged":
+    elif rule.reason == "diverged" and p.relaxation != "auto":
         hint = (
             f"the iteration diverged at eps={p.eps:.3g} (relaxation={p.relaxation!r}): "
             "use relaxation='auto' or a smaller fixed weight"
+        )
+    elif rule.reason == "diverged":
+        hint = (
+            f"the marginal error became NaN or infinite at eps={p.eps:.3g} in "
+            f"{p.x.dtype}: use float64 points, form='log' or a larger blur"
         )
     else:
         hint = (

@@ -1,5 +1,7 @@
 """sinkhorn_divergence and SinkhornLoss against GeomLoss, POT and their defining properties."""
 
+import warnings
+
 import geomloss
 import numpy as np
 import ot
@@ -160,3 +162,20 @@ def test_gradient_with_respect_to_zero_weights_is_finite_and_exact(reach):
         h = 1e-6
         fd = (loss(a, x, b + h * d, y) - loss(a, x, b, y)) / h
         assert abs(float(fd - (grad * d).sum())) < 1e-4 * (1 + abs(float(fd)))
+
+
+def test_a_default_blur_far_below_the_data_warns_once():
+    g = torch.Generator().manual_seed(0)
+    x = 100 + 30 * torch.randn(50, 3, generator=g, dtype=torch.float64)  # mm
+    y = x + 2.0
+    with pytest.warns(UserWarning, match="blur is the default 0.05.*span"):
+        otreg.sinkhorn_divergence(x, y)
+    loss = otreg.SinkhornLoss()
+    with pytest.warns(UserWarning, match="Set blur"):
+        loss(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        loss(x, y)  # once per loss
+        otreg.sinkhorn_divergence(x, y, blur=2.0)
+        otreg.SinkhornLoss(blur=2.0)(x, y)
+        otreg.sinkhorn_divergence(x / 100, y / 100)  # data of unit size: the default fits

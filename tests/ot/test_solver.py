@@ -216,6 +216,18 @@ def test_a_diverging_fixed_relaxation_stops_and_says_so():
     assert res.stopped == "diverged" and res.n_iter < 1000  # (the default 'auto' converges)
 
 
+def test_a_non_finite_error_under_auto_relaxation_does_not_advise_auto(monkeypatch):
+    from otreg.ot import solver
+
+    x, y = _spheres()
+    monkeypatch.setattr(solver, "residual", lambda *a: torch.tensor([float("nan")]))
+    with pytest.warns(otreg.ConvergenceWarning) as caught:
+        res = otreg.sinkhorn(x, y, blur=0.1)
+    assert res.stopped == "diverged"
+    (message,) = [str(w.message) for w in caught]
+    assert "relaxation='auto'" not in message and "NaN or infinite" in message
+
+
 def test_stopping_rule():
     rule = StoppingRule(tol=1e-4)
     assert not any(rule.stop(0.5**k, floor=lambda: 1e-6) for k in range(13))
