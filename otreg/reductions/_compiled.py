@@ -171,7 +171,11 @@ def _run(fn, *args):
     if _failure is not None:
         return None
     try:
-        return fn(*args)
+        with warnings.catch_warnings():
+            # torch's compiler calls its own deprecated torch.jit helpers (14 warnings a
+            # formula, and an error under -W error): not the user's concern
+            warnings.filterwarnings("ignore", r".*torch\.jit", DeprecationWarning)
+            return fn(*args)
     except Exception as err:  # inductor needs a working C++ compiler
         _failure = f"the compiled code failed ({type(err).__name__}: {str(err)[:300]})"
         warnings.warn(

@@ -1,6 +1,7 @@
 """Every backend of every reduction against a naive broadcast reference, with gradients."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -333,3 +334,16 @@ def test_fused_loops_fall_back_to_the_blocked_path_with_one_warning(fused_now, m
     ref = reductions.softmin(x, y, h, 0.1, SQ, "blocked")
     assert torch.equal(out, ref)
     assert torch.equal(gx, torch.autograd.grad(ref.sum(), x)[0])
+
+
+def test_compiling_a_fused_loop_raises_no_deprecation_warning(fused_now, monkeypatch):
+    # torch's compiler calls its own deprecated torch.jit helpers: 14 warnings a formula
+    # reached users, and under -W error they turned the fused loops off
+    monkeypatch.setattr(fused_now, "_kernels", {})
+    torch._dynamo.reset()
+    x, y, h, v = (t.detach() for t in data(torch.float32, N=70, M=50, E=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        out = call("softmin", "blocked", x, y, h, v, 0.01, SQ)
+    assert fused_now.failure() is None and "_lse_rows" in fused_now._kernels
+    torch.testing.assert_close(out, naive("softmin", x, y, h, v, 0.01, SQ), rtol=1e-5, atol=1e-5)
