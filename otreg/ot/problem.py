@@ -296,6 +296,11 @@ class Problem:
                 f"dimension {y.shape[-1]}; both need the same D"
             )
         check_same_device_dtype(caller, {"x": x, "y": y})
+        if options.backend == "keops":
+            try:
+                reductions.resolve_backend("keops", 0, x.device, dtype=x.dtype)
+            except TypeError as err:
+                raise TypeError(f"{caller}: {err}") from None
         a = as_weights(caller, "a", a, x, "x")
         b = as_weights(caller, "b", b, y, "y")
         o = options
@@ -353,6 +358,8 @@ def _resolve_multiscale(
     unfit = multiscale_unfit(cost, o.form, o.backward_kind)
     if unfit is None and x.shape[0] > 1:
         unfit = f"the inputs are a batch of {x.shape[0]} problems (multiscale solves one)"
+    if unfit is None and x.dtype not in (torch.float32, torch.float64):
+        unfit = f"the points are {x.dtype} (multiscale clusters them in float32 or float64)"
     if not setting.auto and unfit:
         raise ValueError(
             f"{caller}: multiscale={o.multiscale!r} but {unfit}; use multiscale='auto' or False"

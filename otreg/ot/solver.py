@@ -460,9 +460,8 @@ def unbatch(t: torch.Tensor, batched: bool) -> torch.Tensor:
 
 def backend_used(p: Problem) -> str:
     """The dense backend ``auto`` resolves to for this problem's size and device."""
-    return reductions.resolve_backend(
-        p.backend, p.x.shape[0] * p.x.shape[1] * p.y.shape[1], p.x.device
-    )
+    pairs = p.x.shape[0] * p.x.shape[1] * p.y.shape[1]
+    return reductions.resolve_backend(p.backend, pairs, p.x.device, dtype=p.x.dtype)
 
 
 def sinkhorn(

@@ -99,14 +99,30 @@ def keops_status() -> tuple[bool, str]:
     return _keops.status()
 
 
-def resolve_backend(backend: str, pairs: int, device: torch.device, recorded: bool = False) -> str:
-    """The backend that ``backend`` means for ``pairs`` = B * N * M pairs on ``device``
-    (``recorded``: autograd records the call)."""
+#: The dtypes KeOps computes in (float16 on GPUs only).
+KEOPS_DTYPES = (torch.float32, torch.float64)
+
+
+def resolve_backend(
+    backend: str,
+    pairs: int,
+    device: torch.device,
+    recorded: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> str:
+    """The backend that ``backend`` means for ``pairs`` = B * N * M pairs of ``dtype`` on
+    ``device`` (``recorded``: autograd records the call)."""
+    keops_dtype = dtype in KEOPS_DTYPES or (dtype == torch.float16 and device.type == "cuda")
+    if backend == "keops" and not keops_dtype:
+        raise TypeError(
+            f"backend='keops' computes in float32 or float64 (float16 on a GPU); the points "
+            f"are {dtype}: convert them (x.float()) or use backend='auto'"
+        )
     if backend != "auto":
         return backend
     if pairs <= (TENSORIZED_MAX_PAIRS_RECORDED if recorded else TENSORIZED_MAX_PAIRS):
         return "tensorized"
-    if device.type == "cpu" and not KEOPS_ON_CPU:
+    if (device.type == "cpu" and not KEOPS_ON_CPU) or not keops_dtype:
         return "blocked"
     ok, _ = _keops.status()
     return "keops" if ok else "blocked"
@@ -127,7 +143,8 @@ def _run(
     recorded = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, y, *rest) if isinstance(t, torch.Tensor)
     )
-    chosen = resolve_backend(backend, x.shape[0] * x.shape[1] * y.shape[1], x.device, recorded)
+    pairs = x.shape[0] * x.shape[1] * y.shape[1]
+    chosen = resolve_backend(backend, pairs, x.device, recorded, x.dtype)
     if chosen == "tensorized":
         return dense_fn(x, y, *rest, eps, cost)
     if chosen == "keops":

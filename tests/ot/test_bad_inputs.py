@@ -1,5 +1,7 @@
 """Every bad input raises a clear error that names the argument."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -103,3 +105,16 @@ def test_sinkhorn_loss_rejects_bad_options_at_construction():
         otreg.SinkhornLoss(blur=-0.1)
     with pytest.raises(TypeError, match="loss\\(x, y\\) or loss\\(a, x, b, y\\)"):
         otreg.SinkhornLoss()(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_points_get_clear_errors_or_work(dtype):
+    x = torch.rand(10, 3).to(dtype)
+    with pytest.raises(TypeError, match=r"sinkhorn: backend='keops' computes in float32"):
+        otreg.sinkhorn(x, x, backend="keops")
+    with pytest.raises(ValueError, match=r"multiscale=True but the points are torch\.\w+16"):
+        otreg.sinkhorn(x, x, multiscale=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", otreg.ConvergenceWarning)  # 8 bits of mantissa
+        value = otreg.sinkhorn_divergence(x, x + 0.1, blur=0.1)
+    assert value.dtype == dtype and torch.isfinite(value)
