@@ -60,7 +60,7 @@ def load_shape(
         dtype: floating dtype of the points.
 
     Returns:
-        :class:`~otreg.shapes.Shape` with ``source`` set to the file.
+        :class:`~otreg.shapes.Shape` with ``source`` set to the file (an absolute path).
     """
     caller = "load_shape"
     if not isinstance(path, (str, Path)):
@@ -104,7 +104,7 @@ def load_shape(
         shape = shape.smooth(n_iter=smooth)
     if decimate is not None:
         shape = shape.decimate(decimate)
-    shape.source = str(path)
+    shape.source = str(path.absolute())  # still the same file if the working folder changes
     return shape
 
 
@@ -113,17 +113,14 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
 
     Meshes: .vtk .vtp .ply .stl .obj (pyvista), .gii (GIFTI), ``lh.*``/``rh.*`` or
     ``.surf`` (FreeSurfer, coordinates as scanner RAS); point clouds: .csv, .npy.
-    Refuses to overwrite ``shape.source`` (the file it was read from).
+    Refuses to overwrite ``shape.source`` (the file it was read from), however the path
+    is spelled (relative, through a symlink).
     """
     caller = "save_shape"
     if not isinstance(shape, Shape):
         raise TypeError(f"{caller}: shape must be an otreg Shape, got {type(shape).__name__}")
     path = Path(path)
-    if (
-        shape.source is not None
-        and path.exists()
-        and path.resolve() == Path(shape.source).resolve()
-    ):
+    if shape.source is not None and _files.same_file(path, shape.source):
         raise ValueError(
             f"{caller}: {path} is the file this shape was read from; otreg never "
             "overwrites an input: choose another path"

@@ -184,6 +184,14 @@ def read_points(path: Path, caller: str, dtype) -> Shape:
     return Shape(torch.as_tensor(pts.astype(np.float64), dtype=dtype), source=str(path))
 
 
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one existing file (through symlinks, ``..``, hard links)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is missing: writing one cannot replace the other
+        return False
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Write through a temporary file in the same folder, then rename over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)

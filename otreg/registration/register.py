@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 import warnings
 from collections.abc import Sequence
@@ -296,7 +297,11 @@ def register(
     with torch.no_grad():
         warped_pts = moved_src.points if deformation is None else deformation(moved_src.points)
     warped = source.with_points(warped_pts.to(source.points.dtype))
-    result = Registration(warped, linear, deformation, history, {}, options)
+    inputs = {
+        name: None if s.source is None else os.path.abspath(s.source)
+        for name, s in (("source", source), ("target", target))
+    }
+    result = Registration(warped, linear, deformation, history, {}, options, inputs)
     # On very large meshes (a 300,000-vertex surface from a volume) the Jacobians are taken
     # at an even subset of the vertices and the varifold metric on decimated copies: at full
     # size they would take minutes to half an hour.

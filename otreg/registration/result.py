@@ -15,6 +15,9 @@ from .deformations import LDDMM, _Linear
 
 __all__ = ["Registration"]
 
+#: The files :meth:`Registration.save` writes.
+OUTPUTS = ("warped.vtk", "parameters.npz", "registration.json")
+
 
 @dataclass
 class Registration:
@@ -29,6 +32,8 @@ class Registration:
         metrics: surface distances, varifold distance, Jacobian determinants (and vertex
             errors when the truth was given).
         options: the effective options of the run (the option objects' fields).
+        inputs: the files the source and target were read from (``{"source": path or
+            None, "target": ...}``, absolute paths); :meth:`save` never writes over them.
     """
 
     warped: Shape
@@ -37,6 +42,7 @@ class Registration:
     history: list[dict] = field(default_factory=list, repr=False)
     metrics: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict, repr=False)
+    inputs: dict = field(default_factory=dict, repr=False)
 
     @property
     def momenta(self) -> torch.Tensor | None:
@@ -71,10 +77,20 @@ class Registration:
         return x
 
     def save(self, folder: str | Path) -> Path:
-        """Write warped.vtk, parameters.npz (no pickle) and registration.json."""
+        """Write warped.vtk, parameters.npz (no pickle) and registration.json; refuses
+        (ValueError) a folder where one of them would replace an input of the run."""
         from ..io import atomic_write, save_shape
+        from ..io._files import same_file
 
         folder = Path(folder)
+        for name in OUTPUTS:
+            for role, given in self.inputs.items():
+                if given is not None and same_file(folder / name, given):
+                    raise ValueError(
+                        f"Registration.save: {folder / name} is the {role} of this "
+                        f"registration ({given}); otreg never overwrites an input: choose "
+                        "another folder"
+                    )
         folder.mkdir(parents=True, exist_ok=True)
         save_shape(self.warped.with_points(self.warped.points.detach()), folder / "warped.vtk")
         params: dict[str, np.ndarray] = {}
@@ -82,7 +98,12 @@ class Registration:
             if part is not None:
                 params.update(part.to_arrays())
         atomic_write(folder / "parameters.npz", lambda p: np.savez(p, **params))
-        doc = {"options": self.options, "metrics": self.metrics, "history": self.history}
+        doc = {
+            "options": self.options,
+            "metrics": self.metrics,
+            "history": self.history,
+            "inputs": self.inputs,
+        }
         atomic_write(
             folder / "registration.json",
             lambda p: p.write_text(json.dumps(doc, indent=2, default=str)),
@@ -110,4 +131,5 @@ class Registration:
             doc["history"],
             doc["metrics"],
             doc["options"],
+            doc.get("inputs", {}),  # absent from results saved before it was recorded
         )

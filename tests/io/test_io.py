@@ -288,3 +288,18 @@ def test_truncated_ply_raises_before_vtk_reads_it(tmp_path, binary):
     (tmp_path / "bad.ply").write_bytes(b"not a ply at all" * 10)
     with pytest.raises(ValueError, match="bad.ply is not a PLY file"):
         load_shape(tmp_path / "bad.ply")
+
+
+def test_save_never_overwrites_the_input_under_another_spelling(tmp_path, monkeypatch):
+    save_shape(tetra(), tmp_path / "a.vtk")
+    before = (tmp_path / "a.vtk").read_bytes()
+    (tmp_path / "link.vtk").symlink_to(tmp_path / "a.vtk")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    shape = load_shape("../a.vtk")  # a relative path...
+    monkeypatch.chdir(tmp_path)  # ...that means another file once the working folder changes
+    for spelling in ("a.vtk", tmp_path / "a.vtk", "sub/../a.vtk", "link.vtk", "./a.vtk"):
+        with pytest.raises(ValueError, match="never overwrites an input"):
+            save_shape(shape, spelling)
+    assert (tmp_path / "a.vtk").read_bytes() == before
+    assert load_shape(tmp_path / "link.vtk").source == str(tmp_path / "link.vtk")

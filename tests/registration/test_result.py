@@ -93,7 +93,7 @@ def test_parameters_npz_keys_are_unchanged(tmp_path):
         assert p["sigma"].tolist() == [5.0, 15.0] and int(p["n_steps"]) == 4
         assert p["linear_matrix"].shape == (3, 3) and p["momenta"].shape == (6, 3)
     doc = json.loads((folder / "registration.json").read_text())
-    assert set(doc) == {"options", "metrics", "history"}
+    assert set(doc) == {"options", "metrics", "history", "inputs"}
 
 
 def test_model_arrays_round_trip():
@@ -117,3 +117,46 @@ def test_transform_checks_its_input(tmp_path):
         res.transform(torch.zeros(4, 2))
     with pytest.raises(FileNotFoundError, match="parameters.npz is missing"):
         Registration.load(tmp_path)
+
+
+# ----------------------------------------------------------------------------- inputs
+def rigid_run(source_path, target_path):
+    from otreg import load_shape, register
+
+    return register(load_shape(source_path), load_shape(target_path), model="rigid", progress=False)
+
+
+def test_register_records_its_inputs_and_save_never_replaces_one(tmp_path, monkeypatch):
+    from otreg import save_shape
+
+    d = tmp_path / "d"
+    src = save_shape(tetrahedron(), d / "warped.vtk")
+    tgt = save_shape(tetrahedron().with_points(tetrahedron().points + 1), d / "target.vtk")
+    res = rigid_run(src, tgt)
+    assert res.inputs == {"source": str(src.absolute()), "target": str(tgt.absolute())}
+    before = src.read_bytes()
+    with pytest.raises(ValueError, match=r"warped\.vtk.*is the source"):
+        res.save(d)
+    (tmp_path / "alias").symlink_to(d)  # the same folder through a symlink
+    with pytest.raises(ValueError, match="warped.vtk"):
+        res.save(tmp_path / "alias")
+    monkeypatch.chdir(tmp_path)  # and through a relative path
+    with pytest.raises(ValueError, match="warped.vtk"):
+        res.save("d")
+    assert src.read_bytes() == before
+    assert {p.name for p in d.iterdir()} == {"warped.vtk", "target.vtk"}
+    folder = res.save(tmp_path / "out")
+    back = Registration.load(folder)
+    assert back.inputs == res.inputs
+
+
+def test_save_refuses_a_target_named_like_an_output(tmp_path):
+    from otreg import save_shape
+
+    src = save_shape(tetrahedron(), tmp_path / "s.vtk")
+    tgt = save_shape(
+        tetrahedron().with_points(tetrahedron().points + 1), tmp_path / "o" / "warped.vtk"
+    )
+    res = rigid_run(src, tgt)
+    with pytest.raises(ValueError, match="is the target"):
+        res.save(tmp_path / "o")
