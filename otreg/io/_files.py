@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import gzip
 import os
+import re
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +86,11 @@ def check_ply_size(path: Path, caller: str) -> None:
 
 
 def read_pyvista(path: Path, caller: str, dtype) -> Shape:
+    return Shape.from_pyvista(read_pyvista_mesh(path, caller), dtype=dtype, source=str(path))
+
+
+def read_pyvista_mesh(path: Path, caller: str):
+    """The pyvista dataset in a mesh file, or a ValueError naming the file."""
     import pyvista as pv
 
     if path.suffix.lower() == ".ply":
@@ -107,7 +114,7 @@ def read_pyvista(path: Path, caller: str, dtype) -> Shape:
         ) from err
     if mesh.n_points == 0:
         raise ValueError(f"{caller}: {path} has no points")
-    return Shape.from_pyvista(mesh, dtype=dtype, source=str(path))
+    return mesh
 
 
 def read_gifti(path: Path, caller: str, dtype) -> Shape:
@@ -192,22 +199,54 @@ def same_file(a: str | Path, b: str | Path) -> bool:
         return False
 
 
+def _temp_affixes(path: Path) -> tuple[str, str]:
+    """The prefix and suffix of ``path``'s temporary files: ``.{stem}.XXXXXXXX.tmp{ext}``."""
+    suffix = "".join(path.suffixes[-2:]) if path.name.endswith(".gz") else path.suffix
+    return f".{path.stem}.", ".tmp" + suffix
+
+
+def remove_stale_temps(folder: Path, names: Sequence[str]) -> list[Path]:
+    """Delete the temporary files an interrupted :func:`atomic_write_all` of ``names``
+    left in ``folder`` (those names' pattern only); return them."""
+    removed = []
+    for name in names:
+        prefix, suffix = _temp_affixes(folder / name)
+        pattern = re.compile(re.escape(prefix) + r"[a-z0-9_]{8}" + re.escape(suffix))
+        for path in folder.glob(glob.escape(prefix) + "*" + glob.escape(suffix)):
+            if pattern.fullmatch(path.name) and path.is_file():
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
+def atomic_write_all(writes: dict[Path, Callable[[Path], None]]) -> None:
+    """Write several files as one: each to a temporary file beside it, then all renamed
+    into place in quick succession. An error or interrupt before the renames changes none
+    of them; no temporary file is left behind (a killed process leaves some: see
+    :func:`remove_stale_temps`)."""
+    umask = os.umask(0)  # mkstemp makes files private (0600); give them the usual mode
+    os.umask(umask)
+    temps: dict[Path, Path] = {}
+    try:
+        for path, write in writes.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prefix, suffix = _temp_affixes(path)
+            fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
+            os.close(fd)
+            temps[path] = Path(tmp)
+            write(temps[path])
+            os.chmod(temps[path], 0o666 & ~umask)
+        for path in list(temps):
+            os.replace(temps[path], path)
+            del temps[path]
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Write through a temporary file in the same folder, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    suffix = "".join(path.suffixes[-2:]) if path.name.endswith(".gz") else path.suffix
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp" + suffix, dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        write(tmp_path)
-        umask = os.umask(0)  # mkstemp makes the file private (0600); give it the usual mode
-        os.umask(umask)
-        os.chmod(tmp_path, 0o666 & ~umask)
-        os.replace(tmp_path, path)
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
-        raise
+    atomic_write_all({path: write})
 
 
 def write_shape(shape: Shape, path: Path, fmt: str) -> None:

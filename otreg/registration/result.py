@@ -1,9 +1,11 @@
 """The result of :func:`otreg.register`: the warped source, the transform, its metrics and
-history; saved as ``warped.vtk``, ``parameters.npz`` (no pickle) and ``registration.json``."""
+history; saved as ``warped.vtk``, ``parameters.npz`` (no pickle) and ``registration.json``,
+which carry one run id so that a folder mixing two runs is refused at load."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,10 +79,10 @@ class Registration:
         return x
 
     def save(self, folder: str | Path) -> Path:
-        """Write warped.vtk, parameters.npz (no pickle) and registration.json; refuses
+        """Write warped.vtk, parameters.npz (no pickle) and registration.json, all or
+        nothing: each carries the same run id, which :meth:`load` checks. Refuses
         (ValueError) a folder where one of them would replace an input of the run."""
-        from ..io import atomic_write, save_shape
-        from ..io._files import same_file
+        from ..io._files import atomic_write_all, remove_stale_temps, same_file
 
         folder = Path(folder)
         for name in OUTPUTS:
@@ -92,40 +94,62 @@ class Registration:
                         "another folder"
                     )
         folder.mkdir(parents=True, exist_ok=True)
-        save_shape(self.warped.with_points(self.warped.points.detach()), folder / "warped.vtk")
-        params: dict[str, np.ndarray] = {}
+        remove_stale_temps(folder, OUTPUTS)  # left by a save that was killed
+        run_id = uuid.uuid4().hex
+        mesh = self.warped.with_points(self.warped.points.detach()).to_pyvista()
+        mesh.field_data["run_id"] = np.array([run_id])
+        params: dict[str, np.ndarray] = {"run_id": np.array(run_id)}
         for part in (self.linear, self.deformation):
             if part is not None:
                 params.update(part.to_arrays())
-        atomic_write(folder / "parameters.npz", lambda p: np.savez(p, **params))
         doc = {
+            "run_id": run_id,
             "options": self.options,
             "metrics": self.metrics,
             "history": self.history,
             "inputs": self.inputs,
         }
-        atomic_write(
-            folder / "registration.json",
-            lambda p: p.write_text(json.dumps(doc, indent=2, default=str)),
+        text = json.dumps(doc, indent=2, default=str)
+        atomic_write_all(
+            {
+                folder / "warped.vtk": lambda p: mesh.save(str(p)),
+                folder / "parameters.npz": lambda p: np.savez(p, **params),
+                folder / "registration.json": lambda p: p.write_text(text),
+            }
         )
         return folder
 
     @classmethod
     def load(cls, folder: str | Path) -> Registration:
         """Read what :meth:`save` wrote; ``transform`` then works as before (the linear part
-        comes back as an :class:`~otreg.registration.Affine` of the same matrix)."""
-        from ..io import load_shape
+        comes back as an :class:`~otreg.registration.Affine` of the same matrix). Refuses
+        (ValueError) a folder whose files come from different runs."""
+        from ..io._files import read_pyvista_mesh
 
+        caller = "Registration.load"
         folder = Path(folder)
         for name in ("parameters.npz", "registration.json", "warped.vtk"):
             if not (folder / name).exists():
-                raise FileNotFoundError(f"Registration.load: {folder / name} is missing")
+                raise FileNotFoundError(f"{caller}: {folder / name} is missing")
+        mesh = read_pyvista_mesh(folder / "warped.vtk", caller)
+        ids = {"warped.vtk": mesh.field_data["run_id"][0] if "run_id" in mesh.field_data else None}
         with np.load(folder / "parameters.npz", allow_pickle=False) as arrays:
+            ids["parameters.npz"] = arrays["run_id"] if "run_id" in arrays.files else None
             linear = _Linear.from_arrays(arrays) if "linear_kind" in arrays else None
             deformation = LDDMM.from_arrays(arrays) if "momenta" in arrays else None
         doc = json.loads((folder / "registration.json").read_text())
+        ids["registration.json"] = doc.get("run_id")
+        ids = {name: None if v is None else str(v) for name, v in ids.items()}
+        if len(set(ids.values())) > 1:  # no run id in all three: saved before they were
+            found = ", ".join(f"{name} {v or 'none'}" for name, v in ids.items())
+            raise ValueError(
+                f"{caller}: {folder} mixes files of two runs (run ids: {found}); a save "
+                "was interrupted or a file was copied in: rerun the registration (or "
+                "save it again) into this folder"
+            )
+        warped = Shape.from_pyvista(mesh, source=str((folder / "warped.vtk").absolute()))
         return cls(
-            load_shape(folder / "warped.vtk"),
+            warped,
             linear,
             deformation,
             doc["history"],
