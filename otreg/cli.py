@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
 import click
 
@@ -115,52 +118,60 @@ def register_cmd(
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
     from . import LBFGSOptions, LDDMMOptions, register
 
-    _check_output(output, [source, target], picture)
-    try:
-        src, tgt = (_load(p, label, level, points) for p in (source, target))
-        res = register(
-            src,
-            tgt,
-            model=LDDMMOptions(sigma=sigma) if model == "lddmm" else model,
-            prealign=prealign,
-            loss=loss,
-            optimizer=LBFGSOptions(max_iter=max_iter),
-        )
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        raise click.ClickException(str(err)) from err
-    _write_outputs(res, src, tgt, output, picture)
+    with _output_folder(output, [source, target], picture):
+        try:
+            src, tgt = (_load(p, label, level, points) for p in (source, target))
+            res = register(
+                src,
+                tgt,
+                model=LDDMMOptions(sigma=sigma) if model == "lddmm" else model,
+                prealign=prealign,
+                loss=loss,
+                optimizer=LBFGSOptions(max_iter=max_iter),
+            )
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            raise click.ClickException(str(err)) from err
+        _write_outputs(res, src, tgt, output, picture)
 
 
 _OUTPUTS = ("warped.vtk", "parameters.npz", "registration.json")
 _PICTURES = ("picture.png", "history.png")
 
 
-def _check_output(
+@contextlib.contextmanager
+def _output_folder(
     output: str, inputs: list[str], picture: bool, extra: tuple[str, ...] = ()
-) -> None:
-    """Refuse, before any work, an output folder that cannot be one or whose files would
-    replace an input."""
-    from pathlib import Path
+) -> Iterator[Path]:
+    """Refuse, before any work, an output folder that cannot be one, cannot be written
+    (it is created if missing) or whose files would replace an input. A folder created
+    here is removed again, if still empty, when the command fails."""
+    from .io._files import check_writable_folder, remove_empty_folders, same_file
 
     folder = Path(output)
     if folder.exists() and not folder.is_dir():
         raise click.BadParameter(f"{output} exists and is not a folder", param_hint="-o")
     names = _OUTPUTS + (_PICTURES if picture else ()) + extra
     for name in names:
-        target = (folder / name).resolve()
         for given in inputs:
-            if Path(given).resolve() == target:
+            if same_file(folder / name, given):
                 raise click.BadParameter(
                     f"writing {name} into {output} would replace the "
                     f"input {given}; choose another folder",
                     param_hint="-o",
                 )
+    try:
+        created = check_writable_folder(folder, "otreg")
+    except (PermissionError, ValueError) as err:
+        raise click.BadParameter(str(err).removeprefix("otreg: "), param_hint="-o") from err
+    try:
+        yield folder
+    except BaseException:
+        remove_empty_folders(created)
+        raise
 
 
 def _load(path: str, label: float | None, level: float | None, points: int | None):
     """A shape from a file: label and level apply to volumes only."""
-    from pathlib import Path
-
     from . import load_shape
     from .io import VOLUME_EXTS
 
@@ -171,8 +182,6 @@ def _load(path: str, label: float | None, level: float | None, points: int | Non
 
 def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
     """Save a registration, draw its pictures and print its metrics."""
-    from pathlib import Path
-
     from .registration.metrics import surface_distances
 
     folder = res.save(output)
@@ -256,34 +265,30 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
 def demo(output: str, pair: str, surface: str, points: int | None, progress: bool) -> None:
     """Register two real brain surfaces (fsaverage5, from nilearn's wheel) and write the
     warped surface, the parameters, the metrics and a picture."""
-    from pathlib import Path
-
     from . import datasets, register, save_shape
 
-    try:
-        left = datasets.fsaverage5(surface, "left")
-    except (ImportError, FileNotFoundError) as err:
-        raise click.ClickException(
-            f"{err}; install the data extra: pip install 'otreg[data,mesh]'"
-        ) from err
-    if points is not None:
-        left = left.decimate(points)
-    if pair == "hemispheres":
-        target = datasets.fsaverage5(surface, "right").mirror(0)
-        target = target if points is None else target.decimate(points)
-        truth, what = None, f"fsaverage5 left {surface} -> mirrored right {surface}"
-    else:
-        (subject,) = datasets.synthetic_subjects(left, n=1, seed=0)
-        target, truth = subject.shape, subject.shape.points
-        what = f"fsaverage5 left {surface} -> a synthetic subject (known deformation)"
-    click.echo(f"{what}: {left.n_points:,} and {target.n_points:,} vertices")
-    _check_output(output, [], True, ("source.vtk", "target.vtk"))
-    folder = Path(output)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_shape(left, folder / "source.vtk")
-    save_shape(target, folder / "target.vtk")
-    res = register(left, target, truth=truth, progress=progress)
-    _write_outputs(res, left, target, output, True)
+    with _output_folder(output, [], True, ("source.vtk", "target.vtk")) as folder:
+        try:
+            left = datasets.fsaverage5(surface, "left")
+        except (ImportError, FileNotFoundError) as err:
+            raise click.ClickException(
+                f"{err}; install the data extra: pip install 'otreg[data,mesh]'"
+            ) from err
+        if points is not None:
+            left = left.decimate(points)
+        if pair == "hemispheres":
+            target = datasets.fsaverage5(surface, "right").mirror(0)
+            target = target if points is None else target.decimate(points)
+            truth, what = None, f"fsaverage5 left {surface} -> mirrored right {surface}"
+        else:
+            (subject,) = datasets.synthetic_subjects(left, n=1, seed=0)
+            target, truth = subject.shape, subject.shape.points
+            what = f"fsaverage5 left {surface} -> a synthetic subject (known deformation)"
+        click.echo(f"{what}: {left.n_points:,} and {target.n_points:,} vertices")
+        save_shape(left, folder / "source.vtk")
+        save_shape(target, folder / "target.vtk")
+        res = register(left, target, truth=truth, progress=progress)
+        _write_outputs(res, left, target, output, True)
 
 
 @main.command()

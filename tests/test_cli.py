@@ -122,3 +122,66 @@ def test_register_a_linear_model_writes_its_options(two_meshes, tmp_path):
     options = json.loads((out / "registration.json").read_text())["options"]
     assert options["model"] == "rigid" and options["lddmm"] is None
     assert options["prealign"]["kind"] == "rigid" and options["optimizer"]["max_iter"] == 7
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Make any loading or registering fail loudly: the command must stop before."""
+    import otreg
+    from otreg import datasets
+
+    def work(*args, **kwargs):
+        raise AssertionError("the command did work before checking its output folder")
+
+    for module, name in ((otreg, "load_shape"), (otreg, "register"), (datasets, "fsaverage5")):
+        monkeypatch.setattr(module, name, work)
+
+
+def test_an_unwritable_output_folder_is_refused_before_any_work(two_meshes, tmp_path, no_work):
+    (tmp_path / "afile").write_text("x")
+    bad = str(tmp_path / "afile" / "out")
+    for args in (["register", *two_meshes, "-o", bad], ["demo", "-o", bad, "--points", "400"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, result.output
+        assert "afile" in result.output and "is a file" in result.output
+        assert "Traceback" not in result.output and result.exception is not None
+        assert not isinstance(result.exception, AssertionError)
+
+
+@pytest.mark.skipif(
+    hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0,
+    reason="root writes into read-only folders",
+)
+def test_a_read_only_output_folder_is_refused_before_any_work(two_meshes, tmp_path, no_work):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        result = CliRunner().invoke(main, ["register", *two_meshes, "-o", str(ro)])
+    finally:
+        ro.chmod(0o700)
+    assert result.exit_code == 2 and "ro" in result.output and "ermission" in result.output
+
+
+def test_a_failed_run_leaves_no_output_folder_it_created(two_meshes, tmp_path):
+    out = tmp_path / "new" / "deep"
+    result = CliRunner().invoke(
+        main, ["register", str(tmp_path / "none.vtk"), two_meshes[1], "-o", str(out)]
+    )
+    assert result.exit_code == 1 and "does not exist" in result.output
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_folder_without_write_permission_is_refused_before_any_work(
+    two_meshes, tmp_path, no_work, monkeypatch
+):
+    import errno
+    import tempfile
+
+    def denied(*args, dir=None, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)  # what a read-only folder does, even to root
+    result = CliRunner().invoke(main, ["register", *two_meshes, "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"cannot write into the folder {tmp_path / 'out'}: Permission denied" in result.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import gzip
 import os
@@ -197,6 +198,42 @@ def same_file(a: str | Path, b: str | Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # either is missing: writing one cannot replace the other
         return False
+
+
+def check_writable_folder(folder: Path, caller: str) -> list[Path]:
+    """Create ``folder`` if missing and write and delete a file in it; return the folders
+    created (outermost first). PermissionError (no write permission, read-only file
+    system) or ValueError (a file in the way), naming the folder, if it cannot be used."""
+    created = [p for p in (folder, *folder.parents) if not os.path.lexists(p)][::-1]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".otreg-write-test.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        remove_empty_folders(created)
+        blocker = next(
+            (p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None
+        )
+        if blocker is not None:
+            reason = f"{blocker} is {'a file' if blocker.is_file() else 'not a folder'}"
+        else:
+            reason = err.strerror or str(err)
+        message = f"{caller}: cannot write into the folder {folder}: {reason}"
+        if blocker is None and err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise PermissionError(message) from err
+        raise ValueError(message) from err
+    return created
+
+
+def remove_empty_folders(folders: Sequence[Path]) -> None:
+    """Remove those of ``folders`` (outermost first) that exist and are empty, innermost
+    first: the folders a run created, after it failed."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty, gone, or not ours to remove
+            pass
 
 
 def _temp_affixes(path: Path) -> tuple[str, str]:

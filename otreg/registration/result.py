@@ -81,8 +81,14 @@ class Registration:
     def save(self, folder: str | Path) -> Path:
         """Write warped.vtk, parameters.npz (no pickle) and registration.json, all or
         nothing: each carries the same run id, which :meth:`load` checks. Refuses
-        (ValueError) a folder where one of them would replace an input of the run."""
-        from ..io._files import atomic_write_all, remove_stale_temps, same_file
+        (ValueError) a folder where one of them would replace an input of the run, and
+        (PermissionError or ValueError, naming it) a folder that cannot be written."""
+        from ..io._files import (
+            atomic_write_all,
+            check_writable_folder,
+            remove_stale_temps,
+            same_file,
+        )
 
         folder = Path(folder)
         for name in OUTPUTS:
@@ -93,7 +99,7 @@ class Registration:
                         f"registration ({given}); otreg never overwrites an input: choose "
                         "another folder"
                     )
-        folder.mkdir(parents=True, exist_ok=True)
+        check_writable_folder(folder, "Registration.save")  # not a raw OSError from deep inside
         remove_stale_temps(folder, OUTPUTS)  # left by a save that was killed
         run_id = uuid.uuid4().hex
         mesh = self.warped.with_points(self.warped.points.detach()).to_pyvista()

@@ -278,3 +278,43 @@ def test_save_removes_stale_temporaries_of_its_own_files_only(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         kept + ["warped.vtk", "parameters.npz", "registration.json"]
     )
+
+
+# ----------------------------------------------------------------------------- unwritable
+def test_save_into_a_folder_that_cannot_be_one_names_it(tmp_path):
+    (tmp_path / "afile").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"cannot write into .*afile/out: .*afile is a file"):
+        result().save(tmp_path / "afile" / "out")
+    with pytest.raises(ValueError, match=r"afile is a file"):
+        result().save(tmp_path / "afile")
+
+
+@pytest.mark.skipif(
+    hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0,
+    reason="root writes into read-only folders",
+)
+def test_save_into_a_read_only_folder_names_it(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError, match=r"cannot write into .*ro"):
+            result().save(folder)
+    finally:
+        folder.chmod(0o700)
+
+
+def test_save_reports_a_permission_error_naming_the_folder(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    def denied(*args, dir=None, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)  # what a read-only folder does, even to root
+    with pytest.raises(
+        PermissionError,
+        match=r"Registration.save: cannot write into the folder .*out: Permission denied",
+    ):
+        result().save(tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # the folder it created is gone again
