@@ -90,6 +90,15 @@ def read_pyvista(path: Path, caller: str, dtype) -> Shape:
     return Shape.from_pyvista(read_pyvista_mesh(path, caller), dtype=dtype, source=str(path))
 
 
+def _vtk_reason(err: Exception) -> str:
+    """The first message of a VTK error, without its source line and object address."""
+    for line in str(err).strip().splitlines():
+        if line and not re.match(r"(ERROR|Warning): In ", line) and not line.startswith(" "):
+            line = re.sub(r"^vtk\w+ \(0x[0-9a-f]+\): ", "", line)
+            return re.sub(r" \(0x[0-9a-f]+\)", "", line)[:300]
+    return ""
+
+
 def read_pyvista_mesh(path: Path, caller: str):
     """The pyvista dataset in a mesh file, or a ValueError naming the file."""
     import pyvista as pv
@@ -99,20 +108,25 @@ def read_pyvista_mesh(path: Path, caller: str):
 
     try:
         # VTK's readers report a truncated or corrupt file as an error message, not an
-        # exception, and return what they read so far: turn the message into the error
+        # exception, and return what they read so far: turn the message into the error.
+        # The VTK reader is run directly: pv.read and BaseReader.read log VTK's messages
+        # (ERROR:root:...) and warn on top of that error.
         with warnings.catch_warnings():
             warnings.simplefilter("error", pv.VTKExecutionWarning)
             with (
                 pv.vtk_verbosity("off"),
                 pv.VtkErrorCatcher(raise_errors=True, send_to_logging=False, emit_warnings=True),
             ):
-                mesh = pv.read(str(path))
+                reader = pv.get_reader(str(path)).reader
+                reader.Update()
+                mesh = pv.wrap(reader.GetOutputDataObject(0))
     except Exception as err:
-        text = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
         raise ValueError(
             f"{caller}: {path} could not be read as a mesh; it may be truncated or "
-            f"corrupt ({type(err).__name__}: {text})"
+            f"corrupt ({type(err).__name__}: {_vtk_reason(err)})"
         ) from err
+    if mesh is None:
+        raise ValueError(f"{caller}: {path} could not be read as a mesh (VTK returned nothing)")
     if mesh.n_points == 0:
         raise ValueError(f"{caller}: {path} has no points")
     return mesh

@@ -303,3 +303,25 @@ def test_save_never_overwrites_the_input_under_another_spelling(tmp_path, monkey
             save_shape(shape, spelling)
     assert (tmp_path / "a.vtk").read_bytes() == before
     assert load_shape(tmp_path / "link.vtk").source == str(tmp_path / "link.vtk")
+
+
+@pytest.mark.parametrize("name", ["g.vtk", "g.vtp", "g.stl", "g.ply", "t.vtk"])
+def test_a_broken_mesh_gives_our_error_only(tmp_path, capfd, caplog, recwarn, name):
+    path = tmp_path / name
+    if name == "t.vtk":  # a header announcing 10 points, one given
+        path.write_text(
+            "# vtk DataFile Version 3.0\nx\nASCII\nDATASET POLYDATA\nPOINTS 10 float\n1 2 3\n"
+        )
+    elif name == "g.ply":
+        path.write_text(
+            "ply\nformat ascii 1.0\nelement vertex 1\nproperty float x\nend_header\nzz\n"
+        )
+    else:
+        path.write_bytes(bytes(range(256)) * 3)
+    capfd.readouterr()
+    with pytest.raises(ValueError, match=f"{name}"):
+        load_shape(path)
+    out = capfd.readouterr()  # VTK writes to the file descriptors, pyvista logs and warns
+    assert "ERROR" not in out.err and "rror" not in out.out and "Algorithm" not in out.err
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert not recwarn.list, [str(w.message) for w in recwarn.list]
