@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -101,6 +103,11 @@ def info(no_keops: bool) -> None:
     help="L-BFGS iterations a level.",
 )
 @click.option("--picture/--no-picture", default=True, show_default=True)
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress bars on stderr [default: when stderr is a terminal].",
+)
 def register_cmd(
     source: str,
     target: str,
@@ -114,10 +121,12 @@ def register_cmd(
     points: int | None,
     max_iter: int,
     picture: bool,
+    progress: bool | None,
 ) -> None:
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
     from . import LBFGSOptions, LDDMMOptions, register
 
+    _check_volume_options(label, level, [source, target])
     with _output_folder(output, [source, target], picture):
         try:
             src, tgt = (_load(p, label, level, points) for p in (source, target))
@@ -128,6 +137,7 @@ def register_cmd(
                 prealign=prealign,
                 loss=loss,
                 optimizer=LBFGSOptions(max_iter=max_iter),
+                progress=_progress(progress),
             )
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(str(err)) from err
@@ -170,14 +180,73 @@ def _output_folder(
         raise
 
 
+def _check_volume_options(label: float | None, level: float | None, paths: list[str]) -> None:
+    """--label and --level apply to volumes: refuse them when no input is one."""
+    from .io import VOLUME_EXTS
+
+    given = [name for name, value in (("--label", label), ("--level", level)) if value is not None]
+    if given and not any(Path(p).name.lower().endswith(VOLUME_EXTS) for p in paths):
+        raise click.UsageError(
+            f"{given[0]} applies to volumes ({', '.join(VOLUME_EXTS)}); "
+            f"{' and '.join(paths)} {'is not one' if len(paths) == 1 else 'are not'}: "
+            f"leave {given[0]} out for meshes and point clouds"
+        )
+
+
 def _load(path: str, label: float | None, level: float | None, points: int | None):
-    """A shape from a file: label and level apply to volumes only."""
+    """A shape from a file: label and level apply to volumes only (the other input of a
+    command may be one)."""
     from . import load_shape
     from .io import VOLUME_EXTS
 
     volume = Path(path).name.lower().endswith(VOLUME_EXTS)
     shape = load_shape(path, label=label if volume else None, level=level if volume else None)
-    return shape if points is None else shape.decimate(points)
+    if points is not None:  # still the file's shape for the record (Registration.inputs)
+        shape = dataclasses.replace(shape.decimate(points), source=shape.source)
+    return shape
+
+
+def _progress(flag: bool | None) -> bool:
+    """--progress/--no-progress, else progress bars only on a terminal: tqdm rewrites its
+    line with carriage returns, which a log file keeps (about 100 bytes an evaluation,
+    7 kB or more a registration)."""
+    if flag is not None:
+        return flag
+    return sys.stderr.isatty() if hasattr(sys.stderr, "isatty") else False
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """While active, send what libraries print (KeOps' compilation messages, C code writing
+    to file descriptor 1) to stderr, so that stdout carries only the command's output."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    _flush_c_stdio()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no file descriptors 1 and 2: Python's stdout only
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            _flush_c_stdio()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    """Flush the C library's buffered stdout, so that it goes where fd 1 points now."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # pragma: no cover - no C library here
+        pass
 
 
 def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
@@ -261,8 +330,12 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
     type=click.IntRange(min=100),
     help="Decimate both surfaces to about this many vertices (a quick run).",
 )
-@click.option("--progress/--no-progress", default=True, show_default=True)
-def demo(output: str, pair: str, surface: str, points: int | None, progress: bool) -> None:
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress bars on stderr [default: when stderr is a terminal].",
+)
+def demo(output: str, pair: str, surface: str, points: int | None, progress: bool | None) -> None:
     """Register two real brain surfaces (fsaverage5, from nilearn's wheel) and write the
     warped surface, the parameters, the metrics and a picture."""
     from . import datasets, register, save_shape
@@ -287,7 +360,7 @@ def demo(output: str, pair: str, surface: str, points: int | None, progress: boo
         click.echo(f"{what}: {left.n_points:,} and {target.n_points:,} vertices")
         save_shape(left, folder / "source.vtk")
         save_shape(target, folder / "target.vtk")
-        res = register(left, target, truth=truth, progress=progress)
+        res = register(left, target, truth=truth, progress=_progress(progress))
         _write_outputs(res, left, target, output, True)
 
 
@@ -360,26 +433,28 @@ def distance(
     from .ot.divergence import divergence
     from .ot.problem import SinkhornOptions
 
-    try:
-        shapes = [_load(p, label, level, None) for p in (source, target)]
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        raise click.ClickException(str(err)) from err
-    (x, a), (y, b) = (s.measure() for s in shapes)
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)  # reported below instead
+    _check_volume_options(label, level, [source, target])
+    with _stdout_to_stderr(as_json):
         try:
-            options = SinkhornOptions(
-                blur=blur,
-                reach=reach,
-                scaling=scaling,
-                tol=tol,
-                max_iter=max_iter,
-                relaxation=relaxation,
-            )
-            value, res = divergence("otreg distance", x, y, a / a.sum(), b / b.sum(), options)
-        except (ValueError, TypeError) as err:
+            shapes = [_load(p, label, level, None) for p in (source, target)]
+        except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(str(err)) from err
+        (x, a), (y, b) = (s.measure() for s in shapes)
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)  # reported below instead
+            try:
+                options = SinkhornOptions(
+                    blur=blur,
+                    reach=reach,
+                    scaling=scaling,
+                    tol=tol,
+                    max_iter=max_iter,
+                    relaxation=relaxation,
+                )
+                value, res = divergence("otreg distance", x, y, a / a.sum(), b / b.sum(), options)
+            except (ValueError, TypeError) as err:
+                raise click.ClickException(str(err)) from err
     value = float(value.detach())
     out = {
         "source": source,
@@ -446,25 +521,26 @@ def circles(n: int, iters: int | None, tol: float, backend: str, as_json: bool) 
     from . import sinkhorn
     from .datasets import circles
 
-    x, y = circles(n)
-    x.requires_grad_(True)
-    blur = math.sqrt(0.125)  # exp(-|x-y|^2/0.25) = exp(-C/eps), C = |x-y|^2/2, eps = 0.125
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        if iters is not None:  # a fixed count: not converging to tol=0 is the point
-            warnings.simplefilter("ignore")
-        res = sinkhorn(
-            x,
-            y,
-            blur=blur,
-            diameter=blur,
-            form="scaling",
-            backend=backend,
-            tol=0.0 if iters else tol,
-            max_iter=iters or 10_000,
-        )
-    (grad,) = torch.autograd.grad(res.cost, x)
-    seconds = time.perf_counter() - start
+    with _stdout_to_stderr(as_json):
+        x, y = circles(n)
+        x.requires_grad_(True)
+        blur = math.sqrt(0.125)  # exp(-|x-y|^2/0.25) = exp(-C/eps), C = |x-y|^2/2, eps = 0.125
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            if iters is not None:  # a fixed count: not converging to tol=0 is the point
+                warnings.simplefilter("ignore")
+            res = sinkhorn(
+                x,
+                y,
+                blur=blur,
+                diameter=blur,
+                form="scaling",
+                backend=backend,
+                tol=0.0 if iters else tol,
+                max_iter=iters or 10_000,
+            )
+        (grad,) = torch.autograd.grad(res.cost, x)
+        seconds = time.perf_counter() - start
     out = {
         "n": n,
         "iterations": res.n_iter,

@@ -185,3 +185,72 @@ def test_a_folder_without_write_permission_is_refused_before_any_work(
     result = CliRunner().invoke(main, ["register", *two_meshes, "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert f"cannot write into the folder {tmp_path / 'out'}: Permission denied" in result.output
+
+
+# ----------------------------------------------------------------------------- hygiene
+def test_label_or_level_for_meshes_only_is_a_usage_error(two_meshes, tmp_path, no_work):
+    for option in ("--label", "--level"):
+        result = CliRunner().invoke(
+            main, ["register", *two_meshes, "-o", str(tmp_path / "out"), option, "3"]
+        )
+        assert result.exit_code == 2, result.output
+        assert f"{option} applies to volumes" in result.output
+        assert "a.vtk" in result.output and "b.ply" in result.output
+        result = CliRunner().invoke(main, ["distance", *two_meshes, option, "3"])
+        assert result.exit_code == 2 and f"{option} applies to volumes" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_register_progress_is_off_without_a_terminal_unless_asked(
+    two_meshes, tmp_path, monkeypatch
+):
+    import otreg
+
+    real, seen = otreg.register, []
+
+    def register(*args, progress=True, **kwargs):
+        seen.append(progress)
+        return real(*args, progress=progress, **kwargs)
+
+    monkeypatch.setattr(otreg, "register", register)
+    for flag, expected in (([], False), (["--progress"], True), (["--no-progress"], False)):
+        out = str(tmp_path / f"out{len(seen)}")
+        args = ["register", *two_meshes, "-o", out, "--model", "rigid", "--no-picture", *flag]
+        result = CliRunner().invoke(main, args)  # CliRunner's stderr is not a terminal
+        assert result.exit_code == 0, result.output
+        assert seen[-1] is expected
+
+
+def noisy(monkeypatch, module, name):
+    """Make module.name print to stdout, from Python and from C (file descriptor 1)."""
+    import os
+
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        print("[KeOps] Compiling a formula ...")
+        os.write(1, b"C-level noise\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+
+
+def test_json_output_is_one_json_line_even_when_libraries_print(two_meshes, monkeypatch, capfd):
+    import otreg
+    from otreg.ot import divergence
+
+    noisy(monkeypatch, divergence, "divergence")
+    noisy(monkeypatch, otreg, "sinkhorn")
+    for args in (
+        ["distance", *two_meshes, "--blur", "0.5", "--json"],
+        ["circles", "--n", "200", "--iters", "5", "--json"],
+    ):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        assert len(result.stdout.splitlines()) == 1
+        assert isinstance(json.loads(result.stdout), dict)
+        assert "[KeOps] Compiling" in result.stderr
+        fd = capfd.readouterr()
+        assert "C-level noise" not in fd.out and "C-level noise" in fd.err
+    result = CliRunner().invoke(main, ["distance", *two_meshes, "--blur", "0.5"])
+    assert "[KeOps] Compiling" in result.stdout  # without --json, nothing is redirected
