@@ -206,6 +206,42 @@ def read_points(path: Path, caller: str, dtype) -> Shape:
     return Shape(torch.as_tensor(pts.astype(np.float64), dtype=dtype), source=str(path))
 
 
+def warn_bad_triangles(shape: Shape, path: Path, caller: str) -> None:
+    """Warn (UserWarning naming the file) about duplicated and zero-area triangles; the
+    mesh is left as it is."""
+    faces = shape.faces.cpu().numpy()
+    pts = shape.points.detach().cpu().double().numpy()
+    ordered = np.sort(faces, axis=1)
+    if shape.n_points < 2**21:  # one int64 key a triangle, sorted: equal keys are copies
+        keys = np.sort((ordered[:, 0] << 42) | (ordered[:, 1] << 21) | ordered[:, 2])
+        n_dup = int((keys[1:] == keys[:-1]).sum())
+    else:
+        n_dup = len(faces) - len(np.unique(ordered, axis=0))
+    a, b, c = pts[faces[:, 0]], pts[faces[:, 1]], pts[faces[:, 2]]
+    areas = np.linalg.norm(np.cross(b - a, c - a), axis=1) / 2
+    size = float(np.linalg.norm(pts.max(0) - pts.min(0)))
+    n_zero = int((areas <= 1e-10 * size**2).sum())
+    found = []
+    if n_dup:
+        found.append(
+            f"{n_dup:,} duplicated triangles (the same three vertices again; every copy "
+            "counts in the measures, so the surface there weighs double)"
+        )
+    if n_zero:
+        found.append(
+            f"{n_zero:,} zero-area triangles (repeated or collinear vertices; they "
+            "carry no weight in the measures)"
+        )
+    if found:
+        warnings.warn(
+            f"{caller}: {path} has {' and '.join(found)} among its {len(faces):,}; otreg "
+            "keeps the mesh as it is (clean it first, e.g. pyvista's clean(), if that is "
+            "not intended)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def same_file(a: str | Path, b: str | Path) -> bool:
     """Whether two paths name one existing file (through symlinks, ``..``, hard links)."""
     try:

@@ -52,7 +52,7 @@ class Registration:
 
     def transform(self, what: torch.Tensor | np.ndarray | Shape) -> torch.Tensor | Shape:
         """Carry points ``(N, 3)`` (tensor or NumPy array) or a Shape (of the source's space)
-        through the transform."""
+        through the transform; integer points come back as float64."""
         if isinstance(what, Shape):
             return what.with_points(self.transform(what.points))
         if isinstance(what, np.ndarray):
@@ -67,8 +67,9 @@ class Registration:
                 f"Registration.transform: points have shape {tuple(what.shape)}; "
                 "they must be (N, 3)"
             )
+        dtype = what.dtype if what.is_floating_point() else torch.float64  # never rounded
         with torch.no_grad():
-            return self.apply(what.detach().double()).to(what.dtype)
+            return self.apply(what.detach().double()).to(dtype)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """The whole transform of points ``(N, 3)``, differentiable in x (for Jacobians)."""
@@ -139,11 +140,19 @@ class Registration:
                 raise FileNotFoundError(f"{caller}: {folder / name} is missing")
         mesh = read_pyvista_mesh(folder / "warped.vtk", caller)
         ids = {"warped.vtk": mesh.field_data["run_id"][0] if "run_id" in mesh.field_data else None}
-        with np.load(folder / "parameters.npz", allow_pickle=False) as arrays:
-            ids["parameters.npz"] = arrays["run_id"] if "run_id" in arrays.files else None
-            linear = _Linear.from_arrays(arrays) if "linear_kind" in arrays else None
-            deformation = LDDMM.from_arrays(arrays) if "momenta" in arrays else None
-        doc = json.loads((folder / "registration.json").read_text())
+        try:
+            with np.load(folder / "parameters.npz", allow_pickle=False) as arrays:
+                ids["parameters.npz"] = arrays["run_id"] if "run_id" in arrays.files else None
+                linear = _Linear.from_arrays(arrays) if "linear_kind" in arrays else None
+                deformation = LDDMM.from_arrays(arrays) if "momenta" in arrays else None
+        except Exception as err:  # a zip, pickle or array error: say which file
+            raise ValueError(_unreadable(caller, folder / "parameters.npz", err)) from err
+        try:
+            doc = json.loads((folder / "registration.json").read_text())
+            if not isinstance(doc, dict) or not {"history", "metrics", "options"} <= set(doc):
+                raise ValueError("not an object with history, metrics and options")
+        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError among them
+            raise ValueError(_unreadable(caller, folder / "registration.json", err)) from err
         ids["registration.json"] = doc.get("run_id")
         ids = {name: None if v is None else str(v) for name, v in ids.items()}
         if len(set(ids.values())) > 1:  # no run id in all three: saved before they were
@@ -163,3 +172,10 @@ class Registration:
             doc["options"],
             doc.get("inputs", {}),  # absent from results saved before it was recorded
         )
+
+
+def _unreadable(caller: str, path: Path, err: Exception) -> str:
+    return (
+        f"{caller}: {path} could not be read ({type(err).__name__}: {err}); it may be "
+        "truncated or corrupt: rerun the registration (or save it again)"
+    )

@@ -318,3 +318,22 @@ def test_save_reports_a_permission_error_naming_the_folder(tmp_path, monkeypatch
     ):
         result().save(tmp_path / "out")
     assert not (tmp_path / "out").exists()  # the folder it created is gone again
+
+
+def test_transform_of_integer_points_is_not_truncated():
+    res = result()
+    exact = res.transform(torch.tensor([[1.0, 2.0, 3.0]], dtype=D))
+    assert not torch.equal(exact, exact.round())  # the transform moves by fractions of mm
+    as_tensor = res.transform(torch.tensor([[1, 2, 3]]))
+    as_array = res.transform(np.array([[1, 2, 3]], dtype=np.int32))
+    assert as_tensor.is_floating_point() and torch.allclose(as_tensor.double(), exact)
+    assert as_array.dtype.kind == "f" and np.allclose(as_array, exact.numpy())
+
+
+@pytest.mark.parametrize("name", ["parameters.npz", "registration.json"])
+def test_load_names_a_corrupt_file(tmp_path, name):
+    folder = result().save(tmp_path / "out")
+    data = (folder / name).read_bytes()
+    (folder / name).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"Registration.load: .*{name} could not be read"):
+        Registration.load(folder)
