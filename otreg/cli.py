@@ -130,6 +130,12 @@ def register_cmd(
     with _output_folder(output, [source, target], picture):
         try:
             src, tgt = (_load(p, label, level, points) for p in (source, target))
+            for path, shape in ((source, src), (target, tgt)):
+                if shape.n_faces == 0:
+                    raise ValueError(
+                        f"{path} has no triangles (a point cloud); otreg register "
+                        "compares surfaces: give a mesh, or a volume with --label/--level"
+                    )
             res = register(
                 src,
                 tgt,
@@ -181,10 +187,16 @@ def _output_folder(
 
 
 def _check_volume_options(label: float | None, level: float | None, paths: list[str]) -> None:
-    """--label and --level apply to volumes: refuse them when no input is one."""
+    """--label and --level apply to volumes: refuse them when no input is one, and
+    refuse both at once."""
     from .io import VOLUME_EXTS
 
     given = [name for name, value in (("--label", label), ("--level", level)) if value is not None]
+    if len(given) == 2:
+        raise click.UsageError(
+            "give --label (a segmentation value) or --level (a threshold of a probability "
+            "map), not both"
+        )
     if given and not any(Path(p).name.lower().endswith(VOLUME_EXTS) for p in paths):
         raise click.UsageError(
             f"{given[0]} applies to volumes ({', '.join(VOLUME_EXTS)}); "

@@ -254,3 +254,23 @@ def test_json_output_is_one_json_line_even_when_libraries_print(two_meshes, monk
         assert "C-level noise" not in fd.out and "C-level noise" in fd.err
     result = CliRunner().invoke(main, ["distance", *two_meshes, "--blur", "0.5"])
     assert "[KeOps] Compiling" in result.stdout  # without --json, nothing is redirected
+
+
+def test_cli_errors_name_the_file_or_option(two_meshes, tmp_path):
+    import numpy as np
+
+    cloud = tmp_path / "cloud.npy"
+    np.save(cloud, np.random.default_rng(0).random((50, 3)))
+    result = CliRunner().invoke(
+        main, ["register", str(cloud), two_meshes[1], "-o", str(tmp_path / "o")]
+    )
+    assert (
+        result.exit_code == 1 and "cloud.npy" in result.output and "no triangles" in result.output
+    )
+    seg = tmp_path / "seg.nii.gz"
+    seg.write_bytes(b"x")
+    result = CliRunner().invoke(
+        main, ["distance", str(seg), two_meshes[1], "--label", "1", "--level", "0.5"]
+    )
+    assert result.exit_code == 2 and "--level (a threshold" in result.output
+    assert "not both" in result.output
