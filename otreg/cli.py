@@ -127,7 +127,7 @@ def register_cmd(
     from . import LBFGSOptions, LDDMMOptions, register
 
     _check_volume_options(label, level, [source, target])
-    with _output_folder(output, [source, target], picture):
+    with _output_folder(output, [source, target], picture), _warnings_as_lines():
         try:
             src, tgt = (_load(p, label, level, points) for p in (source, target))
             for path, shape in ((source, src), (target, tgt)):
@@ -216,6 +216,19 @@ def _load(path: str, label: float | None, level: float | None, points: int | Non
     if points is not None:  # still the file's shape for the record (Registration.inputs)
         shape = dataclasses.replace(shape.decimate(points), source=shape.source)
     return shape
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Show warnings as 'warning: message' lines on stderr, without Python's file and line
+    of source (click's own, for warnings raised in a command)."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        click.echo(f"warning: {message}", err=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def _progress(flag: bool | None) -> bool:
@@ -444,13 +457,15 @@ def distance(
     from . import ConvergenceWarning
     from .ot.divergence import divergence
     from .ot.problem import SinkhornOptions
+    from .registration.prealign import check_scales
 
     _check_volume_options(label, level, [source, target])
-    with _stdout_to_stderr(as_json):
+    with _stdout_to_stderr(as_json), _warnings_as_lines():
         try:
             shapes = [_load(p, label, level, None) for p in (source, target)]
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(str(err)) from err
+        check_scales("otreg distance", *shapes, names=(source, target))
         (x, a), (y, b) = (s.measure() for s in shapes)
         start = time.perf_counter()
         with warnings.catch_warnings():

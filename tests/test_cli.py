@@ -1,6 +1,7 @@
 """The otreg command line."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -274,3 +275,23 @@ def test_cli_errors_name_the_file_or_option(two_meshes, tmp_path):
     )
     assert result.exit_code == 2 and "--level (a threshold" in result.output
     assert "not both" in result.output
+
+
+def test_distance_warns_when_the_sizes_suggest_metres_and_millimetres(two_meshes, tmp_path):
+    from otreg import load_shape
+
+    mesh = load_shape(two_meshes[0])
+    metres = save_shape(mesh.with_points(mesh.points / 1000), tmp_path / "in_metres.vtk")
+    result = CliRunner().invoke(main, ["distance", two_meshes[0], str(metres), "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["sqrt_2d_mm"] > 1
+    assert re.search(
+        r"^warning: otreg distance: .*a.vtk is 1000 times larger than .*in_metres.vtk .*"
+        r"metres and millimetres",
+        result.stderr,
+        re.M,
+    )
+    src = save_shape(mesh.with_points(mesh.points * 1000), tmp_path / "in_um.vtk")
+    args = ["register", str(src), two_meshes[1], "-o", str(tmp_path / "o"), "--model", "rigid"]
+    result = CliRunner().invoke(main, [*args, "--no-picture"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^warning: register: source is 1000 times larger", result.stderr, re.M)

@@ -39,7 +39,7 @@ from .options import (
     PrealignOptions,
     loss_weights,
 )
-from .prealign import LINEAR, even_indices
+from .prealign import LINEAR, check_scales, even_indices
 from .prealign import prealign as fit_prealign
 from .result import Registration
 
@@ -242,6 +242,7 @@ def register(
             raise ValueError(f"{caller}: {name} has no triangles; registration compares surfaces")
     if source.unit != target.unit:
         raise ValueError(f"{caller}: source is in {source.unit} but target in {target.unit}")
+    check_scales(caller, source, target)
     model, lddmm, pre, optimizer, sinkhorn = _resolve(
         caller, model, prealign, optimizer, sinkhorn, deprecated
     )
