@@ -161,7 +161,7 @@ def _output_folder(
     """Refuse, before any work, an output folder that cannot be one, cannot be written
     (it is created if missing) or whose files would replace an input. A folder created
     here is removed again, if still empty, when the command fails."""
-    from .io._files import check_writable_folder, remove_empty_folders, same_file
+    from .io import check_writable_folder, remove_empty_folders, same_file
 
     folder = Path(output)
     if folder.exists() and not folder.is_dir():

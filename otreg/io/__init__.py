@@ -11,7 +11,9 @@ Every point comes out in world millimetres (scanner RAS for MRI data):
   point clouds ``.csv`` (x, y, z columns) and ``.npy`` ((N, 3) arrays).
 
 ``save_shape`` writes the same mesh and point formats atomically (a temporary file renamed
-into place) and refuses to write over the file a shape was read from.
+into place) and refuses to write over the file a shape was read from. The file helpers
+(``atomic_write``, ``atomic_write_all``, ``check_writable_folder``, ``same_file``, ...)
+serve the other writers (registration results, the command line).
 """
 
 from __future__ import annotations
@@ -22,9 +24,29 @@ import torch
 
 from ..shapes import Shape
 from . import _files, _volume
-from ._files import atomic_write
+from ._files import (
+    atomic_write,
+    atomic_write_all,
+    check_writable_folder,
+    read_pyvista_mesh,
+    remove_empty_folders,
+    remove_stale_temps,
+    same_file,
+)
 
-__all__ = ["load_shape", "save_shape", "atomic_write", "VOLUME_EXTS", "MESH_EXTS"]
+__all__ = [
+    "load_shape",
+    "save_shape",
+    "atomic_write",
+    "atomic_write_all",
+    "check_writable_folder",
+    "read_pyvista_mesh",
+    "remove_empty_folders",
+    "remove_stale_temps",
+    "same_file",
+    "VOLUME_EXTS",
+    "MESH_EXTS",
+]
 
 VOLUME_EXTS = (".nii", ".nii.gz", ".mgz")
 MESH_EXTS = (*_files.PYVISTA_EXTS, ".gii", ".gii.gz", ".csv", ".npy")

@@ -84,7 +84,7 @@ class Registration:
         nothing: each carries the same run id, which :meth:`load` checks. Refuses
         (ValueError) a folder where one of them would replace an input of the run, and
         (PermissionError or ValueError, naming it) a folder that cannot be written."""
-        from ..io._files import (
+        from ..io import (
             atomic_write_all,
             check_writable_folder,
             remove_stale_temps,
@@ -131,7 +131,7 @@ class Registration:
         """Read what :meth:`save` wrote; ``transform`` then works as before (the linear part
         comes back as an :class:`~otreg.registration.Affine` of the same matrix). Refuses
         (ValueError) a folder whose files come from different runs."""
-        from ..io._files import read_pyvista_mesh
+        from ..io import read_pyvista_mesh
 
         caller = "Registration.load"
         folder = Path(folder)
