@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
+import os
 import resource
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
 import click
 
@@ -98,6 +103,11 @@ def info(no_keops: bool) -> None:
     help="L-BFGS iterations a level.",
 )
 @click.option("--picture/--no-picture", default=True, show_default=True)
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress bars on stderr [default: when stderr is a terminal].",
+)
 def register_cmd(
     source: str,
     target: str,
@@ -111,68 +121,161 @@ def register_cmd(
     points: int | None,
     max_iter: int,
     picture: bool,
+    progress: bool | None,
 ) -> None:
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
     from . import LBFGSOptions, LDDMMOptions, register
 
-    _check_output(output, [source, target], picture)
-    try:
-        src, tgt = (_load(p, label, level, points) for p in (source, target))
-        res = register(
-            src,
-            tgt,
-            model=LDDMMOptions(sigma=sigma) if model == "lddmm" else model,
-            prealign=prealign,
-            loss=loss,
-            optimizer=LBFGSOptions(max_iter=max_iter),
-        )
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        raise click.ClickException(str(err)) from err
-    _write_outputs(res, src, tgt, output, picture)
+    _check_volume_options(label, level, [source, target])
+    with _output_folder(output, [source, target], picture), _warnings_as_lines():
+        try:
+            src, tgt = (_load(p, label, level, points) for p in (source, target))
+            for path, shape in ((source, src), (target, tgt)):
+                if shape.n_faces == 0:
+                    raise ValueError(
+                        f"{path} has no triangles (a point cloud); otreg register "
+                        "compares surfaces: give a mesh, or a volume with --label/--level"
+                    )
+            res = register(
+                src,
+                tgt,
+                model=LDDMMOptions(sigma=sigma) if model == "lddmm" else model,
+                prealign=prealign,
+                loss=loss,
+                optimizer=LBFGSOptions(max_iter=max_iter),
+                progress=_progress(progress),
+            )
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            raise click.ClickException(str(err)) from err
+        _write_outputs(res, src, tgt, output, picture)
 
 
 _OUTPUTS = ("warped.vtk", "parameters.npz", "registration.json")
 _PICTURES = ("picture.png", "history.png")
 
 
-def _check_output(
+@contextlib.contextmanager
+def _output_folder(
     output: str, inputs: list[str], picture: bool, extra: tuple[str, ...] = ()
-) -> None:
-    """Refuse, before any work, an output folder that cannot be one or whose files would
-    replace an input."""
-    from pathlib import Path
+) -> Iterator[Path]:
+    """Refuse, before any work, an output folder that cannot be one, cannot be written
+    (it is created if missing) or whose files would replace an input. A folder created
+    here is removed again, if still empty, when the command fails."""
+    from .io import check_writable_folder, remove_empty_folders, same_file
 
     folder = Path(output)
     if folder.exists() and not folder.is_dir():
         raise click.BadParameter(f"{output} exists and is not a folder", param_hint="-o")
     names = _OUTPUTS + (_PICTURES if picture else ()) + extra
     for name in names:
-        target = (folder / name).resolve()
         for given in inputs:
-            if Path(given).resolve() == target:
+            if same_file(folder / name, given):
                 raise click.BadParameter(
                     f"writing {name} into {output} would replace the "
                     f"input {given}; choose another folder",
                     param_hint="-o",
                 )
+    try:
+        created = check_writable_folder(folder, "otreg")
+    except (PermissionError, ValueError) as err:
+        raise click.BadParameter(str(err).removeprefix("otreg: "), param_hint="-o") from err
+    try:
+        yield folder
+    except BaseException:
+        remove_empty_folders(created)
+        raise
+
+
+def _check_volume_options(label: float | None, level: float | None, paths: list[str]) -> None:
+    """--label and --level apply to volumes: refuse them when no input is one, and
+    refuse both at once."""
+    from .io import VOLUME_EXTS
+
+    given = [name for name, value in (("--label", label), ("--level", level)) if value is not None]
+    if len(given) == 2:
+        raise click.UsageError(
+            "give --label (a segmentation value) or --level (a threshold of a probability "
+            "map), not both"
+        )
+    if given and not any(Path(p).name.lower().endswith(VOLUME_EXTS) for p in paths):
+        raise click.UsageError(
+            f"{given[0]} applies to volumes ({', '.join(VOLUME_EXTS)}); "
+            f"{' and '.join(paths)} {'is not one' if len(paths) == 1 else 'are not'}: "
+            f"leave {given[0]} out for meshes and point clouds"
+        )
 
 
 def _load(path: str, label: float | None, level: float | None, points: int | None):
-    """A shape from a file: label and level apply to volumes only."""
-    from pathlib import Path
-
+    """A shape from a file: label and level apply to volumes only (the other input of a
+    command may be one)."""
     from . import load_shape
     from .io import VOLUME_EXTS
 
     volume = Path(path).name.lower().endswith(VOLUME_EXTS)
     shape = load_shape(path, label=label if volume else None, level=level if volume else None)
-    return shape if points is None else shape.decimate(points)
+    if points is not None:  # still the file's shape for the record (Registration.inputs)
+        shape = dataclasses.replace(shape.decimate(points), source=shape.source)
+    return shape
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Show warnings as 'warning: message' lines on stderr, without Python's file and line
+    of source (click's own, for warnings raised in a command)."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        click.echo(f"warning: {message}", err=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+def _progress(flag: bool | None) -> bool:
+    """--progress/--no-progress, else progress bars only on a terminal: tqdm rewrites its
+    line with carriage returns, which a log file keeps (about 100 bytes an evaluation,
+    7 kB or more a registration)."""
+    if flag is not None:
+        return flag
+    return sys.stderr.isatty() if hasattr(sys.stderr, "isatty") else False
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """While active, send what libraries print (KeOps' compilation messages, C code writing
+    to file descriptor 1) to stderr, so that stdout carries only the command's output."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    _flush_c_stdio()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no file descriptors 1 and 2: Python's stdout only
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            _flush_c_stdio()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    """Flush the C library's buffered stdout, so that it goes where fd 1 points now."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # pragma: no cover - no C library here
+        pass
 
 
 def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
     """Save a registration, draw its pictures and print its metrics."""
-    from pathlib import Path
-
     from .registration.metrics import surface_distances
 
     folder = res.save(output)
@@ -252,38 +355,38 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
     type=click.IntRange(min=100),
     help="Decimate both surfaces to about this many vertices (a quick run).",
 )
-@click.option("--progress/--no-progress", default=True, show_default=True)
-def demo(output: str, pair: str, surface: str, points: int | None, progress: bool) -> None:
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress bars on stderr [default: when stderr is a terminal].",
+)
+def demo(output: str, pair: str, surface: str, points: int | None, progress: bool | None) -> None:
     """Register two real brain surfaces (fsaverage5, from nilearn's wheel) and write the
     warped surface, the parameters, the metrics and a picture."""
-    from pathlib import Path
-
     from . import datasets, register, save_shape
 
-    try:
-        left = datasets.fsaverage5(surface, "left")
-    except (ImportError, FileNotFoundError) as err:
-        raise click.ClickException(
-            f"{err}; install the data extra: pip install 'otreg[data,mesh]'"
-        ) from err
-    if points is not None:
-        left = left.decimate(points)
-    if pair == "hemispheres":
-        target = datasets.fsaverage5(surface, "right").mirror(0)
-        target = target if points is None else target.decimate(points)
-        truth, what = None, f"fsaverage5 left {surface} -> mirrored right {surface}"
-    else:
-        (subject,) = datasets.synthetic_subjects(left, n=1, seed=0)
-        target, truth = subject.shape, subject.shape.points
-        what = f"fsaverage5 left {surface} -> a synthetic subject (known deformation)"
-    click.echo(f"{what}: {left.n_points:,} and {target.n_points:,} vertices")
-    _check_output(output, [], True, ("source.vtk", "target.vtk"))
-    folder = Path(output)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_shape(left, folder / "source.vtk")
-    save_shape(target, folder / "target.vtk")
-    res = register(left, target, truth=truth, progress=progress)
-    _write_outputs(res, left, target, output, True)
+    with _output_folder(output, [], True, ("source.vtk", "target.vtk")) as folder:
+        try:
+            left = datasets.fsaverage5(surface, "left")
+        except (ImportError, FileNotFoundError) as err:
+            raise click.ClickException(
+                f"{err}; install the data extra: pip install 'otreg[data,mesh]'"
+            ) from err
+        if points is not None:
+            left = left.decimate(points)
+        if pair == "hemispheres":
+            target = datasets.fsaverage5(surface, "right").mirror(0)
+            target = target if points is None else target.decimate(points)
+            truth, what = None, f"fsaverage5 left {surface} -> mirrored right {surface}"
+        else:
+            (subject,) = datasets.synthetic_subjects(left, n=1, seed=0)
+            target, truth = subject.shape, subject.shape.points
+            what = f"fsaverage5 left {surface} -> a synthetic subject (known deformation)"
+        click.echo(f"{what}: {left.n_points:,} and {target.n_points:,} vertices")
+        save_shape(left, folder / "source.vtk")
+        save_shape(target, folder / "target.vtk")
+        res = register(left, target, truth=truth, progress=_progress(progress))
+        _write_outputs(res, left, target, output, True)
 
 
 @main.command()
@@ -354,27 +457,31 @@ def distance(
     from . import ConvergenceWarning
     from .ot.divergence import divergence
     from .ot.problem import SinkhornOptions
+    from .registration.prealign import check_scales
 
-    try:
-        shapes = [_load(p, label, level, None) for p in (source, target)]
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        raise click.ClickException(str(err)) from err
-    (x, a), (y, b) = (s.measure() for s in shapes)
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)  # reported below instead
+    _check_volume_options(label, level, [source, target])
+    with _stdout_to_stderr(as_json), _warnings_as_lines():
         try:
-            options = SinkhornOptions(
-                blur=blur,
-                reach=reach,
-                scaling=scaling,
-                tol=tol,
-                max_iter=max_iter,
-                relaxation=relaxation,
-            )
-            value, res = divergence("otreg distance", x, y, a / a.sum(), b / b.sum(), options)
-        except (ValueError, TypeError) as err:
+            shapes = [_load(p, label, level, None) for p in (source, target)]
+        except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(str(err)) from err
+        check_scales("otreg distance", *shapes, names=(source, target))
+        (x, a), (y, b) = (s.measure() for s in shapes)
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)  # reported below instead
+            try:
+                options = SinkhornOptions(
+                    blur=blur,
+                    reach=reach,
+                    scaling=scaling,
+                    tol=tol,
+                    max_iter=max_iter,
+                    relaxation=relaxation,
+                )
+                value, res = divergence("otreg distance", x, y, a / a.sum(), b / b.sum(), options)
+            except (ValueError, TypeError) as err:
+                raise click.ClickException(str(err)) from err
     value = float(value.detach())
     out = {
         "source": source,
@@ -441,25 +548,26 @@ def circles(n: int, iters: int | None, tol: float, backend: str, as_json: bool) 
     from . import sinkhorn
     from .datasets import circles
 
-    x, y = circles(n)
-    x.requires_grad_(True)
-    blur = math.sqrt(0.125)  # exp(-|x-y|^2/0.25) = exp(-C/eps), C = |x-y|^2/2, eps = 0.125
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        if iters is not None:  # a fixed count: not converging to tol=0 is the point
-            warnings.simplefilter("ignore")
-        res = sinkhorn(
-            x,
-            y,
-            blur=blur,
-            diameter=blur,
-            form="scaling",
-            backend=backend,
-            tol=0.0 if iters else tol,
-            max_iter=iters or 10_000,
-        )
-    (grad,) = torch.autograd.grad(res.cost, x)
-    seconds = time.perf_counter() - start
+    with _stdout_to_stderr(as_json):
+        x, y = circles(n)
+        x.requires_grad_(True)
+        blur = math.sqrt(0.125)  # exp(-|x-y|^2/0.25) = exp(-C/eps), C = |x-y|^2/2, eps = 0.125
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            if iters is not None:  # a fixed count: not converging to tol=0 is the point
+                warnings.simplefilter("ignore")
+            res = sinkhorn(
+                x,
+                y,
+                blur=blur,
+                diameter=blur,
+                form="scaling",
+                backend=backend,
+                tol=0.0 if iters else tol,
+                max_iter=iters or 10_000,
+            )
+        (grad,) = torch.autograd.grad(res.cost, x)
+        seconds = time.perf_counter() - start
     out = {
         "n": n,
         "iterations": res.n_iter,

@@ -11,7 +11,9 @@ Every point comes out in world millimetres (scanner RAS for MRI data):
   point clouds ``.csv`` (x, y, z columns) and ``.npy`` ((N, 3) arrays).
 
 ``save_shape`` writes the same mesh and point formats atomically (a temporary file renamed
-into place) and refuses to write over the file a shape was read from.
+into place) and refuses to write over the file a shape was read from. The file helpers
+(``atomic_write``, ``atomic_write_all``, ``check_writable_folder``, ``same_file``, ...)
+serve the other writers (registration results, the command line).
 """
 
 from __future__ import annotations
@@ -22,9 +24,29 @@ import torch
 
 from ..shapes import Shape
 from . import _files, _volume
-from ._files import atomic_write
+from ._files import (
+    atomic_write,
+    atomic_write_all,
+    check_writable_folder,
+    read_pyvista_mesh,
+    remove_empty_folders,
+    remove_stale_temps,
+    same_file,
+)
 
-__all__ = ["load_shape", "save_shape", "atomic_write", "VOLUME_EXTS", "MESH_EXTS"]
+__all__ = [
+    "load_shape",
+    "save_shape",
+    "atomic_write",
+    "atomic_write_all",
+    "check_writable_folder",
+    "read_pyvista_mesh",
+    "remove_empty_folders",
+    "remove_stale_temps",
+    "same_file",
+    "VOLUME_EXTS",
+    "MESH_EXTS",
+]
 
 VOLUME_EXTS = (".nii", ".nii.gz", ".mgz")
 MESH_EXTS = (*_files.PYVISTA_EXTS, ".gii", ".gii.gz", ".csv", ".npy")
@@ -60,7 +82,7 @@ def load_shape(
         dtype: floating dtype of the points.
 
     Returns:
-        :class:`~otreg.shapes.Shape` with ``source`` set to the file.
+        :class:`~otreg.shapes.Shape` with ``source`` set to the file (an absolute path).
     """
     caller = "load_shape"
     if not isinstance(path, (str, Path)):
@@ -71,41 +93,57 @@ def load_shape(
             f"{caller}: smooth is {smooth!r}; it must be a number of Taubin smoothing "
             "iterations, an integer >= 0"
         )
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(
+            f"{caller}: dtype is {dtype!r}; it must be a floating torch dtype "
+            "(torch.float32 or torch.float64): an integer one would round coordinates"
+        )
     if not path.exists():
         raise FileNotFoundError(f"{caller}: {path} does not exist")
     if path.is_dir():
         raise ValueError(f"{caller}: {path} is a folder; give a file")
     if path.stat().st_size == 0:
         raise ValueError(f"{caller}: {path} is empty (0 bytes)")
-    ext = _ext(path)
-    if ext in VOLUME_EXTS:
-        shape = _volume.volume_to_shape(path, caller, label=label, level=level, dtype=dtype)
-    else:
-        if label is not None or level is not None:
-            raise ValueError(
-                f"{caller}: label= and level= apply to volumes "
-                f"({', '.join(VOLUME_EXTS)}), not to {path.name}"
-            )
-        if ext in _files.PYVISTA_EXTS:
-            shape = _files.read_pyvista(path, caller, dtype)
-        elif ext in (".gii", ".gii.gz"):
-            shape = _files.read_gifti(path, caller, dtype)
-        elif ext in (".csv", ".npy"):
-            shape = _files.read_points(path, caller, dtype)
-        elif _files.is_freesurfer_surface(path):
-            shape = _files.read_freesurfer(path, caller, dtype)
-        else:
-            raise ValueError(
-                f"{caller}: {path.name} has an unknown format; otreg reads volumes "
-                f"({', '.join(VOLUME_EXTS)}), meshes ({', '.join(MESH_EXTS)}) and "
-                "FreeSurfer surfaces (lh.pial, rh.white, ...)"
-            )
+    try:
+        shape = _read(path, caller, label, level, dtype)
+    except (ValueError, TypeError) as err:
+        if not str(err).startswith("Shape: "):
+            raise
+        # the Shape's own checks (NaN coordinates, triangles out of range): name the file
+        raise ValueError(f"{caller}: {path} holds an invalid shape: {str(err)[7:]}") from err
+    if shape.n_faces:
+        _files.warn_bad_triangles(shape, path, caller)
     if smooth:
         shape = shape.smooth(n_iter=smooth)
     if decimate is not None:
         shape = shape.decimate(decimate)
-    shape.source = str(path)
+    shape.source = str(path.absolute())  # still the same file if the working folder changes
     return shape
+
+
+def _read(path: Path, caller: str, label, level, dtype) -> Shape:
+    """The shape in a file, as its format reads it."""
+    ext = _ext(path)
+    if ext in VOLUME_EXTS:
+        return _volume.volume_to_shape(path, caller, label=label, level=level, dtype=dtype)
+    if label is not None or level is not None:
+        raise ValueError(
+            f"{caller}: label= and level= apply to volumes "
+            f"({', '.join(VOLUME_EXTS)}), not to {path.name}"
+        )
+    if ext in _files.PYVISTA_EXTS:
+        return _files.read_pyvista(path, caller, dtype)
+    if ext in (".gii", ".gii.gz"):
+        return _files.read_gifti(path, caller, dtype)
+    if ext in (".csv", ".npy"):
+        return _files.read_points(path, caller, dtype)
+    if _files.is_freesurfer_surface(path):
+        return _files.read_freesurfer(path, caller, dtype)
+    raise ValueError(
+        f"{caller}: {path.name} has an unknown format; otreg reads volumes "
+        f"({', '.join(VOLUME_EXTS)}), meshes ({', '.join(MESH_EXTS)}) and "
+        "FreeSurfer surfaces (lh.pial, rh.white, ...)"
+    )
 
 
 def save_shape(shape: Shape, path: str | Path) -> Path:
@@ -113,17 +151,14 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
 
     Meshes: .vtk .vtp .ply .stl .obj (pyvista), .gii (GIFTI), ``lh.*``/``rh.*`` or
     ``.surf`` (FreeSurfer, coordinates as scanner RAS); point clouds: .csv, .npy.
-    Refuses to overwrite ``shape.source`` (the file it was read from).
+    Refuses to overwrite ``shape.source`` (the file it was read from), however the path
+    is spelled (relative, through a symlink).
     """
     caller = "save_shape"
     if not isinstance(shape, Shape):
         raise TypeError(f"{caller}: shape must be an otreg Shape, got {type(shape).__name__}")
     path = Path(path)
-    if (
-        shape.source is not None
-        and path.exists()
-        and path.resolve() == Path(shape.source).resolve()
-    ):
+    if shape.source is not None and _files.same_file(path, shape.source):
         raise ValueError(
             f"{caller}: {path} is the file this shape was read from; otreg never "
             "overwrites an input: choose another path"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import glob
 import gzip
 import os
+import re
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +87,20 @@ def check_ply_size(path: Path, caller: str) -> None:
 
 
 def read_pyvista(path: Path, caller: str, dtype) -> Shape:
+    return Shape.from_pyvista(read_pyvista_mesh(path, caller), dtype=dtype, source=str(path))
+
+
+def _vtk_reason(err: Exception) -> str:
+    """The first message of a VTK error, without its source line and object address."""
+    for line in str(err).strip().splitlines():
+        if line and not re.match(r"(ERROR|Warning): In ", line) and not line.startswith(" "):
+            line = re.sub(r"^vtk\w+ \(0x[0-9a-f]+\): ", "", line)
+            return re.sub(r" \(0x[0-9a-f]+\)", "", line)[:300]
+    return ""
+
+
+def read_pyvista_mesh(path: Path, caller: str):
+    """The pyvista dataset in a mesh file, or a ValueError naming the file."""
     import pyvista as pv
 
     if path.suffix.lower() == ".ply":
@@ -91,23 +108,28 @@ def read_pyvista(path: Path, caller: str, dtype) -> Shape:
 
     try:
         # VTK's readers report a truncated or corrupt file as an error message, not an
-        # exception, and return what they read so far: turn the message into the error
+        # exception, and return what they read so far: turn the message into the error.
+        # The VTK reader is run directly: pv.read and BaseReader.read log VTK's messages
+        # (ERROR:root:...) and warn on top of that error.
         with warnings.catch_warnings():
             warnings.simplefilter("error", pv.VTKExecutionWarning)
             with (
                 pv.vtk_verbosity("off"),
                 pv.VtkErrorCatcher(raise_errors=True, send_to_logging=False, emit_warnings=True),
             ):
-                mesh = pv.read(str(path))
+                reader = pv.get_reader(str(path)).reader
+                reader.Update()
+                mesh = pv.wrap(reader.GetOutputDataObject(0))
     except Exception as err:
-        text = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
         raise ValueError(
             f"{caller}: {path} could not be read as a mesh; it may be truncated or "
-            f"corrupt ({type(err).__name__}: {text})"
+            f"corrupt ({type(err).__name__}: {_vtk_reason(err)})"
         ) from err
+    if mesh is None:
+        raise ValueError(f"{caller}: {path} could not be read as a mesh (VTK returned nothing)")
     if mesh.n_points == 0:
         raise ValueError(f"{caller}: {path} has no points")
-    return Shape.from_pyvista(mesh, dtype=dtype, source=str(path))
+    return mesh
 
 
 def read_gifti(path: Path, caller: str, dtype) -> Shape:
@@ -184,22 +206,134 @@ def read_points(path: Path, caller: str, dtype) -> Shape:
     return Shape(torch.as_tensor(pts.astype(np.float64), dtype=dtype), source=str(path))
 
 
+def warn_bad_triangles(shape: Shape, path: Path, caller: str) -> None:
+    """Warn (UserWarning naming the file) about duplicated and zero-area triangles; the
+    mesh is left as it is."""
+    faces = shape.faces.cpu().numpy()
+    pts = shape.points.detach().cpu().double().numpy()
+    ordered = np.sort(faces, axis=1)
+    if shape.n_points < 2**21:  # one int64 key a triangle, sorted: equal keys are copies
+        keys = np.sort((ordered[:, 0] << 42) | (ordered[:, 1] << 21) | ordered[:, 2])
+        n_dup = int((keys[1:] == keys[:-1]).sum())
+    else:
+        n_dup = len(faces) - len(np.unique(ordered, axis=0))
+    a, b, c = pts[faces[:, 0]], pts[faces[:, 1]], pts[faces[:, 2]]
+    areas = np.linalg.norm(np.cross(b - a, c - a), axis=1) / 2
+    size = float(np.linalg.norm(pts.max(0) - pts.min(0)))
+    n_zero = int((areas <= 1e-10 * size**2).sum())
+    found = []
+    if n_dup:
+        found.append(
+            f"{n_dup:,} duplicated triangles (the same three vertices again; every copy "
+            "counts in the measures, so the surface there weighs double)"
+        )
+    if n_zero:
+        found.append(
+            f"{n_zero:,} zero-area triangles (repeated or collinear vertices; they "
+            "carry no weight in the measures)"
+        )
+    if found:
+        warnings.warn(
+            f"{caller}: {path} has {' and '.join(found)} among its {len(faces):,}; otreg "
+            "keeps the mesh as it is (clean it first, e.g. pyvista's clean(), if that is "
+            "not intended)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one existing file (through symlinks, ``..``, hard links)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is missing: writing one cannot replace the other
+        return False
+
+
+def check_writable_folder(folder: Path, caller: str) -> list[Path]:
+    """Create ``folder`` if missing and write and delete a file in it; return the folders
+    created (outermost first). PermissionError (no write permission, read-only file
+    system) or ValueError (a file in the way), naming the folder, if it cannot be used."""
+    created = [p for p in (folder, *folder.parents) if not os.path.lexists(p)][::-1]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".otreg-write-test.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        remove_empty_folders(created)
+        blocker = next(
+            (p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None
+        )
+        if blocker is not None:
+            reason = f"{blocker} is {'a file' if blocker.is_file() else 'not a folder'}"
+        else:
+            reason = err.strerror or str(err)
+        message = f"{caller}: cannot write into the folder {folder}: {reason}"
+        if blocker is None and err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise PermissionError(message) from err
+        raise ValueError(message) from err
+    return created
+
+
+def remove_empty_folders(folders: Sequence[Path]) -> None:
+    """Remove those of ``folders`` (outermost first) that exist and are empty, innermost
+    first: the folders a run created, after it failed."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty, gone, or not ours to remove
+            pass
+
+
+def _temp_affixes(path: Path) -> tuple[str, str]:
+    """The prefix and suffix of ``path``'s temporary files: ``.{stem}.XXXXXXXX.tmp{ext}``."""
+    suffix = "".join(path.suffixes[-2:]) if path.name.endswith(".gz") else path.suffix
+    return f".{path.stem}.", ".tmp" + suffix
+
+
+def remove_stale_temps(folder: Path, names: Sequence[str]) -> list[Path]:
+    """Delete the temporary files an interrupted :func:`atomic_write_all` of ``names``
+    left in ``folder`` (those names' pattern only); return them."""
+    removed = []
+    for name in names:
+        prefix, suffix = _temp_affixes(folder / name)
+        pattern = re.compile(re.escape(prefix) + r"[a-z0-9_]{8}" + re.escape(suffix))
+        for path in folder.glob(glob.escape(prefix) + "*" + glob.escape(suffix)):
+            if pattern.fullmatch(path.name) and path.is_file():
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
+def atomic_write_all(writes: dict[Path, Callable[[Path], None]]) -> None:
+    """Write several files as one: each to a temporary file beside it, then all renamed
+    into place in quick succession. An error or interrupt before the renames changes none
+    of them; no temporary file is left behind (a killed process leaves some: see
+    :func:`remove_stale_temps`)."""
+    umask = os.umask(0)  # mkstemp makes files private (0600); give them the usual mode
+    os.umask(umask)
+    temps: dict[Path, Path] = {}
+    try:
+        for path, write in writes.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prefix, suffix = _temp_affixes(path)
+            fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
+            os.close(fd)
+            temps[path] = Path(tmp)
+            write(temps[path])
+            os.chmod(temps[path], 0o666 & ~umask)
+        for path in list(temps):
+            os.replace(temps[path], path)
+            del temps[path]
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Write through a temporary file in the same folder, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    suffix = "".join(path.suffixes[-2:]) if path.name.endswith(".gz") else path.suffix
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp" + suffix, dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        write(tmp_path)
-        umask = os.umask(0)  # mkstemp makes the file private (0600); give it the usual mode
-        os.umask(umask)
-        os.chmod(tmp_path, 0o666 & ~umask)
-        os.replace(tmp_path, path)
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
-        raise
+    atomic_write_all({path: write})
 
 
 def write_shape(shape: Shape, path: Path, fmt: str) -> None:

@@ -38,7 +38,7 @@ def _mask(data: np.ndarray, label, level, path: Path, caller: str) -> np.ndarray
     if label is not None and level is not None:
         raise ValueError(
             f"{caller}: give label= (a segmentation value) or level= (a threshold "
-            "of a probability map), not both"
+            f"of a probability map) for {path}, not both"
         )
     if label is not None:
         mask = data == label

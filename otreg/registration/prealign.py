@@ -13,11 +13,39 @@ from ..shapes import Shape
 from .deformations import Affine, Rigid, Similarity, _Linear, fit_linear
 from .options import PrealignOptions
 
-__all__ = ["prealign", "LINEAR"]
+__all__ = ["prealign", "LINEAR", "check_scales"]
 
 #: The linear models by name.
 LINEAR = {"rigid": Rigid, "similarity": Similarity, "affine": Affine}
 _UNSET = object()
+
+
+#: Sizes further apart than this factor suggest a unit mismatch (metres vs millimetres).
+SCALE_RATIO = 20.0
+
+
+def check_scales(
+    caller: str, source: Shape, target: Shape, names: tuple[str, str] = ("source", "target")
+) -> None:
+    """Warn (UserWarning) when the shapes' sizes, RMS distances of their points to their
+    centroids, differ by more than :data:`SCALE_RATIO`: probably two units."""
+    radii = []
+    for shape in (source, target):
+        pts = shape.points.detach().double()
+        radii.append(float((pts - pts.mean(0)).square().sum(1).mean().sqrt()))
+    if min(radii) == 0:  # a single point (or all at one place): no size to compare
+        return
+    big = 0 if radii[0] > radii[1] else 1
+    ratio = radii[big] / radii[1 - big]
+    if ratio > SCALE_RATIO:
+        warnings.warn(
+            f"{caller}: {names[big]} is {ratio:.0f} times larger than {names[1 - big]} (RMS "
+            f"radius {radii[big]:.3g} vs {radii[1 - big]:.3g} {source.unit}): are they in "
+            "two units, e.g. metres and millimetres? otreg expects both in mm; scale one "
+            "(shape.with_points(shape.points * 1000) for metres)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def even_indices(n: int, k: int) -> torch.Tensor | slice:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 import warnings
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ from .options import (
     PrealignOptions,
     loss_weights,
 )
-from .prealign import LINEAR, even_indices
+from .prealign import LINEAR, check_scales, even_indices
 from .prealign import prealign as fit_prealign
 from .result import Registration
 
@@ -241,6 +242,7 @@ def register(
             raise ValueError(f"{caller}: {name} has no triangles; registration compares surfaces")
     if source.unit != target.unit:
         raise ValueError(f"{caller}: source is in {source.unit} but target in {target.unit}")
+    check_scales(caller, source, target)
     model, lddmm, pre, optimizer, sinkhorn = _resolve(
         caller, model, prealign, optimizer, sinkhorn, deprecated
     )
@@ -296,7 +298,11 @@ def register(
     with torch.no_grad():
         warped_pts = moved_src.points if deformation is None else deformation(moved_src.points)
     warped = source.with_points(warped_pts.to(source.points.dtype))
-    result = Registration(warped, linear, deformation, history, {}, options)
+    inputs = {
+        name: None if s.source is None else os.path.abspath(s.source)
+        for name, s in (("source", source), ("target", target))
+    }
+    result = Registration(warped, linear, deformation, history, {}, options, inputs)
     # On very large meshes (a 300,000-vertex surface from a volume) the Jacobians are taken
     # at an even subset of the vertices and the varifold metric on decimated copies: at full
     # size they would take minutes to half an hour.

@@ -1,9 +1,11 @@
 """The result of :func:`otreg.register`: the warped source, the transform, its metrics and
-history; saved as ``warped.vtk``, ``parameters.npz`` (no pickle) and ``registration.json``."""
+history; saved as ``warped.vtk``, ``parameters.npz`` (no pickle) and ``registration.json``,
+which carry one run id so that a folder mixing two runs is refused at load."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +16,9 @@ from ..shapes import Shape
 from .deformations import LDDMM, _Linear
 
 __all__ = ["Registration"]
+
+#: The files :meth:`Registration.save` writes.
+OUTPUTS = ("warped.vtk", "parameters.npz", "registration.json")
 
 
 @dataclass
@@ -29,6 +34,8 @@ class Registration:
         metrics: surface distances, varifold distance, Jacobian determinants (and vertex
             errors when the truth was given).
         options: the effective options of the run (the option objects' fields).
+        inputs: the files the source and target were read from (``{"source": path or
+            None, "target": ...}``, absolute paths); :meth:`save` never writes over them.
     """
 
     warped: Shape
@@ -37,6 +44,7 @@ class Registration:
     history: list[dict] = field(default_factory=list, repr=False)
     metrics: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict, repr=False)
+    inputs: dict = field(default_factory=dict, repr=False)
 
     @property
     def momenta(self) -> torch.Tensor | None:
@@ -44,7 +52,7 @@ class Registration:
 
     def transform(self, what: torch.Tensor | np.ndarray | Shape) -> torch.Tensor | Shape:
         """Carry points ``(N, 3)`` (tensor or NumPy array) or a Shape (of the source's space)
-        through the transform."""
+        through the transform; integer points come back as float64."""
         if isinstance(what, Shape):
             return what.with_points(self.transform(what.points))
         if isinstance(what, np.ndarray):
@@ -59,8 +67,9 @@ class Registration:
                 f"Registration.transform: points have shape {tuple(what.shape)}; "
                 "they must be (N, 3)"
             )
+        dtype = what.dtype if what.is_floating_point() else torch.float64  # never rounded
         with torch.no_grad():
-            return self.apply(what.detach().double()).to(what.dtype)
+            return self.apply(what.detach().double()).to(dtype)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """The whole transform of points ``(N, 3)``, differentiable in x (for Jacobians)."""
@@ -71,43 +80,102 @@ class Registration:
         return x
 
     def save(self, folder: str | Path) -> Path:
-        """Write warped.vtk, parameters.npz (no pickle) and registration.json."""
-        from ..io import atomic_write, save_shape
+        """Write warped.vtk, parameters.npz (no pickle) and registration.json, all or
+        nothing: each carries the same run id, which :meth:`load` checks. Refuses
+        (ValueError) a folder where one of them would replace an input of the run, and
+        (PermissionError or ValueError, naming it) a folder that cannot be written."""
+        from ..io import (
+            atomic_write_all,
+            check_writable_folder,
+            remove_stale_temps,
+            same_file,
+        )
 
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_shape(self.warped.with_points(self.warped.points.detach()), folder / "warped.vtk")
-        params: dict[str, np.ndarray] = {}
+        for name in OUTPUTS:
+            for role, given in self.inputs.items():
+                if given is not None and same_file(folder / name, given):
+                    raise ValueError(
+                        f"Registration.save: {folder / name} is the {role} of this "
+                        f"registration ({given}); otreg never overwrites an input: choose "
+                        "another folder"
+                    )
+        check_writable_folder(folder, "Registration.save")  # not a raw OSError from deep inside
+        remove_stale_temps(folder, OUTPUTS)  # left by a save that was killed
+        run_id = uuid.uuid4().hex
+        mesh = self.warped.with_points(self.warped.points.detach()).to_pyvista()
+        mesh.field_data["run_id"] = np.array([run_id])
+        params: dict[str, np.ndarray] = {"run_id": np.array(run_id)}
         for part in (self.linear, self.deformation):
             if part is not None:
                 params.update(part.to_arrays())
-        atomic_write(folder / "parameters.npz", lambda p: np.savez(p, **params))
-        doc = {"options": self.options, "metrics": self.metrics, "history": self.history}
-        atomic_write(
-            folder / "registration.json",
-            lambda p: p.write_text(json.dumps(doc, indent=2, default=str)),
+        doc = {
+            "run_id": run_id,
+            "options": self.options,
+            "metrics": self.metrics,
+            "history": self.history,
+            "inputs": self.inputs,
+        }
+        text = json.dumps(doc, indent=2, default=str)
+        atomic_write_all(
+            {
+                folder / "warped.vtk": lambda p: mesh.save(str(p)),
+                folder / "parameters.npz": lambda p: np.savez(p, **params),
+                folder / "registration.json": lambda p: p.write_text(text),
+            }
         )
         return folder
 
     @classmethod
     def load(cls, folder: str | Path) -> Registration:
         """Read what :meth:`save` wrote; ``transform`` then works as before (the linear part
-        comes back as an :class:`~otreg.registration.Affine` of the same matrix)."""
-        from ..io import load_shape
+        comes back as an :class:`~otreg.registration.Affine` of the same matrix). Refuses
+        (ValueError) a folder whose files come from different runs."""
+        from ..io import read_pyvista_mesh
 
+        caller = "Registration.load"
         folder = Path(folder)
         for name in ("parameters.npz", "registration.json", "warped.vtk"):
             if not (folder / name).exists():
-                raise FileNotFoundError(f"Registration.load: {folder / name} is missing")
-        with np.load(folder / "parameters.npz", allow_pickle=False) as arrays:
-            linear = _Linear.from_arrays(arrays) if "linear_kind" in arrays else None
-            deformation = LDDMM.from_arrays(arrays) if "momenta" in arrays else None
-        doc = json.loads((folder / "registration.json").read_text())
+                raise FileNotFoundError(f"{caller}: {folder / name} is missing")
+        mesh = read_pyvista_mesh(folder / "warped.vtk", caller)
+        ids = {"warped.vtk": mesh.field_data["run_id"][0] if "run_id" in mesh.field_data else None}
+        try:
+            with np.load(folder / "parameters.npz", allow_pickle=False) as arrays:
+                ids["parameters.npz"] = arrays["run_id"] if "run_id" in arrays.files else None
+                linear = _Linear.from_arrays(arrays) if "linear_kind" in arrays else None
+                deformation = LDDMM.from_arrays(arrays) if "momenta" in arrays else None
+        except Exception as err:  # a zip, pickle or array error: say which file
+            raise ValueError(_unreadable(caller, folder / "parameters.npz", err)) from err
+        try:
+            doc = json.loads((folder / "registration.json").read_text())
+            if not isinstance(doc, dict) or not {"history", "metrics", "options"} <= set(doc):
+                raise ValueError("not an object with history, metrics and options")
+        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError among them
+            raise ValueError(_unreadable(caller, folder / "registration.json", err)) from err
+        ids["registration.json"] = doc.get("run_id")
+        ids = {name: None if v is None else str(v) for name, v in ids.items()}
+        if len(set(ids.values())) > 1:  # no run id in all three: saved before they were
+            found = ", ".join(f"{name} {v or 'none'}" for name, v in ids.items())
+            raise ValueError(
+                f"{caller}: {folder} mixes files of two runs (run ids: {found}); a save "
+                "was interrupted or a file was copied in: rerun the registration (or "
+                "save it again) into this folder"
+            )
+        warped = Shape.from_pyvista(mesh, source=str((folder / "warped.vtk").absolute()))
         return cls(
-            load_shape(folder / "warped.vtk"),
+            warped,
             linear,
             deformation,
             doc["history"],
             doc["metrics"],
             doc["options"],
+            doc.get("inputs", {}),  # absent from results saved before it was recorded
         )
+
+
+def _unreadable(caller: str, path: Path, err: Exception) -> str:
+    return (
+        f"{caller}: {path} could not be read ({type(err).__name__}: {err}); it may be "
+        "truncated or corrupt: rerun the registration (or save it again)"
+    )

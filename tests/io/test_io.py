@@ -248,6 +248,7 @@ def test_save_never_overwrites_the_input_and_leaves_no_partial_file(tmp_path):
     assert not (tmp_path / "b.csv").exists() and no_leftovers(tmp_path)
 
 
+@pytest.mark.filterwarnings("ignore:.*zero-area triangles")  # random triangles
 def test_truncated_mesh_raises_instead_of_returning_part_of_it(tmp_path):
     pytest.importorskip("pyvista")
     mesh = Shape(torch.rand(2000, 3, dtype=torch.float64) * 50, torch.randint(0, 2000, (4000, 3)))
@@ -288,3 +289,106 @@ def test_truncated_ply_raises_before_vtk_reads_it(tmp_path, binary):
     (tmp_path / "bad.ply").write_bytes(b"not a ply at all" * 10)
     with pytest.raises(ValueError, match="bad.ply is not a PLY file"):
         load_shape(tmp_path / "bad.ply")
+
+
+def test_save_never_overwrites_the_input_under_another_spelling(tmp_path, monkeypatch):
+    save_shape(tetra(), tmp_path / "a.vtk")
+    before = (tmp_path / "a.vtk").read_bytes()
+    (tmp_path / "link.vtk").symlink_to(tmp_path / "a.vtk")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    shape = load_shape("../a.vtk")  # a relative path...
+    monkeypatch.chdir(tmp_path)  # ...that means another file once the working folder changes
+    for spelling in ("a.vtk", tmp_path / "a.vtk", "sub/../a.vtk", "link.vtk", "./a.vtk"):
+        with pytest.raises(ValueError, match="never overwrites an input"):
+            save_shape(shape, spelling)
+    assert (tmp_path / "a.vtk").read_bytes() == before
+    assert load_shape(tmp_path / "link.vtk").source == str(tmp_path / "link.vtk")
+
+
+@pytest.mark.parametrize("name", ["g.vtk", "g.vtp", "g.stl", "g.ply", "t.vtk"])
+def test_a_broken_mesh_gives_our_error_only(tmp_path, capfd, caplog, recwarn, name):
+    path = tmp_path / name
+    if name == "t.vtk":  # a header announcing 10 points, one given
+        path.write_text(
+            "# vtk DataFile Version 3.0\nx\nASCII\nDATASET POLYDATA\nPOINTS 10 float\n1 2 3\n"
+        )
+    elif name == "g.ply":
+        path.write_text(
+            "ply\nformat ascii 1.0\nelement vertex 1\nproperty float x\nend_header\nzz\n"
+        )
+    else:
+        path.write_bytes(bytes(range(256)) * 3)
+    capfd.readouterr()
+    with pytest.raises(ValueError, match=f"{name}"):
+        load_shape(path)
+    out = capfd.readouterr()  # VTK writes to the file descriptors, pyvista logs and warns
+    assert "ERROR" not in out.err and "rror" not in out.out and "Algorithm" not in out.err
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert not recwarn.list, [str(w.message) for w in recwarn.list]
+
+
+# ----------------------------------------------------------------------------- silent changes
+def test_integer_files_keep_their_coordinates_and_an_integer_dtype_is_refused(tmp_path):
+    np.save(tmp_path / "i.npy", np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32))
+    (tmp_path / "i.csv").write_text("x,y,z\n1,2,3\n4,5,7\n")
+    for name in ("i.npy", "i.csv"):
+        shape = load_shape(tmp_path / name, dtype=torch.float64)
+        assert shape.points.dtype == torch.float64 and float(shape.points[0, 2]) == 3.0
+    np.save(tmp_path / "f.npy", np.array([[0.4, 1.6, 2.5]]))
+    for dtype in (torch.int64, torch.int32, "float32", np.float32):
+        with pytest.raises(TypeError, match="load_shape: dtype is .*; it must be a floating"):
+            load_shape(tmp_path / "f.npy", dtype=dtype)
+
+
+def mesh_with(extra_faces):
+    pts = torch.tensor(
+        [[0.0, 0, 0], [10, 0, 0], [0, 10, 0], [0, 0, 10], [5, 5, 0]], dtype=torch.float64
+    )
+    faces = torch.tensor([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3], *extra_faces])
+    return Shape(pts, faces)
+
+
+@pytest.mark.parametrize("name", ["m.vtk", "m.gii", "lh.m"])
+def test_duplicated_and_zero_area_triangles_are_reported_and_kept(tmp_path, name):
+    # a copy of a triangle, the same one reversed, one with a repeated vertex, one flat
+    # (vertex 4 lies on the edge from 1 to 2)
+    shape = mesh_with([[0, 2, 1], [1, 2, 0], [0, 0, 3], [1, 2, 4]])
+    path = save_shape(shape, tmp_path / name)
+    with pytest.warns(UserWarning) as record:
+        back = load_shape(path, dtype=torch.float64)
+    messages = [str(w.message) for w in record if "triangles" in str(w.message)]
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert name in message
+    assert "2 duplicated triangles" in message and "2 zero-area triangles" in message
+    assert "carry no weight" in message and "every copy counts" in message
+    assert torch.equal(back.faces, shape.faces)  # unchanged
+
+
+def test_a_clean_mesh_loads_without_a_warning(tmp_path, recwarn):
+    load_shape(save_shape(mesh_with([]), tmp_path / "m.vtk"))
+    assert not [w for w in recwarn.list if "triangles" in str(w.message)]
+
+
+def test_file_errors_name_the_file_not_an_internal_variable(tmp_path):
+    np.save(tmp_path / "p.npy", np.array([[0.0, 1, 2], [np.nan, 0, 0]]))
+    with pytest.raises(
+        ValueError, match=r"load_shape: .*p\.npy holds an invalid shape: points has 1 rows with NaN"
+    ):
+        load_shape(tmp_path / "p.npy")
+    (tmp_path / "bad.gii").write_bytes(b"")
+    pts = np.zeros((3, 3), np.float32)
+    bad = np.array([[0, 1, 7]], np.int32)  # vertex 7 of 3
+    img = nib.GiftiImage(
+        darrays=[
+            nib.gifti.GiftiDataArray(pts, intent="NIFTI_INTENT_POINTSET"),
+            nib.gifti.GiftiDataArray(bad, intent="NIFTI_INTENT_TRIANGLE"),
+        ]
+    )
+    nib.save(img, str(tmp_path / "bad.gii"))
+    with pytest.raises(
+        ValueError,
+        match=r"load_shape: .*bad\.gii holds an invalid shape: faces index vertices 0 to 7",
+    ):
+        load_shape(tmp_path / "bad.gii")

@@ -49,3 +49,26 @@ def test_bad_prealign_options(pial_small):
         prealign(pial_small, pial_small, "magic")
     with pytest.raises(ValueError, match="n_iter is 0"):
         prealign(pial_small, pial_small, n_iter=0)
+
+
+def tetra(scale=1.0):
+    from otreg import Shape
+
+    pts = torch.tensor([[0.0, 0, 0], [10, 0, 0], [0, 10, 0], [0, 0, 10]], dtype=torch.float64)
+    return Shape(pts * scale, torch.tensor([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]]))
+
+
+def test_register_warns_when_the_sizes_suggest_metres_and_millimetres():
+    import warnings
+
+    from otreg import register
+
+    with pytest.warns(
+        UserWarning, match=r"register: target is 1000 times larger than source.*metres"
+    ):
+        register(tetra(0.001), tetra(), model="rigid", progress=False)
+    with pytest.warns(UserWarning, match=r"source is 25 times larger than target"):
+        register(tetra(25.0), tetra(), model="rigid", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # shapes of one unit, 15 times apart: no warning
+        register(tetra(15.0), tetra(), model="rigid", progress=False)
