@@ -141,8 +141,9 @@ def sinkhorn_divergence(
         differentiable with respect to the points and the weights.
     """
     caller = "sinkhorn_divergence"
-    default_blur = (options is None or options.blur == SinkhornOptions.blur) and (
-        "blur" not in changes
+    default_blur = "blur" not in changes and (
+        options is None
+        or (isinstance(options, SinkhornOptions) and options.blur == SinkhornOptions.blur)
     )
     options = resolve_options(caller, options, **_legacy(caller, changes))
     return divergence(caller, x, y, a, b, options, default_blur=default_blur)[0]
