@@ -209,7 +209,10 @@ class SinkhornLoss(nn.Module):
         self._default_blur = (
             blur is None
             and "blur" not in changes
-            and (options is None or options.blur == SinkhornOptions.blur)
+            and (
+                options is None
+                or (isinstance(options, SinkhornOptions) and options.blur == SinkhornOptions.blur)
+            )
         )
         if blur is not None:
             changes["blur"] = blur
