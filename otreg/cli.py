@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
 import resource
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import click
 
+from ._cli_guards import (
+    output_folder,
+    progress_option,
+    progress_wanted,
+    stdout_to_stderr,
+    warnings_as_lines,
+)
 from .reductions import BACKENDS
 from .registration.losses import LOSSES
 from .registration.options import MODELS, PREALIGNS
@@ -103,11 +107,7 @@ def info(no_keops: bool) -> None:
     help="L-BFGS iterations a level.",
 )
 @click.option("--picture/--no-picture", default=True, show_default=True)
-@click.option(
-    "--progress/--no-progress",
-    default=None,
-    help="Progress bars on stderr [default: when stderr is a terminal].",
-)
+@progress_option
 def register_cmd(
     source: str,
     target: str,
@@ -127,7 +127,7 @@ def register_cmd(
     from . import LBFGSOptions, LDDMMOptions, register
 
     _check_volume_options(label, level, [source, target])
-    with _output_folder(output, [source, target], picture), _warnings_as_lines():
+    with output_folder(output, [source, target], picture), warnings_as_lines():
         try:
             src, tgt = (_load(p, label, level, points) for p in (source, target))
             for path, shape in ((source, src), (target, tgt)):
@@ -143,47 +143,11 @@ def register_cmd(
                 prealign=prealign,
                 loss=loss,
                 optimizer=LBFGSOptions(max_iter=max_iter),
-                progress=_progress(progress),
+                progress=progress_wanted(progress),
             )
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(str(err)) from err
         _write_outputs(res, src, tgt, output, picture)
-
-
-_OUTPUTS = ("warped.vtk", "parameters.npz", "registration.json")
-_PICTURES = ("picture.png", "history.png")
-
-
-@contextlib.contextmanager
-def _output_folder(
-    output: str, inputs: list[str], picture: bool, extra: tuple[str, ...] = ()
-) -> Iterator[Path]:
-    """Refuse, before any work, an output folder that cannot be one, cannot be written
-    (it is created if missing) or whose files would replace an input. A folder created
-    here is removed again, if still empty, when the command fails."""
-    from .io import check_writable_folder, remove_empty_folders, same_file
-
-    folder = Path(output)
-    if folder.exists() and not folder.is_dir():
-        raise click.BadParameter(f"{output} exists and is not a folder", param_hint="-o")
-    names = _OUTPUTS + (_PICTURES if picture else ()) + extra
-    for name in names:
-        for given in inputs:
-            if same_file(folder / name, given):
-                raise click.BadParameter(
-                    f"writing {name} into {output} would replace the "
-                    f"input {given}; choose another folder",
-                    param_hint="-o",
-                )
-    try:
-        created = check_writable_folder(folder, "otreg")
-    except (PermissionError, ValueError) as err:
-        raise click.BadParameter(str(err).removeprefix("otreg: "), param_hint="-o") from err
-    try:
-        yield folder
-    except BaseException:
-        remove_empty_folders(created)
-        raise
 
 
 def _check_volume_options(label: float | None, level: float | None, paths: list[str]) -> None:
@@ -216,62 +180,6 @@ def _load(path: str, label: float | None, level: float | None, points: int | Non
     if points is not None:  # still the file's shape for the record (Registration.inputs)
         shape = dataclasses.replace(shape.decimate(points), source=shape.source)
     return shape
-
-
-@contextlib.contextmanager
-def _warnings_as_lines() -> Iterator[None]:
-    """Show warnings as 'warning: message' lines on stderr, without Python's file and line
-    of source (click's own, for warnings raised in a command)."""
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
-        click.echo(f"warning: {message}", err=True)
-
-    with warnings.catch_warnings():
-        warnings.showwarning = show
-        yield
-
-
-def _progress(flag: bool | None) -> bool:
-    """--progress/--no-progress, else progress bars only on a terminal: tqdm rewrites its
-    line with carriage returns, which a log file keeps (about 100 bytes an evaluation,
-    7 kB or more a registration)."""
-    if flag is not None:
-        return flag
-    return sys.stderr.isatty() if hasattr(sys.stderr, "isatty") else False
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr(active: bool) -> Iterator[None]:
-    """While active, send what libraries print (KeOps' compilation messages, C code writing
-    to file descriptor 1) to stderr, so that stdout carries only the command's output."""
-    if not active:
-        yield
-        return
-    sys.stdout.flush()
-    _flush_c_stdio()
-    try:
-        saved = os.dup(1)
-        os.dup2(2, 1)
-    except OSError:  # no file descriptors 1 and 2: Python's stdout only
-        saved = None
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        if saved is not None:
-            _flush_c_stdio()
-            os.dup2(saved, 1)
-            os.close(saved)
-
-
-def _flush_c_stdio() -> None:
-    """Flush the C library's buffered stdout, so that it goes where fd 1 points now."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError, TypeError):  # pragma: no cover - no C library here
-        pass
 
 
 def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
@@ -355,17 +263,13 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
     type=click.IntRange(min=100),
     help="Decimate both surfaces to about this many vertices (a quick run).",
 )
-@click.option(
-    "--progress/--no-progress",
-    default=None,
-    help="Progress bars on stderr [default: when stderr is a terminal].",
-)
+@progress_option
 def demo(output: str, pair: str, surface: str, points: int | None, progress: bool | None) -> None:
     """Register two real brain surfaces (fsaverage5, from nilearn's wheel) and write the
     warped surface, the parameters, the metrics and a picture."""
     from . import datasets, register, save_shape
 
-    with _output_folder(output, [], True, ("source.vtk", "target.vtk")) as folder:
+    with output_folder(output, [], True, ("source.vtk", "target.vtk")) as folder:
         try:
             left = datasets.fsaverage5(surface, "left")
         except (ImportError, FileNotFoundError) as err:
@@ -385,7 +289,7 @@ def demo(output: str, pair: str, surface: str, points: int | None, progress: boo
         click.echo(f"{what}: {left.n_points:,} and {target.n_points:,} vertices")
         save_shape(left, folder / "source.vtk")
         save_shape(target, folder / "target.vtk")
-        res = register(left, target, truth=truth, progress=_progress(progress))
+        res = register(left, target, truth=truth, progress=progress_wanted(progress))
         _write_outputs(res, left, target, output, True)
 
 
@@ -460,7 +364,7 @@ def distance(
     from .registration.prealign import check_scales
 
     _check_volume_options(label, level, [source, target])
-    with _stdout_to_stderr(as_json), _warnings_as_lines():
+    with stdout_to_stderr(as_json), warnings_as_lines():
         try:
             shapes = [_load(p, label, level, None) for p in (source, target)]
         except (ValueError, TypeError, FileNotFoundError) as err:
@@ -548,7 +452,7 @@ def circles(n: int, iters: int | None, tol: float, backend: str, as_json: bool) 
     from . import sinkhorn
     from .datasets import circles
 
-    with _stdout_to_stderr(as_json):
+    with stdout_to_stderr(as_json):
         x, y = circles(n)
         x.requires_grad_(True)
         blur = math.sqrt(0.125)  # exp(-|x-y|^2/0.25) = exp(-C/eps), C = |x-y|^2/2, eps = 0.125

@@ -141,12 +141,18 @@ def sinkhorn_divergence(
         differentiable with respect to the points and the weights.
     """
     caller = "sinkhorn_divergence"
-    default_blur = "blur" not in changes and (
-        options is None
-        or (isinstance(options, SinkhornOptions) and options.blur == SinkhornOptions.blur)
-    )
+    default_blur = _blur_left_default(options, changes)
     options = resolve_options(caller, options, **_legacy(caller, changes))
     return divergence(caller, x, y, a, b, options, default_blur=default_blur)[0]
+
+
+def _blur_left_default(options, changes: dict) -> bool:
+    """Whether the caller left the blur at its default (neither given nor in ``options``)."""
+    if "blur" in changes:
+        return False
+    return options is None or (
+        isinstance(options, SinkhornOptions) and options.blur == SinkhornOptions.blur
+    )
 
 
 def _legacy(caller: str, changes: dict) -> dict:
@@ -206,14 +212,7 @@ class SinkhornLoss(nn.Module):
         if not isinstance(warm_start, bool):
             raise TypeError(f"{caller}: warm_start must be True or False, got {warm_start!r}")
         # flagged (once) when the data span far more than the default blur
-        self._default_blur = (
-            blur is None
-            and "blur" not in changes
-            and (
-                options is None
-                or (isinstance(options, SinkhornOptions) and options.blur == SinkhornOptions.blur)
-            )
-        )
+        self._default_blur = blur is None and _blur_left_default(options, changes)
         if blur is not None:
             changes["blur"] = blur
         if reach is not None:

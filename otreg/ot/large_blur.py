@@ -108,15 +108,15 @@ def closed_form(p: Problem, debias: bool) -> tuple[torch.Tensor, torch.Tensor, t
     mass, ma, sa = _moments(p.x, p.a)
     _, mb, sb = _moments(p.y, p.b)
     shift = 0.5 * ((ma - mb) ** 2).sum(1)
+    ta, tb = _trace(sa), _trace(sb)
     if debias:
         value = mass * (shift + ((sa - sb) ** 2).sum((1, 2)) / (4 * eps))
     else:
-        trace = _trace(sa) + _trace(sb)
         cross = (sa * sb).sum((1, 2))
-        value = mass * (shift + 0.5 * trace - cross / (2 * eps))
+        value = mass * (shift + 0.5 * (ta + tb) - cross / (2 * eps))
         value = value + eps * (mass**2 - mass - mass * torch.log(mass))
     with torch.no_grad():  # f_i = sum_j b_j C_ij - <a x b, C> / 2, and g alike (normalised)
-        ta, tb = _trace(sa), _trace(sb)
+        ta, tb, shift = ta.detach(), tb.detach(), shift.detach()
         half = 0.5 * (shift + 0.5 * (ta + tb))
         f = 0.5 * (((p.x - mb[:, None]) ** 2).sum(2) + tb[:, None]) - half[:, None]
         g = 0.5 * (((p.y - ma[:, None]) ** 2).sum(2) + ta[:, None]) - half[:, None]

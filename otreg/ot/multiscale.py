@@ -258,7 +258,7 @@ class _Kernels:
 class TruncatedKernel:
     """Softmins over the cluster pairs a truncation pattern keeps, for one problem between
     the clouds x (1, N, D) and y (1, M, D) (or x with itself): the multiscale solver's
-    kernel, with the interface of :class:`otreg.ot.solver.DenseKernel`.
+    kernel, with the interface of :class:`otreg.ot.kernels.DenseKernel`.
 
     The clouds are sorted by cluster once; potentials are kept in sorted order during the
     solve (``to_kernel_order`` / ``to_caller_order`` convert). ``coarse_problem`` describes

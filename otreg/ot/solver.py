@@ -50,6 +50,7 @@ import torch
 from .. import reductions
 from .._checks import ConvergenceWarning
 from .convergence import Relaxation, StoppingRule, rounding_floor
+from .kernels import DenseKernel, form_softmin, make_kernel
 from .large_blur import check_range, closed_form, closed_form_applies, precise_value
 from .multiscale import TruncatedKernel
 from .plan import TransportPlan
@@ -67,7 +68,6 @@ from .problem import (
 __all__ = [
     "sinkhorn",
     "SinkhornResult",
-    "DenseKernel",
     "Solution",
     "solve",
     "dual_value",
@@ -117,84 +117,6 @@ class SinkhornResult:
     stopped: str
     plan: TransportPlan = field(repr=False)
     options: SinkhornOptions | None = field(default=None, repr=False)
-
-
-# ------------------------------------------------------------------ kernels
-def form_softmin(p: Problem, eps: float, x, y, w_log, pot) -> torch.Tensor:
-    """-eps log sum_j w_j exp((pot_j - C(x_i, y_j))/eps) in the problem's form."""
-    if p.form == "log":
-        return reductions.softmin(x, y, w_log + pot / eps, eps, p.cost, p.backend)
-    v = torch.exp(w_log + pot / eps).unsqueeze(-1)
-    kv = reductions.kernel_product(x, y, v, eps, p.cost, p.backend).squeeze(-1)
-    out = -eps * torch.log(kv)
-    if not bool(torch.isfinite(out).all()):
-        raise FloatingPointError(
-            f"sinkhorn: form='scaling' under- or overflowed at eps={eps:.3g} (exp(-C/eps) "
-            f"rounds to 0 in {x.dtype} for costs above about {87 * eps:.3g}); use form='log', "
-            "which is stable at any eps, or a larger blur"
-        )
-    return out
-
-
-class DenseKernel:
-    """Softmins over every pair (i, j), through :mod:`otreg.reductions`.
-
-    The interface the loop uses (shared with
-    :class:`~otreg.ot.multiscale.TruncatedKernel`): weights ``a`` (B, N), ``b`` (B, M) in
-    the kernel's order; ``softmin_xy(eps, g)`` (B, N) and ``softmin_yx(eps, f)`` (B, M);
-    ``to_kernel_order`` / ``to_caller_order`` for potentials; ``refresh`` (adapt to the
-    current potentials, every ``refresh_every`` iterations at the final eps);
-    ``coarse_problem`` (a problem to solve first, or None) and ``extrapolate``; ``finish``;
-    and ``differentiable_softmin`` for the gradient's one reduction. ``symmetric``: x
-    against itself (y and b are x and a).
-    """
-
-    refresh_every = 1
-
-    def __init__(
-        self,
-        p: Problem,
-        x: torch.Tensor,
-        a: torch.Tensor,
-        y: torch.Tensor | None = None,
-        b: torch.Tensor | None = None,
-    ) -> None:
-        self.p, self.symmetric = p, y is None
-        self.x, self.a = x, a
-        self.y, self.b = (x, a) if y is None else (y, b)
-        self._a_log, self._b_log = self.a.log(), self.b.log()
-
-    def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
-        return form_softmin(self.p, eps, self.x, self.y, self._b_log, g)
-
-    def softmin_yx(self, eps: float, f: torch.Tensor) -> torch.Tensor:
-        return form_softmin(self.p, eps, self.y, self.x, self._a_log, f)
-
-    def to_kernel_order(self, f, g):
-        return f, g
-
-    def to_caller_order(self, f, g):
-        return f, g
-
-    def refresh(self, f, g, eps: float, full: bool = False) -> None:
-        """Nothing to adapt: every pair is summed."""
-
-    def coarse_problem(self) -> None:
-        return None
-
-    def finish(self, f, g, eps: float) -> None:
-        """Nothing to release."""
-
-    def differentiable_softmin(self, x, y, b, g, eps: float) -> torch.Tensor:
-        """lambda-free softmin of log b + g / eps, differentiable in x, y and b, (B, N)."""
-        return form_softmin(self.p, eps, x, y, b.log(), g)
-
-
-def make_kernel(p: Problem, x, a, y=None, b=None):
-    """The kernel for (x, a) against (y, b), or against itself when y is None."""
-    if p.multiscale is not None:
-        return TruncatedKernel(p, x, a, y, b)
-    return DenseKernel(p, x, a, y, b)
 
 
 # ------------------------------------------------------------------ the loop
