@@ -1,0 +1,17 @@
+"""Many registrations at once: a manifest of pairs, resume keys and locks, worker processes
+(local or on a Dask cluster), per-pair records and the group report."""
+
+from .manifest import Pair, all_pairs, pairs_to_template, read_manifest, write_manifest
+from .records import FAILURE_CLASSES, FORMAT, find_records, read_record
+
+__all__ = [
+    "Pair",
+    "read_manifest",
+    "write_manifest",
+    "pairs_to_template",
+    "all_pairs",
+    "FORMAT",
+    "FAILURE_CLASSES",
+    "find_records",
+    "read_record",
+]

@@ -1,0 +1,312 @@
+"""The list of pairs a batch registers: read from and written to a CSV manifest.
+
+A manifest has the columns ``pair_id, source, target`` and, optionally, ``label``, ``level``
+(for volumes), ``hemisphere``, ``source_subject``, ``target_subject`` (for the group report's
+subject-by-subject views) and ``options`` (a JSON object of registration options for that row,
+see :data:`ROW_OPTIONS`). Relative paths resolve from the manifest's folder.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "Pair",
+    "ROW_OPTIONS",
+    "COLUMNS",
+    "read_manifest",
+    "write_manifest",
+    "pairs_to_template",
+    "all_pairs",
+    "check_pair_id",
+]
+
+#: Registration options a row (or the whole batch) may set, with their types.
+ROW_OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "model": str,
+    "prealign": str,
+    "loss": (str, type(None)),
+    "sigma": (int, float),
+    "points": (int, type(None)),
+    "max_iter": int,
+    "picture": bool,
+}
+
+#: Columns a manifest may have; the first three are required.
+COLUMNS = (
+    "pair_id",
+    "source",
+    "target",
+    "label",
+    "level",
+    "hemisphere",
+    "source_subject",
+    "target_subject",
+    "options",
+)
+
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One registration of a batch.
+
+    Attributes:
+        pair_id: a name safe as a folder name (letters, digits, ``. _ + -``; no ``..``).
+        source, target: absolute paths of the input files.
+        label, level: segmentation label / probability threshold (volumes only).
+        hemisphere: ``"L"``, ``"R"`` or None (recorded; BIDS queries use it).
+        source_subject, target_subject: subject ids for the group report, or None.
+        options: registration options of this row (keys of :data:`ROW_OPTIONS`).
+        folder: the output folder, relative to the batch folder (default ``pairs/<id>``).
+        prefix: prepended to every output file name (BIDS derivative names), default "".
+    """
+
+    pair_id: str
+    source: str
+    target: str
+    label: float | None = None
+    level: float | None = None
+    hemisphere: str | None = None
+    source_subject: str | None = None
+    target_subject: str | None = None
+    options: Mapping[str, object] = field(default_factory=dict)
+    folder: str = ""
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        check_pair_id(self.pair_id)
+        if not self.folder:
+            object.__setattr__(self, "folder", f"pairs/{self.pair_id}")
+        check_options(self.options, f"pair {self.pair_id}: options")
+        _check_relative_folder(self.folder, self.pair_id)
+
+
+def check_pair_id(pair_id: object) -> str:
+    """A pair id, or ValueError: ids become folder names, so nothing that could leave the
+    batch folder (``../x``, ``/abs``) or surprise a shell."""
+    if not isinstance(pair_id, str):
+        raise TypeError(f"pair_id must be a string, got {type(pair_id).__name__}")
+    if not _ID.match(pair_id) or ".." in pair_id:
+        raise ValueError(
+            f"pair_id {pair_id!r} is not allowed: use 1 to 128 letters, digits, '.', '_', "
+            "'+' or '-', starting with a letter or digit, without '..'"
+        )
+    return pair_id
+
+
+def _check_relative_folder(folder: str, pair_id: str) -> None:
+    p = Path(folder)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise ValueError(
+            f"pair {pair_id}: output folder {folder!r} must be relative and inside the batch folder"
+        )
+
+
+def check_options(options: object, what: str) -> dict:
+    """Registration options as a dict, or ValueError/TypeError naming the bad key."""
+    if not isinstance(options, Mapping):
+        raise TypeError(f"{what} must be a JSON object, got {type(options).__name__}")
+    out = {}
+    for key, value in options.items():
+        if key not in ROW_OPTIONS:
+            raise ValueError(
+                f"{what}: unknown option {key!r}; allowed: {', '.join(sorted(ROW_OPTIONS))}"
+            )
+        kind = ROW_OPTIONS[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise TypeError(f"{what}: {key} must be {_type_name(kind)}, got {value!r}")
+        out[key] = value
+    return out
+
+
+def _type_name(kind) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+    return " or ".join(names.get(k, "null") for k in kinds)
+
+
+def read_manifest(path: str | Path) -> list[Pair]:
+    """The pairs of a CSV manifest (see the module docstring), in file order.
+
+    Raises:
+        FileNotFoundError: no such manifest.
+        ValueError: a missing column, an unknown column, an empty or bad field, a pair id
+            that is not allowed or appears twice (the message names the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"manifest {path} does not exist")
+    text = path.read_text(encoding="utf-8-sig")
+    reader = csv.DictReader(io.StringIO(text))
+    header = [h.strip() for h in (reader.fieldnames or [])]
+    missing = [c for c in COLUMNS[:3] if c not in header]
+    if missing:
+        raise ValueError(
+            f"manifest {path}: missing column(s) {', '.join(missing)}; it needs "
+            f"pair_id, source, target (found: {', '.join(header) or 'no header'})"
+        )
+    unknown = [c for c in header if c not in COLUMNS]
+    if unknown:
+        raise ValueError(
+            f"manifest {path}: unknown column(s) {', '.join(unknown)}; allowed: "
+            f"{', '.join(COLUMNS)}"
+        )
+    base = path.resolve().parent
+    pairs, seen = [], {}
+    for line, row in enumerate(reader, start=2):
+        row = {(k or "").strip(): (v or "").strip() for k, v in row.items() if k is not None}
+        if not any(row.values()):
+            continue
+        where = f"manifest {path}, line {line}"
+        try:
+            for col in COLUMNS[:3]:
+                if not row.get(col):
+                    raise ValueError(f"{col} is empty")
+            pid = row["pair_id"]
+            if pid in seen:
+                raise ValueError(f"pair_id {pid!r} appears twice (also on line {seen[pid]})")
+            seen[pid] = line
+            options = json.loads(row["options"]) if row.get("options") else {}
+            pairs.append(
+                Pair(
+                    pair_id=pid,
+                    source=str(_resolve(base, row["source"])),
+                    target=str(_resolve(base, row["target"])),
+                    label=_number(row.get("label"), "label"),
+                    level=_number(row.get("level"), "level"),
+                    hemisphere=_hemisphere(row.get("hemisphere")),
+                    source_subject=row.get("source_subject") or None,
+                    target_subject=row.get("target_subject") or None,
+                    options=options,
+                )
+            )
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: options is not JSON ({err})") from err
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{where}: {err}") from err
+    if not pairs:
+        raise ValueError(f"manifest {path} has no pairs")
+    return pairs
+
+
+def _resolve(base: Path, value: str) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (base / p)
+
+
+def _number(value: str | None, name: str) -> float | None:
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def _hemisphere(value: str | None) -> str | None:
+    if not value:
+        return None
+    h = {"l": "L", "left": "L", "lh": "L", "r": "R", "right": "R", "rh": "R"}.get(value.lower())
+    if h is None:
+        raise ValueError(f"hemisphere must be L or R (or left/right, lh/rh), got {value!r}")
+    return h
+
+
+def write_manifest(pairs: Sequence[Pair], path: str | Path) -> Path:
+    """Write pairs as a CSV manifest (atomically); paths are written as given (absolute)."""
+    from ..io import atomic_write
+
+    if not pairs:
+        raise ValueError("write_manifest: pairs is empty")
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for p in pairs:
+        if not isinstance(p, Pair):
+            raise TypeError(f"write_manifest: pairs must be Pair objects, got {type(p).__name__}")
+        writer.writerow(
+            {
+                "pair_id": p.pair_id,
+                "source": p.source,
+                "target": p.target,
+                "label": "" if p.label is None else repr(p.label),
+                "level": "" if p.level is None else repr(p.level),
+                "hemisphere": p.hemisphere or "",
+                "source_subject": p.source_subject or "",
+                "target_subject": p.target_subject or "",
+                "options": json.dumps(dict(p.options), sort_keys=True) if p.options else "",
+            }
+        )
+    path = Path(path)
+    text = buf.getvalue()
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return path
+
+
+def _subjects(subjects: Mapping[str, str | Path], caller: str) -> dict[str, str]:
+    if not isinstance(subjects, Mapping) or not subjects:
+        raise ValueError(f"{caller}: subjects must be a non-empty mapping of id -> file")
+    out = {}
+    for sid, f in subjects.items():
+        check_pair_id(sid)
+        out[sid] = str(Path(f).expanduser().absolute())
+    return out
+
+
+def pairs_to_template(
+    subjects: Mapping[str, str | Path],
+    template: str | Path,
+    template_id: str = "template",
+    **columns,
+) -> list[Pair]:
+    """Every subject onto one template: pairs ``<subject>_to_<template_id>``.
+
+    Args:
+        subjects: subject id -> surface or volume file.
+        template: the template's file.
+        **columns: label, level, hemisphere or options, the same for every pair.
+    """
+    subjects = _subjects(subjects, "pairs_to_template")
+    template = str(Path(template).expanduser().absolute())
+    return [
+        Pair(
+            f"{sid}_to_{template_id}",
+            f,
+            template,
+            source_subject=sid,
+            target_subject=template_id,
+            **columns,
+        )
+        for sid, f in subjects.items()
+    ]
+
+
+def all_pairs(subjects: Mapping[str, str | Path], symmetric: bool = False, **columns) -> list[Pair]:
+    """Every pair of subjects: ``a_to_b`` for a before b in the given order, and also
+    ``b_to_a`` when ``symmetric`` (a registration is not symmetric in its inputs)."""
+    subjects = _subjects(subjects, "all_pairs")
+    if len(subjects) < 2:
+        raise ValueError(f"all_pairs: need at least 2 subjects, got {len(subjects)}")
+    combos = (
+        itertools.permutations(subjects, 2) if symmetric else itertools.combinations(subjects, 2)
+    )
+    return [
+        Pair(
+            f"{a}_to_{b}",
+            subjects[a],
+            subjects[b],
+            source_subject=a,
+            target_subject=b,
+            **columns,
+        )
+        for a, b in combos
+    ]
