@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import resource
@@ -125,11 +124,12 @@ def register_cmd(
 ) -> None:
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
     from . import LBFGSOptions, LDDMMOptions, register
+    from .io import load_input
 
     _check_volume_options(label, level, [source, target])
     with output_folder(output, [source, target], picture), warnings_as_lines():
         try:
-            src, tgt = (_load(p, label, level, points) for p in (source, target))
+            src, tgt = (load_input(p, label, level, points) for p in (source, target))
             for path, shape in ((source, src), (target, tgt)):
                 if shape.n_faces == 0:
                     raise ValueError(
@@ -169,42 +169,15 @@ def _check_volume_options(label: float | None, level: float | None, paths: list[
         )
 
 
-def _load(path: str, label: float | None, level: float | None, points: int | None):
-    """A shape from a file: label and level apply to volumes only (the other input of a
-    command may be one)."""
-    from . import load_shape
-    from .io import VOLUME_EXTS
-
-    volume = Path(path).name.lower().endswith(VOLUME_EXTS)
-    shape = load_shape(path, label=label if volume else None, level=level if volume else None)
-    if points is not None:  # still the file's shape for the record (Registration.inputs)
-        shape = dataclasses.replace(shape.decimate(points), source=shape.source)
-    return shape
-
-
 def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
     """Save a registration, draw its pictures and print its metrics."""
     from .registration.metrics import surface_distances
 
     folder = res.save(output)
     if picture:
-        from .registration.metrics import point_to_surface_distances
-        from .viz import plot_history, plot_shapes
+        from .viz import plot_registration
 
-        warped = res.warped
-        try:
-            dist = point_to_surface_distances(warped.points.detach().double().numpy(), tgt)
-        except ImportError:  # pragma: no cover - pyvista is needed for pictures anyway
-            dist = None
-        plot_shapes(
-            {"source": src, "target": tgt, "warped (distance to target)": warped},
-            Path(folder) / "picture.png",
-            scalars=None
-            if dist is None
-            else {"warped (distance to target)": ("distance to target (mm)", dist)},
-        )
-        if res.history:
-            plot_history(res.history, Path(folder) / "history.png")
+        plot_registration(res, src, tgt, folder)
     m = res.metrics
     before = surface_distances(src, tgt, to=m.get("distance_to", "auto"))
     written = sorted(p.name for p in Path(folder).iterdir() if not p.name.startswith("."))
@@ -359,6 +332,7 @@ def distance(
     SOURCE and TARGET are meshes, point clouds or volumes (with --label or --level).
     """
     from . import ConvergenceWarning
+    from .io import load_input
     from .ot.divergence import divergence
     from .ot.problem import SinkhornOptions
     from .registration.prealign import check_scales
@@ -366,7 +340,7 @@ def distance(
     _check_volume_options(label, level, [source, target])
     with stdout_to_stderr(as_json), warnings_as_lines():
         try:
-            shapes = [_load(p, label, level, None) for p in (source, target)]
+            shapes = [load_input(p, label, level) for p in (source, target)]
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(str(err)) from err
         check_scales("otreg distance", *shapes, names=(source, target))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .shapes import Shape
 
-__all__ = ["plot_shapes", "plot_history"]
+__all__ = ["plot_shapes", "plot_history", "plot_registration"]
 
 
 def plot_shapes(
@@ -88,3 +88,31 @@ def plot_history(history: list[dict], path: str | Path) -> Path:
     atomic_write(path, lambda tmp: fig.savefig(str(tmp), dpi=100))
     plt.close(fig)
     return path
+
+
+def plot_registration(
+    result, source: Shape, target: Shape, folder: str | Path, prefix: str = ""
+) -> dict[str, Path]:
+    """The pictures of a registration in ``folder``: ``picture.png`` (source, target, and
+    the warped source coloured by its distance to the target, mm) and ``history.png`` (the
+    objective per evaluation) when there is a history; ``prefix`` goes before each name.
+
+    Returns:
+        ``{"picture": path, "history": path}``, the files written.
+    """
+    from .registration.metrics import point_to_surface_distances
+
+    folder = Path(folder)
+    warped = result.warped
+    dist = point_to_surface_distances(warped.points.detach().double().numpy(), target)
+    name = "warped (distance to target)"
+    out = {
+        "picture": plot_shapes(
+            {"source": source, "target": target, name: warped},
+            folder / f"{prefix}picture.png",
+            scalars={name: ("distance to target (mm)", dist)},
+        )
+    }
+    if result.history:
+        out["history"] = plot_history(result.history, folder / f"{prefix}history.png")
+    return out

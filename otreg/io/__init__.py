@@ -36,6 +36,7 @@ from ._files import (
 
 __all__ = [
     "load_shape",
+    "load_input",
     "save_shape",
     "atomic_write",
     "atomic_write_all",
@@ -188,3 +189,21 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
         raise ValueError(f"{caller}: {path.name} needs 3-D points, the shape's are {shape.dim}-D")
     _files.write_shape(shape, path, fmt)
     return path
+
+
+def load_input(
+    path: str | Path,
+    label: float | None = None,
+    level: float | None = None,
+    points: int | None = None,
+) -> Shape:
+    """An input of a registration: ``label``/``level`` apply to volumes only (the other
+    input of a pair may be a mesh) and ``points`` decimates to about that many vertices,
+    the shape keeping its file as ``source`` (so that results never overwrite it)."""
+    import dataclasses
+
+    volume = Path(path).name.lower().endswith(VOLUME_EXTS)
+    shape = load_shape(path, label=label if volume else None, level=level if volume else None)
+    if points is not None:
+        shape = dataclasses.replace(shape.decimate(points), source=shape.source)
+    return shape

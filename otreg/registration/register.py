@@ -318,6 +318,9 @@ def register(
         varifold_shapes=(w64.decimate(METRIC_POINTS), tgt.decimate(METRIC_POINTS)),
     )
     result.metrics["jacobian_points"] = int(jac_points.shape[0])
+    if deformation is not None:  # mm^2: sqrt of it is the geodesic distance of the flow
+        with torch.no_grad():
+            result.metrics["energy"] = float(deformation.energy())
     result.metrics["sinkhorn_unconverged_evaluations"] = sum(
         1 for h in history if not h.get("sinkhorn_converged", True)
     )
