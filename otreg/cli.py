@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from ._cli_batch import batch, manifest, report
 from ._cli_guards import (
     output_folder,
     progress_option,
@@ -466,6 +467,10 @@ def circles(n: int, iters: int | None, tol: float, backend: str, as_json: bool) 
     click.echo(f"  time             {seconds:.2f} s")
     click.echo(f"  peak RSS         {out['peak_rss_mb']:.0f} MB")
 
+
+main.add_command(batch)
+main.add_command(manifest)
+main.add_command(report)
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
