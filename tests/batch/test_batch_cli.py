@@ -1,0 +1,408 @@
+"""``otreg batch`` through the real command line (subprocesses), on small synthetic subjects:
+failures isolated and reported, resume without redoing work, interrupts and kills, stale
+locks, timeouts, crashing workers and an existing Dask cluster losing a worker."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pv = pytest.importorskip("pyvista")
+pytest.importorskip("distributed")
+
+from otreg.batch import find_records  # noqa: E402
+from otreg.registration import Registration  # noqa: E402
+
+OTREG = [sys.executable, "-m", "otreg"]
+FAST = ["--max-iter", "2", "--no-picture"]
+
+
+def sphere(path: Path, radius: float, res: int, shift: float = 0.0) -> Path:
+    m = pv.Sphere(radius=radius, theta_resolution=res, phi_resolution=res).triangulate()
+    m.points[:, 0] += shift
+    m.save(str(path))
+    return path
+
+
+@pytest.fixture
+def subjects(tmp_path) -> Path:
+    """s0 (the template) and s1..s4: spheres of 200 to 300 vertices, a few mm apart."""
+    d = tmp_path / "subjects"
+    d.mkdir()
+    for i, (r, s) in enumerate([(40, 0), (42, 3), (38, -2), (41, 1), (39, 2)]):
+        sphere(d / f"s{i}.vtk", r, 14 + i, s)
+    return d
+
+
+def manifest(path: Path, rows: list[tuple]) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["pair_id", "source", "target", "options"])
+        for row in rows:
+            w.writerow(list(row) + [""] * (4 - len(row)))
+    return path
+
+
+def run(*args, env=None, timeout=300, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*OTREG, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def records(out: Path) -> dict[str, dict]:
+    return {doc["pair_id"]: doc for _, doc in find_records(out)}
+
+
+def leftovers(out: Path) -> list[Path]:
+    """Temporary or partial files anywhere in a batch folder."""
+    return [
+        p
+        for p in out.rglob("*")
+        if p.name.startswith(".partial-") or ".tmp" in p.name or p.name.startswith(".otreg-")
+    ]
+
+
+def test_failures_are_isolated_reported_and_a_rerun_does_nothing(subjects, tmp_path):
+    (subjects / "corrupt.vtk").write_text("this is not a mesh")
+    m = manifest(
+        tmp_path / "pairs.csv",
+        [
+            ("a", "subjects/s1.vtk", "subjects/s0.vtk"),
+            ("corrupt", "subjects/corrupt.vtk", "subjects/s0.vtk"),
+            ("missing", "subjects/nowhere.vtk", "subjects/s0.vtk"),
+            ("b", "subjects/s2.vtk", "subjects/s0.vtk"),
+        ],
+    )
+    out = tmp_path / "out"
+    r = run("batch", m, "-o", out, *FAST)
+    assert r.returncode == 3, r.stderr
+    recs = records(out)
+    assert {k: v["status"] for k, v in recs.items()} == {
+        "a": "done",
+        "b": "done",
+        "corrupt": "failed",
+        "missing": "failed",
+    }
+    assert recs["corrupt"]["error"]["class"] == "bad input"
+    assert "corrupt.vtk" in recs["corrupt"]["error"]["reason"]
+    assert recs["missing"]["error"]["class"] == "missing input"
+    failed = list(csv.DictReader(open(out / "failed.csv")))
+    assert {(row["pair_id"], row["class"]) for row in failed} == {
+        ("corrupt", "bad input"),
+        ("missing", "missing input"),
+    }
+    summary = {row["pair_id"]: row for row in csv.DictReader(open(out / "summary.csv"))}
+    assert summary["a"]["status"] == "done" and float(summary["a"]["mean_mm"]) < float(
+        summary["a"]["before_mean_mm"]
+    )
+    assert float(summary["a"]["peak_rss_mb"]) > 50 and summary["a"]["host"]
+    for pid in ("a", "b"):  # complete, loadable results
+        Registration.load(out / "pairs" / pid)
+        assert (out / "pairs" / pid / "log.txt").stat().st_size > 0
+    assert not leftovers(out)
+    assert (out / "index.html").exists()
+
+    # a rerun registers nothing: the done pairs' records are untouched
+    before = {pid: (out / "pairs" / pid / "metrics.json").read_bytes() for pid in ("a", "b")}
+    r2 = run("batch", m, "-o", out, *FAST, "--workers", "2")  # worker count is not in the key
+    assert r2.returncode == 3
+    assert "0 to run" in r2.stderr
+    for pid in ("a", "b"):
+        assert (out / "pairs" / pid / "metrics.json").read_bytes() == before[pid]
+
+    # moving the batch folder reruns nothing either
+    moved = tmp_path / "moved"
+    out.rename(moved)
+    r3 = run("batch", m, "-o", moved, *FAST, "--dry-run")
+    assert r3.returncode == 0
+    lines = dict(line.split(": ", 1) for line in r3.stdout.splitlines())
+    assert lines["a"] == "done" and lines["b"] == "done"
+    assert lines["corrupt"].startswith("failed")
+    assert lines["missing"].startswith("will fail: missing input")
+
+
+def test_a_changed_option_reruns_only_the_pairs_it_touches(subjects, tmp_path):
+    rows = [
+        ("a", "subjects/s1.vtk", "subjects/s0.vtk"),
+        ("b", "subjects/s2.vtk", "subjects/s0.vtk"),
+    ]
+    m = manifest(tmp_path / "pairs.csv", rows)
+    out = tmp_path / "out"
+    assert run("batch", m, "-o", out, *FAST).returncode == 0
+    first = records(out)
+    rows[1] = (*rows[1], json.dumps({"sigma": 15.0}))
+    manifest(m, rows)
+    dry = run("batch", m, "-o", out, *FAST, "--dry-run")
+    assert "a: done" in dry.stdout
+    assert "b: will rerun (options changed: sigma 20.0 -> 15.0)" in dry.stdout
+    assert run("batch", m, "-o", out, *FAST).returncode == 0
+    second = records(out)
+    assert second["a"]["finished"] == first["a"]["finished"]
+    assert second["a"]["batch_id"] == first["a"]["batch_id"]
+    assert second["b"]["batch_id"] != first["b"]["batch_id"]
+    assert second["b"]["options"]["sigma"] == 15.0
+    # a changed input's content (same path) reruns that pair only
+    sphere(tmp_path / "subjects" / "s1.vtk", 43, 15, 2.0)
+    dry = run("batch", m, "-o", out, *FAST, "--dry-run")
+    assert "a: will rerun (source file content changed)" in dry.stdout
+    assert "b: done" in dry.stdout
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_interrupt_then_kill_then_rerun_does_every_pair_exactly_once(subjects, tmp_path):
+    rows = [(f"p{i}", f"subjects/s{i}.vtk", "subjects/s0.vtk") for i in range(1, 5)]
+    rows.append(("p5", "subjects/s1.vtk", "subjects/s2.vtk"))
+    m = manifest(tmp_path / "pairs.csv", rows)
+    out = tmp_path / "out"
+    cmd = [*OTREG, "batch", str(m), "-o", str(out), *FAST, "--workers", "1"]
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(records(out)) >= 1, 120, "a first pair")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert not leftovers(out)
+    after_int = records(out)
+    assert all(r["status"] == "done" for r in after_int.values())
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(records(out)) > len(after_int), 120, "one more pair")
+    proc.kill()
+    proc.communicate(timeout=30)
+    after_kill = records(out)
+
+    r = run(*cmd[3:])
+    assert r.returncode == 0, r.stderr
+    final = records(out)
+    assert sorted(final) == [f"p{i}" for i in range(1, 6)]
+    for pid, rec in after_kill.items():  # finished before the kill: not run again
+        assert final[pid]["batch_id"] == rec["batch_id"]
+    for pid in final:  # one complete result a pair, nothing partial anywhere
+        folder = out / "pairs" / pid
+        Registration.load(folder)
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "log.txt",
+            "metrics.json",
+            "parameters.npz",
+            "registration.json",
+            "warped.vtk",
+        ]
+    assert not leftovers(out)
+    assert not list((out / ".locks").glob("*.lock"))
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_stale_lock_from_a_killed_run_is_broken(subjects, tmp_path):
+    m = manifest(tmp_path / "pairs.csv", [("a", "subjects/s1.vtk", "subjects/s0.vtk")])
+    out = tmp_path / "out"
+    (out / ".locks").mkdir(parents=True)
+    lock = {"host": socket.gethostname(), "pid": dead_pid(), "token": "x", "heartbeat": time.time()}
+    (out / ".locks" / "a.lock").write_text(json.dumps(lock))
+    r = run("batch", m, "-o", out, *FAST)
+    assert r.returncode == 0, r.stderr
+    assert records(out)["a"]["status"] == "done"
+    assert not (out / ".locks" / "a.lock").exists()
+
+
+def test_a_pair_over_the_timeout_fails_alone(subjects, tmp_path):
+    big = pv.Icosphere(radius=40, nsub=5)  # 10,242 vertices and 300 iterations: minutes
+    big.save(str(subjects / "big.vtk"))
+    m = manifest(
+        tmp_path / "pairs.csv",
+        [
+            ("big", "subjects/big.vtk", "subjects/s0.vtk", json.dumps({"max_iter": 300})),
+            ("small", "subjects/s1.vtk", "subjects/s0.vtk"),
+        ],
+    )
+    out = tmp_path / "out"
+    start = time.time()
+    r = run("batch", m, "-o", out, *FAST, "--workers", "1", "--timeout", "25")
+    assert r.returncode == 3, r.stderr
+    assert time.time() - start < 150
+    recs = records(out)
+    assert recs["big"]["error"]["class"] == "timeout"
+    assert recs["small"]["status"] == "done"
+
+
+CRASHER = textwrap.dedent(
+    """
+    import multiprocessing, os, signal, sys
+
+    def _hook(event, args):
+        if event == "open" and args and str(args[0]).endswith("crash-me.vtk"):
+            if "Dask Worker" in multiprocessing.current_process().name:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.addaudithook(_hook)
+    """
+)
+
+
+def test_a_pair_that_kills_its_worker_fails_alone(subjects, tmp_path):
+    """A worker process dying on a pair (a segfault, the kernel's OOM killer) is restarted;
+    after ALLOWED_FAILURES + 1 deaths the pair is recorded as a crash, the rest go on."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(CRASHER)
+    (subjects / "crash-me.vtk").write_bytes((subjects / "s1.vtk").read_bytes())
+    m = manifest(
+        tmp_path / "pairs.csv",
+        [
+            ("crash", "subjects/crash-me.vtk", "subjects/s0.vtk"),
+            ("fine", "subjects/s2.vtk", "subjects/s0.vtk"),
+        ],
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), *sys.path])}
+    r = run("batch", m, "-o", tmp_path / "out", *FAST, "--workers", "1", env=env)
+    assert r.returncode == 3, r.stderr
+    recs = records(tmp_path / "out")
+    assert recs["crash"]["error"]["class"] == "crash"
+    assert "died 3 times" in recs["crash"]["error"]["reason"]
+    assert recs["fine"]["status"] == "done"
+
+
+@pytest.mark.parametrize(
+    "pair_id", ["../escape", "/abs", "a/b", "x;rm -rf", ".hidden", "a..b"], ids=str
+)
+def test_pair_ids_that_could_escape_the_folder_are_refused_before_any_work(
+    subjects, tmp_path, pair_id
+):
+    m = manifest(tmp_path / "pairs.csv", [(pair_id, "subjects/s1.vtk", "subjects/s0.vtk")])
+    r = run("batch", m, "-o", tmp_path / "out", *FAST)
+    assert r.returncode == 1
+    assert "pair_id" in r.stderr and "line 2" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_usage_errors_exit_1_and_name_the_problem(subjects, tmp_path):
+    m = manifest(tmp_path / "pairs.csv", [("a", "subjects/s1.vtk", "subjects/s0.vtk")])
+    cases = [
+        (["batch", tmp_path / "nope.csv", "-o", tmp_path / "o"], "nope.csv does not exist"),
+        (["batch", m, "-o", tmp_path / "o", "--workers", "0"], "--workers"),
+        (["batch", m, "-o", tmp_path / "o", "--only", "zzz"], "zzz"),
+        (["batch", m, "-o", tmp_path / "o", "--memory-limit", "lots"], "memory size"),
+        (["batch", m, "-o", m], "not a folder"),
+        (["batch", m, "-o", tmp_path / "o", "--bogus"], "No such option"),
+    ]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("pair_id,source\na,x.vtk\n")
+    cases.append((["batch", bad, "-o", tmp_path / "o"], "missing column(s) target"))
+    for args, expected in cases:
+        r = run(*args)
+        assert r.returncode == 1, (args, r.stderr)
+        assert expected in r.stderr, (args, r.stderr)
+    assert not (tmp_path / "o").exists()
+
+
+def test_manifest_helpers_write_what_batch_reads(subjects, tmp_path):
+    files = sorted(str(p) for p in subjects.glob("s[1-4].vtk"))
+    r = run("manifest", "to-template", subjects / "s0.vtk", *files, "-o", tmp_path / "t.csv")
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader(open(tmp_path / "t.csv")))
+    assert [row["pair_id"] for row in rows] == [f"s{i}_to_template" for i in range(1, 5)]
+    r = run("manifest", "all-pairs", *files, "-o", tmp_path / "a.csv")
+    rows = list(csv.DictReader(open(tmp_path / "a.csv")))
+    assert len(rows) == 6 and rows[0]["source_subject"] == "s1"
+    dry = run("batch", tmp_path / "a.csv", "-o", tmp_path / "o", "--dry-run")
+    assert dry.returncode == 0 and dry.stdout.count("will run") == 6
+    clash = run("manifest", "all-pairs", files[0], files[0], "-o", tmp_path / "c.csv")
+    assert clash.returncode == 1 and "subject id" in clash.stderr
+
+
+def test_an_existing_dask_cluster_losing_a_worker_completes_every_pair(subjects, tmp_path):
+    """A scheduler and two workers on 127.0.0.1 (subprocesses); one worker is killed while
+    the batch runs: its pair is rescheduled on the other, and every pair completes."""
+    sched_file = tmp_path / "scheduler.json"
+    procs = []
+    try:
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "distributed.cli.dask_scheduler",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--dashboard-address",
+                    ":0",
+                    "--scheduler-file",
+                    str(sched_file),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        wait_for(sched_file.exists, 60, "the scheduler file")
+        for _ in range(2):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "distributed.cli.dask_worker",
+                        "--scheduler-file",
+                        str(sched_file),
+                        "--nthreads",
+                        "1",
+                        "--no-nanny",
+                        "--host",
+                        "127.0.0.1",
+                        "--dashboard-address",
+                        ":0",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        rows = [(f"p{i}", f"subjects/s{i}.vtk", "subjects/s0.vtk") for i in range(1, 5)]
+        rows += [(f"q{i}", f"subjects/s{i}.vtk", "subjects/s1.vtk") for i in range(2, 5)]
+        m = manifest(tmp_path / "pairs.csv", rows)
+        out = tmp_path / "out"
+        batch = subprocess.Popen(
+            [*OTREG, "batch", str(m), "-o", str(out), *FAST, "--scheduler-file", str(sched_file)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_for(lambda: len(records(out)) >= 1, 120, "a first pair")
+        procs[1].kill()  # one worker dies mid-batch
+        _, err = batch.communicate(timeout=240)
+        assert batch.returncode == 0, err
+        final = records(out)
+        assert sorted(final) == sorted(r[0] for r in rows)
+        assert all(r["status"] == "done" for r in final.values())
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
