@@ -3,6 +3,7 @@
 
 from .manifest import Pair, all_pairs, pairs_to_template, read_manifest, write_manifest
 from .records import FAILURE_CLASSES, FORMAT, find_records, read_record
+from .report import build_report
 
 __all__ = [
     "Pair",
@@ -14,4 +15,5 @@ __all__ = [
     "FAILURE_CLASSES",
     "find_records",
     "read_record",
+    "build_report",
 ]
