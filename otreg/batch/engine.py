@@ -357,6 +357,8 @@ class _Cluster:
         self.cluster = self.client = None
 
     def __enter__(self):
+        for name in ("distributed", "tornado"):  # shutdown races log tracebacks: not ours
+            logging.getLogger(name).setLevel(logging.CRITICAL)
         try:
             import dask
             from distributed import Client, LocalCluster

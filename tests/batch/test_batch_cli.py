@@ -255,14 +255,33 @@ def test_a_pair_over_the_timeout_fails_alone(subjects, tmp_path):
 
 CRASHER = textwrap.dedent(
     """
-    import multiprocessing, os, signal, sys
+    import importlib.abc, importlib.util, multiprocessing, os, signal, sys
 
-    def _hook(event, args):
-        if event == "open" and args and str(args[0]).endswith("crash-me.vtk"):
-            if "Dask Worker" in multiprocessing.current_process().name:
-                os.kill(os.getpid(), signal.SIGKILL)
+    class CrashOnLoad(importlib.abc.MetaPathFinder):
+        # wraps otreg.io.load_input so that a worker process loading crash-me.vtk dies
+        def find_spec(self, name, path, target=None):
+            if name != "otreg.io":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
 
-    sys.addaudithook(_hook)
+            def exec_module(module):
+                run(module)
+                load = module.load_input
+
+                def load_input(path, *args, **kwargs):
+                    worker = multiprocessing.current_process().name != "MainProcess"
+                    if worker and str(path).endswith("crash-me.vtk"):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return load(path, *args, **kwargs)
+
+                module.load_input = load_input
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, CrashOnLoad())
     """
 )
 
@@ -310,7 +329,7 @@ def test_usage_errors_exit_1_and_name_the_problem(subjects, tmp_path):
         (["batch", m, "-o", tmp_path / "o", "--workers", "0"], "--workers"),
         (["batch", m, "-o", tmp_path / "o", "--only", "zzz"], "zzz"),
         (["batch", m, "-o", tmp_path / "o", "--memory-limit", "lots"], "memory size"),
-        (["batch", m, "-o", m], "not a folder"),
+        (["batch", m, "-o", m], "is a file"),
         (["batch", m, "-o", tmp_path / "o", "--bogus"], "No such option"),
     ]
     bad = tmp_path / "bad.csv"
