@@ -1,6 +1,7 @@
 """Many registrations at once: a manifest of pairs, resume keys and locks, worker processes
 (local or on a Dask cluster), per-pair records and the group report."""
 
+from .bids import SubjectInput, bids_pairs, find_inputs, write_dataset_description
 from .manifest import Pair, all_pairs, pairs_to_template, read_manifest, write_manifest
 from .records import FAILURE_CLASSES, FORMAT, find_records, read_record
 
@@ -14,4 +15,8 @@ __all__ = [
     "FAILURE_CLASSES",
     "find_records",
     "read_record",
+    "SubjectInput",
+    "find_inputs",
+    "bids_pairs",
+    "write_dataset_description",
 ]
