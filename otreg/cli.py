@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from ._cli_batch import batch, manifest, report
+from ._cli_batch import batch, bids, manifest, report
 from ._cli_guards import (
     output_folder,
     progress_option,
@@ -469,6 +469,7 @@ def circles(n: int, iters: int | None, tol: float, backend: str, as_json: bool) 
 
 
 main.add_command(batch)
+main.add_command(bids)
 main.add_command(manifest)
 main.add_command(report)
 

@@ -206,6 +206,7 @@ def run_batch(
     progress: bool = False,
     echo: Callable[[str], None] | None = None,
     report: bool = True,
+    tables: bool = True,
 ) -> BatchResult:
     """Register every pair not done yet, in worker processes; see the module docstring.
 
@@ -226,6 +227,9 @@ def run_batch(
         progress: a progress bar on stderr (else one line per finished pair via ``echo``).
         echo: where lines go (default: stderr).
         report: rebuild ``index.html`` at the end.
+        tables: write ``summary.csv``/``failed.csv`` (of the selected pairs); off for runs
+            that share a folder with others (BIDS participant jobs, see
+            :func:`tables_from_records`).
 
     Returns:
         :class:`BatchResult`; ``exit_code`` is 0 when every selected pair is done, 3 when
@@ -276,7 +280,8 @@ def run_batch(
                     if read_lock(out / ".locks" / f"{p.pair.pair_id}.lock") is None:
                         shutil.rmtree(staging, ignore_errors=True)
     selected = [p.pair for p in planned]
-    write_tables(out, selected, records)
+    if tables:
+        write_tables(out, selected, records)
     if report:
         try:
             from .report import build_report
@@ -579,6 +584,27 @@ def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) 
             (out / name).unlink(missing_ok=True)
             continue
         atomic_write(out / name, lambda tmp, text=text: tmp.write_text(text))
+
+
+def tables_from_records(out: str | Path) -> int:
+    """``summary.csv`` and ``failed.csv`` from every record in a folder (several runs'
+    pairs, e.g. one BIDS participant job a subject); returns the number of pairs."""
+    from .records import find_records
+
+    out = Path(out)
+    records: dict[str, dict] = {}
+    folders: dict[str, Path] = {}
+    for path, doc in find_records(out):
+        old = records.get(doc["pair_id"])
+        if old is None or str(doc.get("finished", "")) > str(old.get("finished", "")):
+            records[doc["pair_id"]] = doc
+            folders[doc["pair_id"]] = path.parent.relative_to(out)
+    pairs = [
+        Pair(pid, doc.get("source") or "?", doc.get("target") or "?", folder=str(folders[pid]))
+        for pid, doc in records.items()
+    ]
+    write_tables(out, pairs, records)
+    return len(pairs)
 
 
 def _num(value) -> str:

@@ -27,6 +27,7 @@ __all__ = [
     "circles",
     "noisy_sphere",
     "fsaverage5",
+    "fsaverage5_path",
     "mni152",
     "mni152_surface",
     "synthetic_subjects",
@@ -99,10 +100,14 @@ def fsaverage5(
     """An fsaverage5 hemisphere (10,242 vertices, 20,480 triangles), MNI-like space, mm."""
     from ..io import load_shape
 
+    return load_shape(fsaverage5_path(surface, hemi), dtype=dtype)
+
+
+def fsaverage5_path(surface: str = "pial", hemi: str = "left") -> Path:
+    """The GIFTI file of an fsaverage5 hemisphere inside nilearn's installed package."""
     check_choice("fsaverage5", "surface", surface, FSAVERAGE5_SURFACES)
     check_choice("fsaverage5", "hemi", hemi, ("left", "right"))
-    path = nilearn_data_dir() / "fsaverage5" / _FS_FILES[surface].format(hemi=hemi)
-    return load_shape(path, dtype=dtype)
+    return nilearn_data_dir() / "fsaverage5" / _FS_FILES[surface].format(hemi=hemi)
 
 
 def mni152(tissue: str = "wm") -> Path:
