@@ -505,7 +505,15 @@ def _line(k: int, n: int, rec: dict, elapsed: float) -> str:
         )
     else:
         body = f"FAILED ({_reason(rec)})"
-    return head + body + (f"; about {eta / 60:.0f} min left" if k < n else "")
+    return head + body + (f"; about {_duration(eta)} left" if k < n else "")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _killed(cl: _Cluster, out: Path, spec: dict) -> dict:

@@ -405,7 +405,6 @@ def test_an_existing_dask_cluster_losing_a_worker_completes_every_pair(subjects,
                 )
             )
         rows = [(f"p{i}", f"subjects/s{i}.vtk", "subjects/s0.vtk") for i in range(1, 5)]
-        rows += [(f"q{i}", f"subjects/s{i}.vtk", "subjects/s1.vtk") for i in range(2, 5)]
         m = manifest(tmp_path / "pairs.csv", rows)
         out = tmp_path / "out"
         batch = subprocess.Popen(

@@ -1,0 +1,210 @@
+"""The batch's parts in-process: manifests, resume keys, locks, the plan and the preflight."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from otreg.batch import Pair, all_pairs, pairs_to_template, read_manifest, write_manifest
+from otreg.batch import engine as engine_mod
+from otreg.batch.engine import plan_batch, run_batch
+from otreg.batch.keys import effective_options, file_digest, pair_key
+from otreg.batch.locks import STALE_AFTER, LockedError, PairLock, is_stale
+from otreg.batch.manifest import check_pair_id
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# ----------------------------------------------------------------------------- manifests
+
+
+def test_a_manifest_resolves_relative_paths_from_its_folder(tmp_path):
+    m = write(
+        tmp_path / "study" / "pairs.csv",
+        "pair_id,source,target,label,hemisphere,options\n"
+        'a,sub/a.nii.gz,/abs/t.vtk,17,lh,"{""sigma"": 10}"\n'
+        "\n"
+        "b,b.vtk,t.vtk,,,\n",
+    )
+    a, b = read_manifest(m)
+    assert a.source == str(tmp_path / "study" / "sub" / "a.nii.gz")
+    assert a.target == "/abs/t.vtk" and a.label == 17.0 and a.hemisphere == "L"
+    assert a.options == {"sigma": 10} and a.folder == "pairs/a"
+    assert b.label is None and b.options == {}
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("pair_id,source\na,x\n", "missing column(s) target"),
+        ("pair_id,source,target,colour\na,x,y,red\n", "unknown column(s) colour"),
+        ("pair_id,source,target\na,x,y\na,x,z\n", "appears twice (also on line 2)"),
+        ("pair_id,source,target\na,,y\n", "line 2: source is empty"),
+        ("pair_id,source,target\n../a,x,y\n", "line 2: pair_id '../a' is not allowed"),
+        ("pair_id,source,target,label\na,x,y,seventeen\n", "label must be a number"),
+        ("pair_id,source,target,hemisphere\na,x,y,up\n", "hemisphere must be L or R"),
+        ("pair_id,source,target,options\na,x,y,{bad\n", "options is not JSON"),
+        ('pair_id,source,target,options\na,x,y,"{""speed"": 1}"\n', "unknown option 'speed'"),
+        ('pair_id,source,target,options\na,x,y,"{""sigma"": ""big""}"\n', "sigma must be"),
+        ("pair_id,source,target\n", "has no pairs"),
+    ],
+)
+def test_bad_manifests_name_the_line_and_the_problem(tmp_path, text, message):
+    with pytest.raises(ValueError, match=None) as err:
+        read_manifest(write(tmp_path / "m.csv", text))
+    assert message in str(err.value)
+
+
+def test_a_missing_manifest_is_a_file_not_found_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.csv"):
+        read_manifest(tmp_path / "nope.csv")
+
+
+@pytest.mark.parametrize("bad", ["", "..", "a/b", "/a", ".a", "a..b", "a b", "a;b", "x" * 129])
+def test_pair_ids_that_are_not_safe_folder_names_are_refused(bad):
+    with pytest.raises(ValueError, match="not allowed"):
+        check_pair_id(bad)
+
+
+def test_manifests_round_trip_and_the_helpers_pair_subjects(tmp_path):
+    subjects = {"s1": "a.vtk", "s2": "b.vtk", "s3": "c.vtk"}
+    pairs = all_pairs(subjects, options={"max_iter": 5})
+    assert [p.pair_id for p in pairs] == ["s1_to_s2", "s1_to_s3", "s2_to_s3"]
+    assert len(all_pairs(subjects, symmetric=True)) == 6
+    back = read_manifest(write_manifest(pairs, tmp_path / "m.csv"))
+    assert back == pairs
+    to = pairs_to_template(subjects, "t.vtk", "fsavg", hemisphere="L")
+    assert [p.pair_id for p in to] == ["s1_to_fsavg", "s2_to_fsavg", "s3_to_fsavg"]
+    assert {p.target_subject for p in to} == {"fsavg"} and to[0].hemisphere == "L"
+    with pytest.raises(ValueError, match="at least 2"):
+        all_pairs({"s1": "a.vtk"})
+    with pytest.raises(ValueError, match="not allowed"):
+        all_pairs({"../s1": "a.vtk", "s2": "b.vtk"})
+    with pytest.raises(TypeError, match="Pair objects"):
+        write_manifest(["a"], tmp_path / "x.csv")
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def test_the_key_follows_content_and_options_not_paths(tmp_path):
+    a = write(tmp_path / "a.vtk", "mesh a")
+    b = write(tmp_path / "b.vtk", "mesh b")
+    moved = write(tmp_path / "elsewhere" / "a.vtk", "mesh a")
+    pair = Pair("p", str(a), str(b))
+    opts = effective_options({"max_iter": 5}, pair)
+    key, parts = pair_key(file_digest(a), file_digest(b), opts)
+    assert file_digest(moved) == file_digest(a)  # same content, another path
+    assert pair_key(file_digest(moved), file_digest(b), opts)[0] == key
+    other = effective_options({"max_iter": 6}, pair)
+    assert pair_key(file_digest(a), file_digest(b), other)[0] != key
+    row = Pair("p", str(a), str(b), options={"max_iter": 6})  # the row wins over the batch
+    assert effective_options({"max_iter": 5}, row)["max_iter"] == 6
+    write(b, "mesh b, edited")
+    assert pair_key(file_digest(a), file_digest(b), opts)[0] != key
+    assert set(parts) == {"source", "target", "options", "format"}
+    with pytest.raises(FileNotFoundError, match="nope"):
+        file_digest(tmp_path / "nope")
+
+
+# ----------------------------------------------------------------------------- locks
+
+
+def test_a_live_lock_blocks_and_a_released_one_does_not(tmp_path):
+    with PairLock(tmp_path, "p") as lock:
+        doc = json.loads(lock.path.read_text())
+        assert doc["pid"] == os.getpid() and doc["host"] == socket.gethostname()
+        with pytest.raises(LockedError, match=f"pid {os.getpid()}"):
+            PairLock(tmp_path, "p").acquire()
+    assert not lock.path.exists()
+    with PairLock(tmp_path, "p"):
+        pass
+
+
+def test_stale_locks_are_broken(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = tmp_path / ".locks" / "p.lock"
+    path.parent.mkdir()
+    cases = [
+        {"host": socket.gethostname(), "pid": dead.pid, "heartbeat": time.time()},
+        {"host": "another-node", "pid": 1, "heartbeat": time.time() - STALE_AFTER - 1},
+    ]
+    for doc in cases:
+        assert is_stale(doc)
+        path.write_text(json.dumps(doc))
+        with PairLock(tmp_path, "p") as lock:
+            assert lock.broke["pid"] == doc["pid"]
+    fresh = {"host": "another-node", "pid": 1, "heartbeat": time.time()}
+    assert not is_stale(fresh)
+    path.write_text(json.dumps(fresh))
+    with pytest.raises(LockedError, match="another-node"):
+        PairLock(tmp_path, "p").acquire()
+
+
+def test_the_heartbeat_is_rewritten(tmp_path, monkeypatch):
+    from otreg.batch import locks
+
+    monkeypatch.setattr(locks, "HEARTBEAT", 0.05)
+    with PairLock(tmp_path, "p") as lock:
+        first = json.loads(lock.path.read_text())["heartbeat"]
+        time.sleep(0.3)
+        assert json.loads(lock.path.read_text())["heartbeat"] > first
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def test_the_plan_says_what_runs_and_why(tmp_path):
+    a, b = write(tmp_path / "a.vtk", "a"), write(tmp_path / "b.vtk", "b")
+    pairs = [Pair("new", str(a), str(b)), Pair("gone", str(tmp_path / "x.vtk"), str(b))]
+    new, gone = plan_batch(pairs, tmp_path / "out")
+    assert (new.state, gone.state) == ("run", "missing input")
+    assert "x.vtk" in gone.why
+    partial = tmp_path / "out" / "pairs" / "new" / ".partial-new-1234"
+    partial.mkdir(parents=True)
+    assert plan_batch(pairs[:1], tmp_path / "out")[0].why == "partial output of an interrupted run"
+    with pytest.raises(ValueError, match="no pair has the id"):
+        plan_batch(pairs, tmp_path / "out", only=["zzz"])
+    assert [p.pair.pair_id for p in plan_batch(pairs, tmp_path / "out", only=["gone"])] == ["gone"]
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path):
+    a = write(tmp_path / "a.vtk", "a")
+    pairs = [Pair("p", str(a), str(a))]
+    for kwargs, message in [
+        ({"workers": 0}, "workers"),
+        ({"threads": -1}, "threads"),
+        ({"timeout": 0}, "timeout"),
+        ({"scheduler": "tcp://x:1", "scheduler_file": "f"}, "not both"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            run_batch(pairs, tmp_path / "out", **kwargs)
+    with pytest.raises(ValueError, match="no pairs"):
+        run_batch([], tmp_path / "out")
+    with pytest.raises(TypeError, match="Pair"):
+        run_batch(["p"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_preflight_refuses_a_disk_too_small_for_the_outputs(tmp_path, monkeypatch):
+    a = write(tmp_path / "a.vtk", "x" * 10_000)
+    pairs = [Pair(f"p{i}", str(a), str(a)) for i in range(3)]
+
+    class Usage:
+        free = 3 * 2**20  # 3 MB: less than 3 pairs x 2 MB
+
+    monkeypatch.setattr(engine_mod.shutil, "disk_usage", lambda path: Usage)
+    with pytest.raises(OSError, match=r"3 MB free but the 3 pairs to run need about 6 MB"):
+        run_batch(pairs, tmp_path / "out", echo=lambda line: None)
