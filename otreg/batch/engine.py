@@ -383,8 +383,7 @@ class _Cluster:
             "OMP_NUM_THREADS": str(self.threads),
             "MKL_NUM_THREADS": str(self.threads),
             "OPENBLAS_NUM_THREADS": str(self.threads),
-            "MALLOC_TRIM_THRESHOLD_": "65536",
-        }
+        }  # and not Dask's MALLOC_TRIM_THRESHOLD_: see worker._fast_allocator
         with dask.config.set(
             {
                 "distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
