@@ -48,7 +48,7 @@ def runner_options(f):
             "--workers",
             type=click.IntRange(min=1),
             default=None,
-            help="Local worker processes [default: one per 4 cores, at least 1].",
+            help="Local worker processes [default: one per 2 cores, at least 1].",
         ),
         click.option(
             "--threads",

@@ -215,7 +215,8 @@ def run_batch(
         out: the batch folder; each pair writes into ``out / pair.folder``.
         options: registration options for every pair (keys of
             :data:`~otreg.batch.manifest.ROW_OPTIONS`); a row's own options win.
-        workers: local worker processes (default: one per 4 cores, at least 1).
+        workers: local worker processes (default: one per 2 cores, at least 1; measured in
+            docs/benchmarks.md).
         threads: torch threads per worker (default: cores // workers locally; on an
             existing cluster, each host's cores // its workers).
         scheduler, scheduler_file: an existing Dask scheduler's address or file.
@@ -266,7 +267,7 @@ def run_batch(
     )
     interrupted = False
     if todo:
-        workers = workers or max(1, (os.cpu_count() or 1) // 4)
+        workers = workers or max(1, (os.cpu_count() or 1) // 2)
         _preflight(out, todo, workers, echo)
         try:
             with _Cluster(out, workers, threads, scheduler, scheduler_file, memory_limit) as cl:
