@@ -388,6 +388,9 @@ class _Cluster:
         with dask.config.set(
             {
                 "distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
+                # one pair a worker at a time: a worker's death then counts against the
+                # pair it was running only, not against one queued behind it
+                "distributed.scheduler.worker-saturation": 1.0,
                 "distributed.nanny.pre-spawn-environ": env,
                 "distributed.worker.memory.spill": False,
                 "distributed.worker.memory.target": False,
@@ -444,6 +447,7 @@ def _dispatch(cl: _Cluster, out, todo, batch_id, timeout, records, progress, ech
         signal.signal(signal.SIGTERM, _raise_interrupt)
     client = cl.client
     by_key, specs, futures = {}, {}, []
+    innocent: dict[str, int] = {}  # resubmissions of pairs killed before they started
 
     def submit(p: Planned, spec: dict):
         fut = client.submit(run_pair, spec, key=f"otreg-{p.pair.pair_id}-{uuid.uuid4().hex[:8]}")
@@ -462,6 +466,13 @@ def _dispatch(cl: _Cluster, out, todo, batch_id, timeout, records, progress, ech
             try:
                 rec = fut.result()
             except KilledWorker:
+                lock = out / ".locks" / f"{p.pair.pair_id}.lock"
+                if not lock.exists() and innocent.get(fut.key, 0) < ALLOWED_FAILURES:
+                    # queued on workers that died of other pairs: it never started
+                    again = submit(p, spec)
+                    innocent[again.key] = innocent.get(fut.key, 0) + 1
+                    pending.add(again)
+                    continue
                 rec = _killed(cl, out, spec)
             except Exception as err:  # the task itself failed outside run_pair's guard
                 name = type(err).__name__
