@@ -50,22 +50,12 @@ def make_subjects(folder: Path, n: int, points: int) -> Path:
 def plain_loop(manifest: str, out: str) -> None:
     """The per-pair work of a batch, in this process, one pair after the other."""
     from otreg.batch import read_manifest
-    from otreg.batch.engine import plan_batch
+    from otreg.batch.engine import pair_spec, plan_batch
     from otreg.batch.worker import run_pair
 
     pairs = read_manifest(manifest)
     for p in plan_batch(pairs, out):
-        spec = {
-            "out": out,
-            "pair": {**p.pair.__dict__, "options": dict(p.pair.options)},
-            "options": p.options,
-            "key": p.key,
-            "key_parts": p.parts,
-            "threads": None,
-            "timeout": None,
-            "batch_id": "plain",
-        }
-        rec = run_pair(spec)
+        rec = run_pair(pair_spec(Path(out), p, "plain"))
         assert rec["status"] == "done", rec
 
 

@@ -378,7 +378,7 @@ def bids(
     summary tables and the group page from the records of every participant run.
     """
     from .batch import bids_pairs, find_inputs, write_dataset_description, write_manifest
-    from .batch.engine import tables_from_records
+    from .batch.tables import tables_from_records
 
     out = Path(output_dir)
     if analysis_level == "group":

@@ -5,19 +5,14 @@ Workers are Dask worker processes: by default an embedded local cluster on 127.0
 (``workers`` processes of ``threads`` torch threads each), or an existing cluster
 (``scheduler``/``scheduler_file``). A pair's exception fails that pair only (its record says
 why); a worker that dies (a crash, an out-of-memory kill) is restarted by its nanny and its
-pair rescheduled, and a pair that kills :data:`ALLOWED_FAILURES` + 1 workers is recorded
+pair rescheduled, and a pair that kills ``dispatch.ALLOWED_FAILURES`` + 1 workers is recorded
 failed while the batch goes on.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import logging
-import math
 import os
 import shutil
-import signal
 import sys
 import time
 import uuid
@@ -25,11 +20,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .dispatch import Cluster, dispatch
 from .keys import effective_options, file_digest, pair_key, why_rerun
-from .locks import HEARTBEAT, read_lock
+from .locks import lock_path, read_lock
 from .manifest import Pair
-from .records import DONE_NAME, FAILED_NAME, read_record
-from .worker import STAGING_PREFIX, record_path, run_pair, write_failure
+from .records import failure_reason, read_record
+from .tables import write_tables
+from .worker import STAGING_PREFIX, record_path, write_failure
 
 __all__ = [
     "run_batch",
@@ -40,27 +37,16 @@ __all__ = [
     "EXIT_USAGE",
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
-    "ALLOWED_FAILURES",
     "MEMORY_PER_PAIR_MB",
+    "describe",
+    "pair_spec",
 ]
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 3, 130
-#: Worker deaths a pair may cause before it is recorded failed (Dask's allowed-failures).
-ALLOWED_FAILURES = 2
 #: Peak memory assumed for a pair (MB) until records of this batch measured one.
 MEMORY_PER_PAIR_MB = 1500.0
 #: Disk a pair's outputs take besides a copy of its source file (MB; pictures, JSON, log).
 DISK_PER_PAIR_MB = 2.0
-
-SUMMARY_METRICS = (
-    "before_mean_mm",
-    "mean_mm",
-    "hausdorff_mm",
-    "varifold",
-    "jacobian_min",
-    "jacobian_negative_fraction",
-    "energy",
-)
 
 
 @dataclass
@@ -131,7 +117,8 @@ def plan_batch(
                 why = f"failed before ({failed['error']['class']}); --rerun-failed"
                 planned.append(Planned(pair, "rerun", why, key, parts, opts, failed))
             else:
-                planned.append(Planned(pair, "failed", _reason(failed), key, parts, opts, failed))
+                why = failure_reason(failed)
+                planned.append(Planned(pair, "failed", why, key, parts, opts, failed))
         elif done is not None or failed is not None:
             why = why_rerun(done or failed, parts, opts)
             planned.append(Planned(pair, "rerun", why, key, parts, opts, done or failed))
@@ -171,11 +158,6 @@ def _partial(out: Path, pair: Pair) -> bool:
     if any(folder.glob(f"{STAGING_PREFIX}{pair.pair_id}-*")):
         return True
     return (folder / f"{pair.prefix}warped.vtk").exists()
-
-
-def _reason(record: dict) -> str:
-    err = record.get("error") or {}
-    return f"{err.get('class', '?')}: {err.get('reason', '')}"
 
 
 def describe(p: Planned) -> str:
@@ -230,7 +212,7 @@ def run_batch(
         report: rebuild ``index.html`` at the end.
         tables: write ``summary.csv``/``failed.csv`` (of the selected pairs); off for runs
             that share a folder with others (BIDS participant jobs, see
-            :func:`tables_from_records`).
+            :func:`otreg.batch.tables.tables_from_records`).
 
     Returns:
         :class:`BatchResult`; ``exit_code`` is 0 when every selected pair is done, 3 when
@@ -255,7 +237,7 @@ def run_batch(
         if p.state in ("done", "failed"):
             records[p.pair.pair_id] = p.record
         elif p.state == "missing input":
-            spec = _spec(out, p, batch_id, None, None)
+            spec = pair_spec(out, p, batch_id)
             records[p.pair.pair_id] = write_failure(
                 spec, "missing input", "FileNotFoundError", p.why, None
             )
@@ -270,15 +252,16 @@ def run_batch(
         workers = workers or max(1, (os.cpu_count() or 1) // 2)
         _preflight(out, todo, workers, echo)
         try:
-            with _Cluster(out, workers, threads, scheduler, scheduler_file, memory_limit) as cl:
-                _dispatch(cl, out, todo, batch_id, timeout, records, progress, echo)
+            with Cluster(out, workers, threads, scheduler, scheduler_file, memory_limit) as cl:
+                specs = [pair_spec(out, p, batch_id, cl.threads, timeout) for p in todo]
+                dispatch(cl, specs, records, progress, echo)
         except KeyboardInterrupt:
             interrupted = True
             echo("otreg batch: interrupted; the pairs not finished run on the next call")
         finally:
             for p in todo:  # staging folders of pairs killed mid-way
                 for staging in (out / p.pair.folder).glob(f"{STAGING_PREFIX}{p.pair.pair_id}-*"):
-                    if read_lock(out / ".locks" / f"{p.pair.pair_id}.lock") is None:
+                    if read_lock(lock_path(out, p.pair.pair_id)) is None:
                         shutil.rmtree(staging, ignore_errors=True)
     selected = [p.pair for p in planned]
     if tables:
@@ -307,7 +290,8 @@ def run_batch(
     return BatchResult(planned, records, code, seconds)
 
 
-def _spec(out: Path, p: Planned, batch_id: str, threads, timeout) -> dict:
+def pair_spec(out: Path, p: Planned, batch_id: str, threads=None, timeout=None) -> dict:
+    """What a worker needs to run a planned pair (:func:`~otreg.batch.worker.run_pair`)."""
     return {
         "out": str(out.absolute()),
         "pair": asdict(p.pair) | {"options": dict(p.pair.options)},
@@ -340,9 +324,9 @@ def _preflight(out: Path, todo: list[Planned], workers: int, echo) -> None:
     except ImportError:  # pragma: no cover
         return
     peaks = [
-        r.get("peak_rss_mb")
-        for r in (read_record(record_path(out, p.pair, "done")) for p in todo)
-        if r and r.get("peak_rss_mb")
+        p.record["peak_rss_mb"]
+        for p in todo
+        if p.record and p.record.get("status") == "done" and p.record.get("peak_rss_mb")
     ]
     per_pair = max(peaks) * 1.2 if peaks else MEMORY_PER_PAIR_MB
     if workers * per_pair > total:
@@ -351,288 +335,3 @@ def _preflight(out: Path, todo: list[Planned], workers: int, echo) -> None:
             f"machine's {total:,.0f} MB; workers near their limit are restarted and their "
             "pairs fail 'out of memory': use fewer --workers"
         )
-
-
-class _Cluster:
-    """A Dask client on an embedded local cluster or an existing scheduler."""
-
-    def __init__(self, out, workers, threads, scheduler, scheduler_file, memory_limit):
-        self.out, self.workers, self.threads = out, workers, threads
-        self.scheduler, self.scheduler_file = scheduler, scheduler_file
-        self.memory_limit = memory_limit
-        self.cluster = self.client = None
-
-    def __enter__(self):
-        for name in ("distributed", "tornado"):  # shutdown races log tracebacks: not ours
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-        try:
-            import dask
-            from distributed import Client, LocalCluster
-        except ImportError as err:
-            raise ImportError(
-                "otreg batch runs its workers on Dask: pip install 'otreg[batch]'"
-            ) from err
-        self.memory_limit_bytes = None
-        if self.scheduler or self.scheduler_file:
-            file = str(self.scheduler_file) if self.scheduler_file else None
-            self.client = Client(self.scheduler, scheduler_file=file, timeout=30)
-            self.threads = self.threads or _threads_on_cluster(self.client)
-            return self
-        cores = os.cpu_count() or 1
-        self.threads = self.threads or max(1, cores // self.workers)
-        env = {
-            "OMP_NUM_THREADS": str(self.threads),
-            "MKL_NUM_THREADS": str(self.threads),
-            "OPENBLAS_NUM_THREADS": str(self.threads),
-        }  # and not Dask's MALLOC_TRIM_THRESHOLD_: see worker._fast_allocator
-        with dask.config.set(
-            {
-                "distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
-                # one pair a worker at a time: a worker's death then counts against the
-                # pair it was running only, not against one queued behind it
-                "distributed.scheduler.worker-saturation": 1.0,
-                "distributed.nanny.pre-spawn-environ": env,
-                "distributed.worker.memory.spill": False,
-                "distributed.worker.memory.target": False,
-                "distributed.worker.memory.pause": False,
-                "distributed.worker.memory.terminate": 0.95,
-                "distributed.admin.system-monitor.gil.enabled": False,
-            }
-        ):
-            self.cluster = LocalCluster(
-                n_workers=self.workers,
-                threads_per_worker=1,
-                processes=True,
-                host="127.0.0.1",
-                dashboard_address=None,
-                memory_limit=self.memory_limit,
-                local_directory=str(self.out / ".dask"),
-                silence_logs=logging.CRITICAL,
-            )
-            self.client = Client(self.cluster)
-        info = self.client.scheduler_info()["workers"]
-        limits = [w.get("memory_limit") for w in info.values() if w.get("memory_limit")]
-        self.memory_limit_bytes = min(limits) if limits else None
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            if self.client is not None:
-                self.client.close(timeout=10)
-        finally:
-            if self.cluster is not None:
-                self.cluster.close(timeout=20)
-            shutil.rmtree(self.out / ".dask", ignore_errors=True)
-        return False
-
-
-def _threads_on_cluster(client) -> int:
-    """Torch threads per task on an existing cluster: the fewest cores a worker has per
-    worker process of its host (Dask's nanny sets OMP_NUM_THREADS=1, which torch follows)."""
-    import socket
-
-    hosts = client.run(lambda: (socket.gethostname(), os.cpu_count() or 1))
-    per_host: dict[str, list[int]] = {}
-    for host, cores in hosts.values():
-        per_host.setdefault(host, []).append(cores)
-    return max(1, min(cores[0] // len(cores) for cores in per_host.values()))
-
-
-def _dispatch(cl: _Cluster, out, todo, batch_id, timeout, records, progress, echo) -> None:
-    from distributed import as_completed
-    from distributed.scheduler import KilledWorker
-
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous in (signal.SIG_DFL, None):  # a scheduler's kill: stop as for Ctrl-C
-        signal.signal(signal.SIGTERM, _raise_interrupt)
-    client = cl.client
-    by_key, specs, futures = {}, {}, []
-    innocent: dict[str, int] = {}  # resubmissions of pairs killed before they started
-
-    def submit(p: Planned, spec: dict):
-        fut = client.submit(run_pair, spec, key=f"otreg-{p.pair.pair_id}-{uuid.uuid4().hex[:8]}")
-        by_key[fut.key], specs[fut.key] = p, spec
-        futures.append(fut)  # a future nobody holds is cancelled
-        return fut
-
-    for p in todo:
-        submit(p, _spec(out, p, batch_id, cl.threads, timeout))
-    bar = _bar(len(todo)) if progress else None
-    finished, failed, t0 = 0, 0, time.perf_counter()
-    pending = as_completed(list(futures))
-    try:
-        for fut in pending:
-            p, spec = by_key[fut.key], specs[fut.key]
-            try:
-                rec = fut.result()
-            except KilledWorker:
-                lock = out / ".locks" / f"{p.pair.pair_id}.lock"
-                if not lock.exists() and innocent.get(fut.key, 0) < ALLOWED_FAILURES:
-                    # queued on workers that died of other pairs: it never started
-                    again = submit(p, spec)
-                    innocent[again.key] = innocent.get(fut.key, 0) + 1
-                    pending.add(again)
-                    continue
-                rec = _killed(cl, out, spec)
-            except Exception as err:  # the task itself failed outside run_pair's guard
-                name = type(err).__name__
-                rec = write_failure(spec, "error", name, f"{name}: {err}", None)
-            if rec.get("status") == "locked":  # another process runs it: ask again later
-                time.sleep(min(HEARTBEAT, 2.0))
-                pending.add(submit(p, spec))
-                continue
-            records[p.pair.pair_id] = rec
-            finished += 1
-            failed += rec.get("status") != "done"
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(failed=failed)
-            else:
-                echo(_line(finished, len(todo), rec, time.perf_counter() - t0))
-    finally:
-        if bar is not None:
-            bar.close()
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
-def _bar(total: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="pairs", unit="pair", smoothing=0)
-
-
-def _line(k: int, n: int, rec: dict, elapsed: float) -> str:
-    eta = elapsed / k * (n - k)
-    head = f"[{k}/{n}] {rec['pair_id']}: "
-    if rec.get("status") == "done":
-        m = rec.get("metrics", {})
-        body = (
-            f"done in {rec.get('seconds', 0):.1f} s, mean surface distance "
-            f"{m.get('before_mean_mm', math.nan):.2f} -> {m.get('mean_mm', math.nan):.2f} mm"
-        )
-    else:
-        body = f"FAILED ({_reason(rec)})"
-    return head + body + (f"; about {_duration(eta)} left" if k < n else "")
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-def _killed(cl: _Cluster, out: Path, spec: dict) -> dict:
-    """The record of a pair whose worker died ALLOWED_FAILURES + 1 times: out of memory
-    when the last heartbeat was near the worker's memory limit, a crash otherwise."""
-    pid = spec["pair"]["pair_id"]
-    lock_path = out / ".locks" / f"{pid}.lock"
-    lock = read_lock(lock_path)
-    rss = (lock or {}).get("rss_mb")
-    limit = cl.memory_limit_bytes
-    oom = rss is not None and limit and rss * 2**20 > 0.7 * limit
-    lock_path.unlink(missing_ok=True)
-    cls = "out of memory" if oom else "crash"
-    reason = f"the worker process died {ALLOWED_FAILURES + 1} times running this pair" + (
-        f" (last reading {rss:,.0f} MB of a {limit / 2**20:,.0f} MB limit)"
-        if oom
-        else " (a crash or a kill; see the Dask worker's log)"
-    )
-    return write_failure(spec, cls, "KilledWorker", reason, None, peak_rss_mb=rss)
-
-
-def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) -> None:
-    """``summary.csv`` (one row a pair) and ``failed.csv`` (the failed ones), atomically."""
-    from ..io import atomic_write
-
-    columns = [
-        "pair_id",
-        "status",
-        "class",
-        "reason",
-        "seconds",
-        "peak_rss_mb",
-        "host",
-        "threads",
-        *SUMMARY_METRICS,
-        "folder",
-    ]
-    rows, failed = [], []
-    for pair in pairs:
-        rec = records.get(pair.pair_id) or {}
-        err = rec.get("error") or {}
-        row = {
-            "pair_id": pair.pair_id,
-            "status": rec.get("status", "not run"),
-            "class": err.get("class", ""),
-            "reason": err.get("reason", ""),
-            "seconds": _num(rec.get("seconds")),
-            "peak_rss_mb": _num(rec.get("peak_rss_mb")),
-            "host": rec.get("host", ""),
-            "threads": rec.get("threads", ""),
-            "folder": pair.folder,
-        }
-        for m in SUMMARY_METRICS:
-            row[m] = _num((rec.get("metrics") or {}).get(m))
-        rows.append(row)
-        if rec.get("status") == "failed":
-            failed.append(
-                {
-                    "pair_id": pair.pair_id,
-                    "class": err.get("class", ""),
-                    "type": err.get("type", ""),
-                    "reason": err.get("reason", ""),
-                    "folder": pair.folder,
-                }
-            )
-    for name, cols, data in (
-        ("summary.csv", columns, rows),
-        ("failed.csv", ["pair_id", "class", "type", "reason", "folder"], failed),
-    ):
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(data)
-        text = buf.getvalue()
-        if name == "failed.csv" and not failed:
-            (out / name).unlink(missing_ok=True)
-            continue
-        atomic_write(out / name, lambda tmp, text=text: tmp.write_text(text))
-
-
-def tables_from_records(out: str | Path) -> int:
-    """``summary.csv`` and ``failed.csv`` from every record in a folder (several runs'
-    pairs, e.g. one BIDS participant job a subject); returns the number of pairs."""
-    from .records import find_records
-
-    out = Path(out)
-    records: dict[str, dict] = {}
-    folders: dict[str, Path] = {}
-    for path, doc in find_records(out):
-        old = records.get(doc["pair_id"])
-        if old is None or str(doc.get("finished", "")) > str(old.get("finished", "")):
-            records[doc["pair_id"]] = doc
-            folders[doc["pair_id"]] = path.parent.relative_to(out)
-    pairs = [
-        Pair(pid, doc.get("source") or "?", doc.get("target") or "?", folder=str(folders[pid]))
-        for pid, doc in records.items()
-    ]
-    write_tables(out, pairs, records)
-    return len(pairs)
-
-
-def _num(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return "" if math.isnan(value) else f"{value:.6g}"
-    return str(value)
-
-
-# names used by the command line
-__all__ += ["describe", "write_tables", "DONE_NAME", "FAILED_NAME"]

@@ -19,7 +19,15 @@ import time
 import uuid
 from pathlib import Path
 
-__all__ = ["PairLock", "LockedError", "HEARTBEAT", "STALE_AFTER", "read_lock", "is_stale"]
+__all__ = [
+    "PairLock",
+    "lock_path",
+    "LockedError",
+    "HEARTBEAT",
+    "STALE_AFTER",
+    "read_lock",
+    "is_stale",
+]
 
 #: Seconds between two heartbeats of a lock's holder.
 HEARTBEAT = 10.0
@@ -29,6 +37,11 @@ STALE_AFTER = 120.0
 
 class LockedError(RuntimeError):
     """The pair is being run by a live process (its lock is fresh)."""
+
+
+def lock_path(folder: str | Path, pair_id: str) -> Path:
+    """Where a pair's lock lives in a batch folder."""
+    return Path(folder) / ".locks" / f"{pair_id}.lock"
 
 
 def read_lock(path: Path) -> dict | None:
@@ -78,7 +91,7 @@ class PairLock:
     """
 
     def __init__(self, folder: str | Path, pair_id: str) -> None:
-        self.path = Path(folder) / ".locks" / f"{pair_id}.lock"
+        self.path = lock_path(folder, pair_id)
         self.token = uuid.uuid4().hex
         self.broke: dict | None = None  # the stale lock this one replaced, if any
         self._stop = threading.Event()

@@ -27,7 +27,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["FORMAT", "FAILURE_CLASSES", "DONE_NAME", "FAILED_NAME", "read_record", "find_records"]
+__all__ = [
+    "FORMAT",
+    "FAILURE_CLASSES",
+    "DONE_NAME",
+    "FAILED_NAME",
+    "read_record",
+    "find_records",
+    "failure_reason",
+]
 
 #: Version of the output layout and records; part of every resume key.
 FORMAT = 1
@@ -76,3 +84,9 @@ def find_records(folder: str | Path) -> list[tuple[Path, dict]]:
             found.append((path, doc))
     found.sort(key=lambda item: (item[1]["pair_id"], item[0].name))
     return found
+
+
+def failure_reason(record: dict) -> str:
+    """A failure record's class and reason, one line."""
+    err = record.get("error") or {}
+    return f"{err.get('class', '?')}: {err.get('reason', '')}"

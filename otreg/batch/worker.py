@@ -27,16 +27,10 @@ from .locks import LockedError, PairLock
 from .manifest import Pair
 from .records import DONE_NAME, FAILED_NAME, FORMAT, read_record
 
-__all__ = ["run_pair", "PairSpec", "write_failure", "record_path", "STAGING_PREFIX"]
+__all__ = ["run_pair", "write_failure", "record_path", "STAGING_PREFIX"]
 
 #: Hidden staging folders of pairs being written (removed when found stale).
 STAGING_PREFIX = ".partial-"
-
-
-class PairSpec(dict):
-    """What a worker needs for a pair (a plain dict, so that it pickles anywhere):
-    ``out`` (the batch folder), ``pair`` (the :class:`Pair`'s fields), ``options``
-    (effective), ``key``, ``key_parts``, ``threads``, ``timeout`` (s or None), ``batch_id``."""
 
 
 def now_iso() -> str:

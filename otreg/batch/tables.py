@@ -1,0 +1,111 @@
+"""The batch's tables: ``summary.csv`` (one row a pair) and ``failed.csv``."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from .manifest import Pair
+
+__all__ = ["SUMMARY_METRICS", "write_tables", "tables_from_records"]
+
+SUMMARY_METRICS = (
+    "before_mean_mm",
+    "mean_mm",
+    "hausdorff_mm",
+    "varifold",
+    "jacobian_min",
+    "jacobian_negative_fraction",
+    "energy",
+)
+
+
+def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) -> None:
+    """``summary.csv`` (one row a pair) and ``failed.csv`` (the failed ones), atomically."""
+    from ..io import atomic_write
+
+    columns = [
+        "pair_id",
+        "status",
+        "class",
+        "reason",
+        "seconds",
+        "peak_rss_mb",
+        "host",
+        "threads",
+        *SUMMARY_METRICS,
+        "folder",
+    ]
+    rows, failed = [], []
+    for pair in pairs:
+        rec = records.get(pair.pair_id) or {}
+        err = rec.get("error") or {}
+        row = {
+            "pair_id": pair.pair_id,
+            "status": rec.get("status", "not run"),
+            "class": err.get("class", ""),
+            "reason": err.get("reason", ""),
+            "seconds": _num(rec.get("seconds")),
+            "peak_rss_mb": _num(rec.get("peak_rss_mb")),
+            "host": rec.get("host", ""),
+            "threads": rec.get("threads", ""),
+            "folder": pair.folder,
+        }
+        for m in SUMMARY_METRICS:
+            row[m] = _num((rec.get("metrics") or {}).get(m))
+        rows.append(row)
+        if rec.get("status") == "failed":
+            failed.append(
+                {
+                    "pair_id": pair.pair_id,
+                    "class": err.get("class", ""),
+                    "type": err.get("type", ""),
+                    "reason": err.get("reason", ""),
+                    "folder": pair.folder,
+                }
+            )
+    for name, cols, data in (
+        ("summary.csv", columns, rows),
+        ("failed.csv", ["pair_id", "class", "type", "reason", "folder"], failed),
+    ):
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(data)
+        text = buf.getvalue()
+        if name == "failed.csv" and not failed:
+            (out / name).unlink(missing_ok=True)
+            continue
+        atomic_write(out / name, lambda tmp, text=text: tmp.write_text(text))
+
+
+def tables_from_records(out: str | Path) -> int:
+    """``summary.csv`` and ``failed.csv`` from every record in a folder (several runs'
+    pairs, e.g. one BIDS participant job a subject); returns the number of pairs."""
+    from .records import find_records
+
+    out = Path(out)
+    records: dict[str, dict] = {}
+    folders: dict[str, Path] = {}
+    for path, doc in find_records(out):
+        old = records.get(doc["pair_id"])
+        if old is None or str(doc.get("finished", "")) > str(old.get("finished", "")):
+            records[doc["pair_id"]] = doc
+            folders[doc["pair_id"]] = path.parent.relative_to(out)
+    pairs = [
+        Pair(pid, doc.get("source") or "?", doc.get("target") or "?", folder=str(folders[pid]))
+        for pid, doc in records.items()
+    ]
+    write_tables(out, pairs, records)
+    return len(pairs)
+
+
+def _num(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.6g}"
+    return str(value)
