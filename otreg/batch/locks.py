@@ -2,11 +2,12 @@
 
 A lock is a small JSON file (``<batch>/.locks/<pair_id>.lock``) created exclusively and
 holding the host, the process id, the start time and a heartbeat that a thread of the holder
-rewrites every :data:`HEARTBEAT` seconds (with the holder's resident memory, which tells an
-out-of-memory kill from other crashes). A lock is stale, and broken by the next process that
-wants it, when its holder is a dead process of this host, or when its heartbeat is older than
-:data:`STALE_AFTER` seconds (a holder on another host, or a hung one): killed jobs never
-block a rerun.
+rewrites every :data:`HEARTBEAT` seconds, with the holder's resident memory, read every
+:data:`MEMORY_SAMPLE` seconds and written at once when it grows by a tenth: the last reading
+before a worker dies tells an out-of-memory kill from other crashes. A lock is stale, and
+broken by the next process that wants it, when its holder is a dead process of this host,
+or when its heartbeat is older than :data:`STALE_AFTER` seconds (a holder on another host,
+or a hung one): killed jobs never block a rerun.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "LockedError",
     "HEARTBEAT",
     "STALE_AFTER",
+    "MEMORY_SAMPLE",
     "read_lock",
     "is_stale",
 ]
@@ -33,6 +35,8 @@ __all__ = [
 HEARTBEAT = 10.0
 #: A lock whose heartbeat is older than this (seconds) is stale.
 STALE_AFTER = 120.0
+#: Seconds between two readings of the holder's resident memory.
+MEMORY_SAMPLE = 0.25
 
 
 class LockedError(RuntimeError):
@@ -96,15 +100,17 @@ class PairLock:
         self.broke: dict | None = None  # the stale lock this one replaced, if any
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._rss: float | None = None  # the last memory reading written
 
     def _doc(self) -> dict:
+        self._rss = _rss_mb()
         return {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "token": self.token,
             "started": self._started,
             "heartbeat": time.time(),
-            "rss_mb": _rss_mb(),
+            "rss_mb": self._rss,
         }
 
     def acquire(self) -> None:
@@ -135,8 +141,13 @@ class PairLock:
         raise LockedError(f"pair lock {self.path} could not be taken (contended)")
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT):
-            self.write()
+        last = time.monotonic()
+        while not self._stop.wait(MEMORY_SAMPLE):
+            rss = _rss_mb()
+            grew = rss is not None and self._rss is not None and rss > 1.1 * self._rss
+            if grew or time.monotonic() - last >= HEARTBEAT:
+                self.write()
+                last = time.monotonic()
 
     def write(self) -> None:
         """Rewrite the heartbeat now (atomically), if the lock is still ours."""

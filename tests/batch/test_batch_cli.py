@@ -253,45 +253,50 @@ def test_a_pair_over_the_timeout_fails_alone(subjects, tmp_path):
     assert recs["small"]["status"] == "done"
 
 
-CRASHER = textwrap.dedent(
-    """
-    import importlib.abc, importlib.util, multiprocessing, os, signal, sys
+def hook_on_load(tmp_path: Path, trigger: str, action: str) -> dict:
+    """An environment whose Python, in a worker process, runs ``action`` when otreg.io's
+    load_input is asked for a file named ``trigger`` (a sitecustomize import hook)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    code = textwrap.dedent(
+        """
+        import importlib.abc, importlib.util, multiprocessing, os, signal, sys, time
 
-    class CrashOnLoad(importlib.abc.MetaPathFinder):
-        # wraps otreg.io.load_input so that a worker process loading crash-me.vtk dies
-        def find_spec(self, name, path, target=None):
-            if name != "otreg.io":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            run = spec.loader.exec_module
+        class OnLoad(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name != "otreg.io":
+                    return None
+                sys.meta_path.remove(self)
+                spec = importlib.util.find_spec(name)
+                run = spec.loader.exec_module
 
-            def exec_module(module):
-                run(module)
-                load = module.load_input
+                def exec_module(module):
+                    run(module)
+                    load = module.load_input
 
-                def load_input(path, *args, **kwargs):
-                    worker = multiprocessing.current_process().name != "MainProcess"
-                    if worker and str(path).endswith("crash-me.vtk"):
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    return load(path, *args, **kwargs)
+                    def load_input(path, *args, **kwargs):
+                        worker = multiprocessing.current_process().name != "MainProcess"
+                        if worker and str(path).endswith(TRIGGER):
+                            ACTION
+                        return load(path, *args, **kwargs)
 
-                module.load_input = load_input
+                    module.load_input = load_input
 
-            spec.loader.exec_module = exec_module
-            return spec
+                spec.loader.exec_module = exec_module
+                return spec
 
-    sys.meta_path.insert(0, CrashOnLoad())
-    """
-)
+        sys.meta_path.insert(0, OnLoad())
+        """
+    )
+    code = code.replace("TRIGGER", repr(trigger)).replace("ACTION", action)
+    (hooks / "sitecustomize.py").write_text(code)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), *sys.path])}
 
 
 def test_a_pair_that_kills_its_worker_fails_alone(subjects, tmp_path):
     """A worker process dying on a pair (a segfault, the kernel's OOM killer) is restarted;
     after ALLOWED_FAILURES + 1 deaths the pair is recorded as a crash, the rest go on."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(CRASHER)
+    env = hook_on_load(tmp_path, "crash-me.vtk", "os.kill(os.getpid(), signal.SIGKILL)")
     (subjects / "crash-me.vtk").write_bytes((subjects / "s1.vtk").read_bytes())
     m = manifest(
         tmp_path / "pairs.csv",
@@ -300,13 +305,39 @@ def test_a_pair_that_kills_its_worker_fails_alone(subjects, tmp_path):
             ("fine", "subjects/s2.vtk", "subjects/s0.vtk"),
         ],
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), *sys.path])}
     r = run("batch", m, "-o", tmp_path / "out", *FAST, "--workers", "1", env=env)
     assert r.returncode == 3, r.stderr
     recs = records(tmp_path / "out")
     assert recs["crash"]["error"]["class"] == "crash"
     assert "died 3 times" in recs["crash"]["error"]["reason"]
     assert recs["fine"]["status"] == "done"
+
+
+def test_a_pair_over_the_memory_limit_fails_out_of_memory_alone(subjects, tmp_path):
+    """A pair whose worker grows past --memory-limit (50 MB more every 50 ms, as a
+    registration too large for the machine does) is killed by the worker's nanny, three
+    times, and recorded 'out of memory' with the last reading; the other pair is done."""
+    grow = "[b'x' * 50_000_000 for _ in iter(lambda: time.sleep(0.05), 1)]"  # forever
+    env = hook_on_load(tmp_path, "hog-me.vtk", grow)
+    (subjects / "hog-me.vtk").write_bytes((subjects / "s1.vtk").read_bytes())
+    m = manifest(
+        tmp_path / "pairs.csv",
+        [
+            ("hog", "subjects/hog-me.vtk", "subjects/s0.vtk"),
+            ("fine", "subjects/s2.vtk", "subjects/s0.vtk"),
+        ],
+    )
+    out = tmp_path / "out"
+    r = run("batch", m, "-o", out, *FAST, "--workers", "1", "--memory-limit", "1.5GB", env=env)
+    assert r.returncode == 3, r.stderr
+    recs = records(out)
+    error = recs["hog"]["error"]
+    assert error["class"] == "out of memory", error
+    assert "of a 1,431 MB limit" in error["reason"]
+    assert 0.7 * 1431 < recs["hog"]["peak_rss_mb"] < 1431
+    assert recs["fine"]["status"] == "done"
+    failed = list(csv.DictReader(open(out / "failed.csv")))
+    assert [(row["pair_id"], row["class"]) for row in failed] == [("hog", "out of memory")]
 
 
 @pytest.mark.parametrize(
@@ -475,3 +506,53 @@ def test_bids_participant_then_group_on_fmriprep_derivatives(tmp_path):
     assert (out / "index.html").read_text().count('class="pair') == 3
     none = run("bids", root, out, "participant", "--participant-label", "99", *common)
     assert none.returncode == 1 and "99" in none.stderr
+
+
+def freesurfer_sphere(path: Path, radius: float, res: int, cras) -> Path:
+    """A FreeSurfer surface (``lh.pial``) in tkr coordinates, with c_ras in its volume info."""
+    nib = pytest.importorskip("nibabel")
+    m = pv.Sphere(radius=radius, theta_resolution=res, phi_resolution=res).triangulate()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    info = {
+        "head": [2, 0, 20],
+        "valid": "1  # volume info valid",
+        "filename": "T1.mgz",
+        "volume": [256, 256, 256],
+        "voxelsize": [1.0, 1.0, 1.0],
+        "xras": [-1.0, 0.0, 0.0],
+        "yras": [0.0, 0.0, -1.0],
+        "zras": [0.0, 1.0, 0.0],
+        "cras": list(cras),
+    }
+    faces = m.faces.reshape(-1, 4)[:, 1:]
+    nib.freesurfer.write_geometry(str(path), m.points.astype(float), faces, volume_info=info)
+    return path
+
+
+def test_bids_participant_on_a_freesurfer_subjects_dir(tmp_path):
+    """A FreeSurfer SUBJECTS_DIR: subjects' lh.pial in scanner millimetres (tkr + c_ras),
+    fsaverage skipped, outputs named as BIDS derivatives (a non-BIDS subject id cleaned)."""
+    root = tmp_path / "subjects"
+    for k, sub in enumerate(("01", "OAS1_0002", "fsaverage")):
+        freesurfer_sphere(root / sub / "surf" / "lh.pial", 40 + k, 14, (12.0, -8.0, 9.0))
+    tpl = gifti_sphere(tmp_path / "tpl_hemi-L.surf.gii", 41, 16, 0.0)
+    out = tmp_path / "otreg"
+    common = ["--hemi", "L", "--template-left", tpl, "--template-id", "tpl", *FAST]
+    r = run("bids", root, out, "participant", *common)
+    assert r.returncode == 0, r.stderr
+    assert "OAS1_0002" in r.stderr  # the renamed subject is named in a warning
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("sub-")) == [
+        "sub-01",
+        "sub-OAS10002",
+    ]
+    recs = records(out)
+    assert sorted(recs) == ["sub-01_hemi-L", "sub-OAS10002_hemi-L"]
+    for pid, rec in recs.items():
+        sub = pid.split("_")[0]
+        assert rec["status"] == "done"
+        assert rec["source"].endswith(f"{rec['source_subject']}/surf/lh.pial")
+        # read at c_ras = (12, -8, 9), 16.8 mm off the template: about 8 mm apart on
+        # average before registration (about 1 mm if c_ras were ignored)
+        assert rec["metrics"]["before_mean_mm"] > 5, rec["metrics"]
+        warped = out / sub / "anat" / f"{sub}_hemi-L_space-tpl_desc-otreg_warped.vtk"
+        assert warped.is_file()
