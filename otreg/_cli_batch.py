@@ -96,7 +96,12 @@ def runner_options(f):
             type=click.Choice([n for n in LOSSES if n != "landmarks"]),
             help="[default: sinkhorn, then varifold at the fine level]",
         ),
-        click.option("--sigma", default=None, type=float, help="LDDMM kernel width, mm [20]."),
+        click.option(
+            "--sigma",
+            default=None,
+            type=float,
+            help="LDDMM kernel width, mm [a tenth and a 27th of the target's size].",
+        ),
         click.option(
             "--points",
             default=None,

@@ -79,7 +79,10 @@ def info(no_keops: bool) -> None:
     "at the fine one].",
 )
 @click.option(
-    "--sigma", default=20.0, show_default=True, type=float, help="LDDMM kernel width, mm."
+    "--sigma",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="LDDMM kernel width, mm [default: two widths, a tenth and a 27th of the target's size].",
 )
 @click.option(
     "--label",
@@ -115,7 +118,7 @@ def register_cmd(
     model: str,
     prealign: str,
     loss: str,
-    sigma: float,
+    sigma: float | None,
     label: float | None,
     level: float | None,
     points: int | None,
@@ -172,25 +175,28 @@ def _check_volume_options(label: float | None, level: float | None, paths: list[
 
 def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
     """Save a registration, draw its pictures and print its metrics."""
-    from .registration.metrics import surface_distances
-
     folder = res.save(output)
     if picture:
         from .viz import plot_registration
 
         plot_registration(res, src, tgt, folder)
     m = res.metrics
-    before = surface_distances(src, tgt, to=m.get("distance_to", "auto"))
     written = sorted(p.name for p in Path(folder).iterdir() if not p.name.startswith("."))
     click.echo(f"wrote {folder}/ ({', '.join(written)})")
+    aligned = f", {m['prealigned_mean_mm']:.3f} mm pre-aligned" if "prealigned_mean_mm" in m else ""
     click.echo(
-        f"  mean surface distance  {before['mean_mm']:.3f} mm before, "
+        f"  mean surface distance  {m['before_mean_mm']:.3f} mm before{aligned}, "
         f"{m['mean_mm']:.3f} mm after (to the {m.get('distance_to', 'vertices')})"
     )
     click.echo(
-        f"  Hausdorff distance     {before['hausdorff_mm']:.2f} mm before, "
+        f"  Hausdorff distance     {m['before_hausdorff_mm']:.2f} mm before, "
         f"{m['hausdorff_mm']:.2f} mm after"
     )
+    if "curvature_correlation" in m:
+        click.echo(
+            f"  curvature correlation  {m['before_curvature_correlation']:.3f} before, "
+            f"{m['curvature_correlation']:.3f} after"
+        )
     if "vertex_error_mean_mm" in m:
         click.echo(
             f"  vertex error (truth)   mean {m['vertex_error_mean_mm']:.3f} mm, max "
@@ -218,18 +224,27 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
 )
 @click.option(
     "--pair",
-    default="hemispheres",
+    default="templates",
     show_default=True,
-    type=click.Choice(["hemispheres", "synthetic"]),
-    help="hemispheres: left onto the mirrored right hemisphere; synthetic: left onto "
-    "a subject made from it by a known deformation (vertex errors reported).",
+    type=click.Choice(["templates", "hemispheres", "synthetic"]),
+    help="templates: fsaverage5 (FreeSurfer, nilearn's wheel) onto Conte69 (fs_LR 32k, the "
+    "HCP's, brainspace's wheel), two templates made by different groups; hemispheres: "
+    "fsaverage5's left onto its mirrored right; synthetic: fsaverage5 onto a subject made "
+    "from it by a known deformation (vertex errors reported).",
+)
+@click.option(
+    "--hemi",
+    default="left",
+    show_default=True,
+    type=click.Choice(["left", "right"]),
+    help="Which hemisphere (templates and synthetic pairs).",
 )
 @click.option(
     "--surface",
-    default="pial",
+    default="midthickness",
     show_default=True,
-    type=click.Choice(["pial", "white"]),
-    help="Which fsaverage5 surface.",
+    type=click.Choice(["midthickness", "pial", "white"]),
+    help="Which fsaverage5 surface (Conte69's is its midthickness).",
 )
 @click.option(
     "--points",
@@ -238,33 +253,43 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
     help="Decimate both surfaces to about this many vertices (a quick run).",
 )
 @progress_option
-def demo(output: str, pair: str, surface: str, points: int | None, progress: bool | None) -> None:
-    """Register two real brain surfaces (fsaverage5, from nilearn's wheel) and write the
+def demo(
+    output: str, pair: str, hemi: str, surface: str, points: int | None, progress: bool | None
+) -> None:
+    """Register two real brain surfaces (by default fsaverage5 onto Conte69) and write the
     warped surface, the parameters, the metrics and a picture."""
     from . import datasets, register, save_shape
 
     with output_folder(output, [], True, ("source.vtk", "target.vtk")) as folder:
         try:
-            left = datasets.fsaverage5(surface, "left")
+            source = datasets.fsaverage5(surface, hemi)
+            if pair == "templates":
+                target = datasets.conte69(hemi)
         except (ImportError, FileNotFoundError) as err:
             raise click.ClickException(
                 f"{err}; install the data extra: pip install 'otreg[data,mesh]'"
             ) from err
         if points is not None:
-            left = left.decimate(points)
-        if pair == "hemispheres":
+            source = source.decimate(points)
+        truth = None
+        if pair == "templates":
+            what = f"fsaverage5 {hemi} {surface} -> Conte69 {hemi} midthickness"
+        elif pair == "hemispheres":
+            source = datasets.fsaverage5(surface, "left")
+            source = source if points is None else source.decimate(points)
             target = datasets.fsaverage5(surface, "right").mirror(0)
-            target = target if points is None else target.decimate(points)
-            truth, what = None, f"fsaverage5 left {surface} -> mirrored right {surface}"
+            what = f"fsaverage5 left {surface} -> mirrored right {surface}"
         else:
-            (subject,) = datasets.synthetic_subjects(left, n=1, seed=0)
+            (subject,) = datasets.synthetic_subjects(source, n=1, seed=0)
             target, truth = subject.shape, subject.shape.points
-            what = f"fsaverage5 left {surface} -> a synthetic subject (known deformation)"
-        click.echo(f"{what}: {left.n_points:,} and {target.n_points:,} vertices")
-        save_shape(left, folder / "source.vtk")
+            what = f"fsaverage5 {hemi} {surface} -> a synthetic subject (known deformation)"
+        if points is not None and truth is None:
+            target = target.decimate(points)
+        click.echo(f"{what}: {source.n_points:,} and {target.n_points:,} vertices")
+        save_shape(source, folder / "source.vtk")
         save_shape(target, folder / "target.vtk")
-        res = register(left, target, truth=truth, progress=progress_wanted(progress))
-        _write_outputs(res, left, target, output, True)
+        res = register(source, target, truth=truth, progress=progress_wanted(progress))
+        _write_outputs(res, source, target, output, True)
 
 
 @main.command()

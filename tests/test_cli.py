@@ -56,10 +56,12 @@ def test_distance_reports_bad_files(two_meshes, tmp_path):
         assert result.exit_code != 0 and "neither 'auto' nor a number in [1, 2)" in result.output
 
 
-@pytest.mark.parametrize("pair", ["hemispheres", "synthetic"])
+@pytest.mark.parametrize("pair", ["templates", "hemispheres", "synthetic"])
 def test_demo_registers_two_brain_surfaces_and_writes_everything(pair, tmp_path):
     pytest.importorskip("nilearn")
     pytest.importorskip("pyvista")
+    if pair == "templates":
+        pytest.importorskip("brainspace")
     out = tmp_path / "demo"
     result = run("demo", "-o", str(out), "--pair", pair, "--points", "400", "--no-progress")
     assert result.exit_code == 0, result.output
@@ -75,9 +77,13 @@ def test_demo_registers_two_brain_surfaces_and_writes_everything(pair, tmp_path)
     doc = json.loads((out / "registration.json").read_text())
     m = doc["metrics"]
     assert m["jacobian_negative_fraction"] == 0.0
+    import pyvista as pv
+
+    assert m["jacobian_points"] == pv.read(out / "source.vtk").n_points  # every vertex
+    assert m["mean_mm"] < m["before_mean_mm"]
+    assert -1 <= m["curvature_correlation"] <= 1
     line = next(t for t in result.output.splitlines() if "mean surface distance" in t)
-    before, after = (float(w) for w in line.split() if w.replace(".", "").isdigit())
-    assert after < before
+    assert f"{m['before_mean_mm']:.3f} mm before" in line and f"{m['mean_mm']:.3f} mm after" in line
     if pair == "synthetic":
         assert "vertex error" in result.output and m["vertex_error_mean_mm"] < 2.0
 

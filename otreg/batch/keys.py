@@ -24,7 +24,7 @@ DEFAULT_OPTIONS: dict[str, object] = {
     "model": "lddmm",
     "prealign": "rigid",
     "loss": None,
-    "sigma": 20.0,
+    "sigma": None,  # derived from the target's size
     "points": None,
     "max_iter": 30,
     "picture": True,
@@ -52,7 +52,7 @@ def effective_options(batch: Mapping[str, object] | None, pair: Pair) -> dict[st
     opts = dict(DEFAULT_OPTIONS)
     opts.update(check_options(batch or {}, "batch options"))
     opts.update(pair.options)
-    opts["sigma"] = float(opts["sigma"])
+    opts["sigma"] = None if opts["sigma"] is None else float(opts["sigma"])
     opts["label"], opts["level"] = pair.label, pair.level
     asdict = dataclasses.asdict
     opts["library"] = {

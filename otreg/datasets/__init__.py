@@ -1,8 +1,12 @@
 """Data to try otreg on.
 
-- Real brain data shipped inside installed packages, offline: nilearn's fsaverage5 surfaces
-  (10,242 vertices a hemisphere) and its MNI152 grey/white-matter probability maps
-  (``pip install otreg[data]``). Nothing is downloaded and no file is copied into otreg.
+- Real brain data shipped inside installed packages, offline (``pip install otreg[data]``):
+  nilearn's fsaverage5 (FreeSurfer; 10,242 vertices a hemisphere, with sulcal depth,
+  curvature and thickness) and its MNI152 grey/white-matter probability maps; brainspace's
+  Conte69 (fs_LR 32k, the Human Connectome Project's template: 32,492 vertices a
+  hemisphere, with parcellations). Two templates built by different groups from different
+  subjects, in slightly different spaces: a real registration problem. Nothing is downloaded
+  and no file is copied into otreg.
 - ``synthetic_subjects``: subjects made by applying known smooth random diffeomorphisms and
   rigid motions to a real surface, with ground-truth correspondences, written as mesh and
   NIfTI files for batch runs.
@@ -28,6 +32,11 @@ __all__ = [
     "noisy_sphere",
     "fsaverage5",
     "fsaverage5_path",
+    "fsaverage5_map",
+    "conte69",
+    "conte69_path",
+    "conte69_parcellation",
+    "brainspace_data_dir",
     "mni152",
     "mni152_surface",
     "synthetic_subjects",
@@ -35,7 +44,13 @@ __all__ = [
     "nilearn_data_dir",
 ]
 
-FSAVERAGE5_SURFACES = ("pial", "white", "inflated", "sphere")
+FSAVERAGE5_SURFACES = ("pial", "white", "midthickness", "inflated", "sphere")
+FSAVERAGE5_MAPS = ("sulc", "curv", "thick", "area")
+CONTE69_SURFACES = ("midthickness", "sphere")
+#: brainspace's parcellations of Conte69 (both hemispheres, left first; 0 = medial wall).
+CONTE69_PARCELLATIONS = tuple(
+    f"{atlas}_{n}" for atlas in ("schaefer", "vosdewael") for n in (100, 200, 300, 400)
+) + ("schaefer_1000", "mesulam")
 _FS_FILES = {
     "pial": "pial_{hemi}.gii.gz",
     "white": "white_{hemi}.gii.gz",
@@ -97,9 +112,18 @@ def nilearn_data_dir() -> Path:
 def fsaverage5(
     surface: str = "pial", hemi: str = "left", dtype: torch.dtype = torch.float32
 ) -> Shape:
-    """An fsaverage5 hemisphere (10,242 vertices, 20,480 triangles), MNI-like space, mm."""
+    """An fsaverage5 hemisphere (10,242 vertices, 20,480 triangles), MNI305 space, mm.
+
+    ``surface``: ``"pial"``, ``"white"``, ``"midthickness"`` (their average, vertex by
+    vertex: FreeSurfer's pial and white share vertex order), ``"inflated"`` or ``"sphere"``.
+    """
     from ..io import load_shape
 
+    if surface == "midthickness":
+        pial, white = (fsaverage5(s, hemi, torch.float64) for s in ("pial", "white"))
+        mid = pial.with_points(((pial.points + white.points) / 2).to(dtype))
+        mid.source = None
+        return mid
     return load_shape(fsaverage5_path(surface, hemi), dtype=dtype)
 
 
@@ -107,7 +131,71 @@ def fsaverage5_path(surface: str = "pial", hemi: str = "left") -> Path:
     """The GIFTI file of an fsaverage5 hemisphere inside nilearn's installed package."""
     check_choice("fsaverage5", "surface", surface, FSAVERAGE5_SURFACES)
     check_choice("fsaverage5", "hemi", hemi, ("left", "right"))
+    if surface == "midthickness":
+        raise ValueError(
+            "fsaverage5_path: nilearn ships no midthickness file; fsaverage5('midthickness') "
+            "averages pial and white"
+        )
     return nilearn_data_dir() / "fsaverage5" / _FS_FILES[surface].format(hemi=hemi)
+
+
+def fsaverage5_map(name: str = "sulc", hemi: str = "left") -> np.ndarray:
+    """A per-vertex map of an fsaverage5 hemisphere, ``(10242,)`` float: ``"sulc"`` (sulcal
+    depth, mm, positive in sulci), ``"curv"`` (mean curvature, 1/mm), ``"thick"`` (cortical
+    thickness, mm) or ``"area"`` (vertex area, mm^2)."""
+    import nibabel as nib
+
+    check_choice("fsaverage5_map", "name", name, FSAVERAGE5_MAPS)
+    check_choice("fsaverage5_map", "hemi", hemi, ("left", "right"))
+    path = nilearn_data_dir() / "fsaverage5" / f"{name}_{hemi}.gii.gz"
+    return np.asarray(nib.load(str(path)).darrays[0].data, dtype=np.float64)
+
+
+# --------------------------------------------------------------------------- brainspace data
+def brainspace_data_dir() -> Path:
+    """The data folder inside the installed brainspace wheel."""
+    try:
+        import brainspace
+    except ImportError as err:
+        raise ImportError(
+            "Conte69 (fs_LR 32k) ships with brainspace: pip install 'otreg[data]' "
+            "(or pip install brainspace)"
+        ) from err
+    return Path(brainspace.__file__).parent / "datasets"
+
+
+def conte69_path(hemi: str = "left", surface: str = "midthickness") -> Path:
+    """The GIFTI file of a Conte69 hemisphere inside brainspace's installed package."""
+    check_choice("conte69", "hemi", hemi, ("left", "right"))
+    check_choice("conte69", "surface", surface, CONTE69_SURFACES)
+    suffix = "_sphere" if surface == "sphere" else ""
+    return brainspace_data_dir() / "surfaces" / f"conte69_32k_{hemi[0]}h{suffix}.gii"
+
+
+def conte69(
+    hemi: str = "left", surface: str = "midthickness", dtype: torch.dtype = torch.float32
+) -> Shape:
+    """A Conte69 hemisphere (fs_LR 32k: 32,492 vertices, 64,980 triangles), MNI space, mm.
+
+    ``data["cortex"]`` is 1 on the cortex and 0 on the medial wall (brainspace's mask).
+    """
+    from ..io import load_shape
+
+    shape = load_shape(conte69_path(hemi, surface), dtype=dtype)
+    mask = brainspace_data_dir() / "surfaces" / f"conte69_32k_{hemi[0]}h_mask.csv"
+    shape.data["cortex"] = torch.as_tensor(np.loadtxt(mask), dtype=torch.int64)
+    return shape
+
+
+def conte69_parcellation(name: str = "schaefer_100", hemi: str = "left") -> np.ndarray:
+    """brainspace's parcel labels on a Conte69 hemisphere, ``(32492,)`` int (0: the medial
+    wall; the right hemisphere's labels follow the left's)."""
+    check_choice("conte69_parcellation", "name", name, CONTE69_PARCELLATIONS)
+    check_choice("conte69_parcellation", "hemi", hemi, ("left", "right"))
+    path = brainspace_data_dir() / "parcellations" / f"{name}_conte69.csv"
+    labels = np.loadtxt(path).astype(np.int64)
+    half = labels.shape[0] // 2
+    return labels[:half] if hemi == "left" else labels[half:]
 
 
 def mni152(tissue: str = "wm") -> Path:

@@ -1,4 +1,6 @@
-"""Registration metrics: surface distances, vertex errors, Jacobian determinants, varifolds.
+"""Registration metrics: surface distances, vertex errors, Jacobian determinants, varifolds,
+and anatomical correspondence (signals correlated and labels overlapping between a warped
+source vertex and the target vertex nearest to it).
 
 Nearest vertices come from scipy's cKDTree, nearest surface points from VTK (pyvista).
 """
@@ -20,6 +22,10 @@ __all__ = [
     "jacobian_determinants",
     "varifold_distance",
     "summary",
+    "nearest_vertices",
+    "signal_correlation",
+    "label_dice",
+    "correspondence",
 ]
 
 
@@ -81,20 +87,23 @@ def vertex_error(points: torch.Tensor, truth: torch.Tensor) -> dict[str, float]:
 
 
 def jacobian_determinants(
-    transform: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor
+    transform: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor, chunk: int = 50_000
 ) -> torch.Tensor:
-    """det of the Jacobian of ``transform`` at each point ``(N,)`` (3 backward passes).
+    """det of the Jacobian of ``transform`` at each point ``(N,)`` (3 backward passes a
+    chunk of ``chunk`` points, so that memory stays bounded on large meshes).
 
     ``transform`` must act on each point independently (as deformations do).
     """
-    x = points.detach().double().clone().requires_grad_(True)
-    y = transform(x)
-    rows = []
-    for k in range(y.shape[1]):
-        (g,) = torch.autograd.grad(y[:, k].sum(), x, retain_graph=k < y.shape[1] - 1)
-        rows.append(g)
-    J = torch.stack(rows, dim=1)  # (N, out, in)
-    return torch.linalg.det(J)
+    out = []
+    for start in range(0, points.shape[0], chunk):
+        x = points[start : start + chunk].detach().double().clone().requires_grad_(True)
+        y = transform(x)
+        rows = []
+        for k in range(y.shape[1]):
+            (g,) = torch.autograd.grad(y[:, k].sum(), x, retain_graph=k < y.shape[1] - 1)
+            rows.append(g)
+        out.append(torch.linalg.det(torch.stack(rows, dim=1)))  # J: (n, out, in)
+    return torch.cat(out)
 
 
 def summary(
@@ -124,4 +133,77 @@ def summary(
         )
     if truth is not None:
         out.update(vertex_error(warped.points, truth))
+    return out
+
+
+def nearest_vertices(points: torch.Tensor, shape: Shape) -> np.ndarray:
+    """Index of the vertex of ``shape`` nearest to each point ``(N, 3)``, ``(N,)``."""
+    from scipy.spatial import cKDTree
+
+    pts = points.detach().cpu().double().numpy()
+    return cKDTree(shape.points.detach().cpu().double().numpy()).query(pts)[1]
+
+
+def signal_correlation(
+    source_signal: torch.Tensor | np.ndarray,
+    target_signal: torch.Tensor | np.ndarray,
+    nearest: np.ndarray,
+) -> float:
+    """Pearson correlation between a source vertex's signal and the target's at its nearest
+    target vertex (``nearest``, from :func:`nearest_vertices` of the warped source): 1 when
+    folds land on folds."""
+    a = np.asarray(torch.as_tensor(source_signal).detach().cpu(), dtype=np.float64)
+    b = np.asarray(torch.as_tensor(target_signal).detach().cpu(), dtype=np.float64)[nearest]
+    if a.std() == 0 or b.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def label_dice(
+    source_labels: torch.Tensor | np.ndarray,
+    target_labels: torch.Tensor | np.ndarray,
+    nearest: np.ndarray,
+    ignore: tuple[int, ...] = (0,),
+) -> float:
+    """Mean Dice overlap over labels, between the source vertices' labels and the labels of
+    their nearest target vertices (labels in ``ignore``, e.g. 0 for unlabelled, left out)."""
+    a = np.asarray(torch.as_tensor(source_labels).detach().cpu()).astype(np.int64)
+    b = np.asarray(torch.as_tensor(target_labels).detach().cpu()).astype(np.int64)[nearest]
+    labels = sorted(set(np.unique(a).tolist()) | set(np.unique(b).tolist()) - set(ignore))
+    labels = [lab for lab in labels if lab not in ignore]
+    if not labels:
+        return float("nan")
+    dice = [
+        2 * np.sum((a == lab) & (b == lab)) / (np.sum(a == lab) + np.sum(b == lab))
+        for lab in labels
+    ]
+    return float(np.mean(dice))
+
+
+def correspondence(source: Shape, warped: Shape, target: Shape) -> dict[str, float]:
+    """How well what is on the surfaces matches, before (the source as given) and after (the
+    warped source): the correlation of mean curvature (computed from each mesh,
+    :meth:`Shape.mean_curvature`), of every float signal both shapes carry in ``data``
+    (``<name>_correlation``), and the mean Dice of every integer one (``<name>_dice``)."""
+    out: dict[str, float] = {}
+    before = nearest_vertices(source.points, target)
+    after = nearest_vertices(warped.points, target)
+    signals = {}
+    if source.n_faces and target.n_faces:
+        try:
+            signals["curvature"] = (source.mean_curvature(), target.mean_curvature())
+        except ImportError:  # pragma: no cover - pyvista missing
+            pass
+    for key in sorted(set(source.data) & set(target.data)):
+        a, b = source.data[key], target.data[key]
+        if a.dim() != 1 or b.dim() != 1:
+            continue
+        signals[key] = (a, b)
+    for key, (a, b) in signals.items():
+        if a.is_floating_point():
+            out[f"{key}_correlation"] = signal_correlation(a, b, after)
+            out[f"before_{key}_correlation"] = signal_correlation(a, b, before)
+        else:
+            out[f"{key}_dice"] = label_dice(a, b, after)
+            out[f"before_{key}_dice"] = label_dice(a, b, before)
     return out

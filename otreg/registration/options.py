@@ -38,18 +38,23 @@ class LDDMMOptions:
     """``model=LDDMMOptions(...)``: the LDDMM deformation.
 
     Args:
-        sigma: kernel width(s), mm (a sum of Gaussians if several).
-        control_points: number of control points (a decimation of the pre-aligned source).
+        sigma: kernel width(s), mm (a sum of Gaussians if several); None: a tenth and a
+            27th of the target's size (:mod:`otreg.registration.defaults`).
+        control_points: number of control points (a decimation of the pre-aligned source);
+            None: from the target's area and sigma.
         n_steps: geodesic shooting time steps.
-        integrator: ``"euler"``, ``"rk4"`` or ``"leapfrog"``.
+        integrator: ``"leapfrog"`` (symplectic; one kernel sum over the surface points a
+            step), ``"rk4"`` (four) or ``"euler"`` (one). fsaverage5 onto Conte69 took 30 s
+            with leapfrog and 52 s with RK4, 6 steps each, to the same distances (1.04 mm)
+            and Jacobians (0.67 to 1.36).
         regularization: weight of the deformation energy in the objective (>= 0).
         strategy, memory: differentiation of the shooting loop (:func:`otreg.loops.iterate`).
     """
 
-    sigma: float | Sequence[float] = 20.0
-    control_points: int = 500
+    sigma: float | Sequence[float] | None = None
+    control_points: int | None = None
     n_steps: int = 6
-    integrator: str = "rk4"
+    integrator: str = "leapfrog"
     regularization: float = 1e-4
     strategy: str = "store"
     memory: int | str | None = None
@@ -58,9 +63,12 @@ class LDDMMOptions:
         from ..loops.iterate import STRATEGIES, parse_bytes
 
         caller = "LDDMMOptions"
-        sigmas = GaussianKernel(self.sigma, caller=caller).sigmas
-        _set(self, "sigma", sigmas[0] if isinstance(self.sigma, (int, float)) else tuple(sigmas))
-        check_int(caller, "control_points", self.control_points, 4)
+        if self.sigma is not None:
+            sigmas = GaussianKernel(self.sigma, caller=caller).sigmas
+            single = isinstance(self.sigma, (int, float))
+            _set(self, "sigma", sigmas[0] if single else tuple(sigmas))
+        if self.control_points is not None:
+            check_int(caller, "control_points", self.control_points, 4)
         check_int(caller, "n_steps", self.n_steps, 1)
         check_choice(caller, "integrator", self.integrator, INTEGRATORS)
         _set(
@@ -88,7 +96,7 @@ class PrealignOptions:
     kind: str = "rigid"
     n_iter: int = 8
     blur: tuple[float, float] | None = None
-    max_points: int = 2000
+    max_points: int = 1000
 
     def __post_init__(self) -> None:
         caller = "PrealignOptions"

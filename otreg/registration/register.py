@@ -27,9 +27,9 @@ import torch
 from .._checks import ConvergenceWarning, check_choice, check_int, check_positive
 from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
-from . import metrics
+from . import defaults, metrics
 from .deformations import LDDMM
-from .losses import SINKHORN_TERM, Loss, make_loss
+from .losses import SIGNAL, SINKHORN_TERM, Loss, make_loss
 from .options import (
     MODELS,
     PREALIGNS,
@@ -39,13 +39,13 @@ from .options import (
     PrealignOptions,
     loss_weights,
 )
-from .prealign import LINEAR, check_scales, even_indices
+from .prealign import LINEAR, check_scales
 from .prealign import prealign as fit_prealign
 from .result import Registration
 
 __all__ = ["register", "METRIC_POINTS"]
 
-#: Above this many vertices, Jacobians and the varifold metric use a subset/decimation.
+#: Above this many vertices, the varifold metric compares decimated copies.
 METRIC_POINTS = 20_000
 
 #: The deprecated keywords of register(): which option object now holds each.
@@ -189,13 +189,16 @@ def register(
     prealign: str | PrealignOptions = "rigid",
     loss: str | dict[str, float] | None = None,
     *,
-    levels: Sequence[Level | tuple] = ((1000, 6.0), (3000, 4.0)),
+    levels: Sequence[Level | tuple] | None = None,
     optimizer: LBFGSOptions | None = None,
     sinkhorn: SinkhornOptions | None = None,
-    varifold_sigma: float = 4.0,
+    varifold_sigma: float | None = None,
     landmarks: tuple[torch.Tensor, torch.Tensor] | None = None,
     truth: torch.Tensor | None = None,
     progress: bool = True,
+    dtype: torch.dtype = torch.float64,
+    signal: str | None = None,
+    signal_weight: float = 1.0,
     **deprecated,
 ) -> Registration:
     """Register ``source`` onto ``target``: pre-alignment, then a deformation.
@@ -218,22 +221,39 @@ def register(
             ``(surface points, scale mm, loss)``: the surfaces compared at each level are
             decimated to that many vertices; the scale is the Sinkhorn blur and the
             varifold/currents kernel width at that level; a level's own loss replaces
-            ``loss`` there.
+            ``loss`` there. None: two levels sized from the target
+            (:func:`otreg.registration.defaults.default_levels`).
         optimizer: :class:`LBFGSOptions` (iterations, tolerance, history) for every level.
         sinkhorn: the Sinkhorn term's solver options (:class:`otreg.ot.problem.SinkhornOptions`;
             its blur is each level's scale, its ``reach`` makes it unbalanced); default
             :data:`otreg.registration.losses.SINKHORN_TERM`.
-        varifold_sigma: kernel width (mm) of the varifold distance reported in the metrics.
+        varifold_sigma: kernel width (mm) of the varifold distance reported in the metrics;
+            None: a fiftieth of the target's size.
         landmarks: ``(source_points (L, 3), target_points (L, 3))`` for the landmarks term.
         truth: ground-truth positions of the source vertices in the target (metrics only).
         progress: show a progress bar (tqdm).
+        dtype: the floating type of the fit (the deformation's momenta and the shapes):
+            float64 (default) or float32.
+        signal: match what is on the surfaces too, not only where they are: ``"curvature"``
+            (the mean curvature of each level's meshes, :meth:`Shape.mean_curvature`) or
+            the name of a per-vertex float array that both shapes carry in ``data`` (e.g.
+            ``"sulc"``). Each shape's signal is standardised (z-scores); the data terms
+            then compare points ``(x, y, z, signal_weight * scale * z)``, ``scale`` the
+            level's: a difference of one standard deviation counts as ``signal_weight``
+            level scales.
+        signal_weight: see ``signal`` (> 0).
         **deprecated: ``sigma``, ``control_points``, ``n_steps``, ``integrator``,
             ``regularization``, ``strategy``, ``memory`` (now in :class:`LDDMMOptions`),
             ``max_iter``, ``tol`` (:class:`LBFGSOptions`) and ``reach`` (``sinkhorn``) still
             work for one release, with a ``DeprecationWarning``.
 
+    Options left None are derived from the target's size and area
+    (:mod:`otreg.registration.defaults`), so that a hippocampus and a hemisphere register
+    with the same call.
+
     Returns:
-        :class:`Registration`; its ``options`` record the option objects' fields.
+        :class:`Registration`; its ``options`` record the option objects' fields, with the
+        derived values filled in, and ``options["scale"]`` the target's size and area.
     """
     caller = "register"
     source, target = _check_shape(caller, "source", source), _check_shape(caller, "target", target)
@@ -246,9 +266,23 @@ def register(
     model, lddmm, pre, optimizer, sinkhorn = _resolve(
         caller, model, prealign, optimizer, sinkhorn, deprecated
     )
-    levels_ = _levels(levels, loss, caller)
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{caller}: dtype is {dtype}; choose torch.float32 or torch.float64")
+    scale = defaults.shape_scale(target)
+    if lddmm is not None:
+        sigma = defaults.default_sigma(scale) if lddmm.sigma is None else lddmm.sigma
+        n_cp = lddmm.control_points
+        if n_cp is None:
+            n_cp = defaults.default_control_points(scale, max(_widths(sigma)))
+        lddmm = dataclasses.replace(lddmm, sigma=sigma, control_points=n_cp)
+    levels_ = _levels(defaults.default_levels(scale) if levels is None else levels, loss, caller)
     if any("landmarks" in lv.loss for lv in levels_) and landmarks is None:
         raise ValueError(f"{caller}: loss has 'landmarks' but landmarks= is None")
+    if signal is not None:
+        _check_signal(caller, signal, source, target)
+    signal_weight = check_positive(caller, "signal_weight", signal_weight)
+    if varifold_sigma is None:
+        varifold_sigma = defaults.default_metric_sigma(scale)
     varifold_sigma = check_positive(caller, "varifold_sigma", varifold_sigma)
     if truth is not None:
         truth = torch.as_tensor(truth)
@@ -268,14 +302,19 @@ def register(
         "sinkhorn": asdict(sinkhorn),
         "loss": loss,
         "varifold_sigma": varifold_sigma,
+        "scale": dataclasses.asdict(scale),
+        "signal": signal,
+        "signal_weight": signal_weight,
     }
     start = time.perf_counter()
-    src = source.to(torch.float64)
-    tgt = target.to(torch.float64)
+    src = source.to(dtype)
+    tgt = target.to(dtype)
     history: list[dict] = []
 
     linear = None if pre.kind == "none" else fit_prealign(src, tgt, pre)
-    moved_src = src if linear is None else src.with_points(linear(src.points).detach())
+    if linear is not None:
+        src = src.with_points(linear(src.points.double()).detach().to(dtype))
+    moved_src = src
     deformation = None
     if lddmm is not None:
         deformation = LDDMM(
@@ -285,14 +324,23 @@ def register(
             integrator=lddmm.integrator,
             strategy=lddmm.strategy,
             memory=lddmm.memory,
-        ).double()
+        ).to(dtype)
         lm = None
         if landmarks is not None:
-            lsrc = torch.as_tensor(landmarks[0], dtype=torch.float64)
+            lsrc = torch.as_tensor(landmarks[0], dtype=dtype)
             lsrc = lsrc if linear is None else linear(lsrc).detach()
-            lm = (lsrc, torch.as_tensor(landmarks[1], dtype=torch.float64))
+            lm = (lsrc, torch.as_tensor(landmarks[1], dtype=dtype))
         fit = _Fit(
-            deformation, lddmm.regularization, lm, optimizer, sinkhorn, progress, history, start
+            deformation,
+            lddmm.regularization,
+            lm,
+            optimizer,
+            sinkhorn,
+            progress,
+            history,
+            start,
+            signal,
+            signal_weight,
         )
         _fit(fit, moved_src, tgt, levels_)
     with torch.no_grad():
@@ -303,10 +351,10 @@ def register(
         for name, s in (("source", source), ("target", target))
     }
     result = Registration(warped, linear, deformation, history, {}, options, inputs)
-    # On very large meshes (a 300,000-vertex surface from a volume) the Jacobians are taken
-    # at an even subset of the vertices and the varifold metric on decimated copies: at full
-    # size they would take minutes to half an hour.
-    jac_points = source.points[even_indices(source.n_points, METRIC_POINTS)]
+    # The Jacobians at every vertex (in chunks); on very large meshes (a 300,000-vertex
+    # surface from a volume) the varifold metric on decimated copies: at full size it would
+    # take minutes to half an hour.
+    jac_points = source.points
     jac = metrics.jacobian_determinants(result.apply, jac_points)
     w64 = warped.to(torch.float64)
     result.metrics = metrics.summary(
@@ -318,6 +366,14 @@ def register(
         varifold_shapes=(w64.decimate(METRIC_POINTS), tgt.decimate(METRIC_POINTS)),
     )
     result.metrics["jacobian_points"] = int(jac_points.shape[0])
+    to = result.metrics.get("distance_to", "auto")
+    for when, shape in (("before", source), ("prealigned", moved_src)):
+        if when == "prealigned" and linear is None:
+            continue
+        d = metrics.surface_distances(shape.to(torch.float64), tgt.to(torch.float64), to=to)
+        result.metrics[f"{when}_mean_mm"] = d["mean_mm"]
+        result.metrics[f"{when}_hausdorff_mm"] = d["hausdorff_mm"]
+    result.metrics.update(metrics.correspondence(source, warped, target))
     if deformation is not None:  # mm^2: sqrt of it is the geodesic distance of the flow
         with torch.no_grad():
             result.metrics["energy"] = float(deformation.energy())
@@ -326,6 +382,10 @@ def register(
     )
     result.metrics["seconds"] = time.perf_counter() - start
     return result
+
+
+def _widths(sigma) -> list[float]:
+    return [sigma] if isinstance(sigma, (int, float)) else list(sigma)
 
 
 @dataclass
@@ -340,13 +400,57 @@ class _Fit:
     progress: bool
     history: list[dict]
     start: float
+    signal: str | None = None
+    signal_weight: float = 1.0
+
+
+def _check_signal(caller: str, signal: object, source: Shape, target: Shape) -> None:
+    if not isinstance(signal, str):
+        raise TypeError(f"{caller}: signal must be a str or None, got {type(signal).__name__}")
+    if signal == "curvature":
+        return
+    for name, shape in (("source", source), ("target", target)):
+        value = shape.data.get(signal)
+        if value is None:
+            have = ", ".join(map(repr, sorted(shape.data))) or "none"
+            raise ValueError(
+                f"{caller}: signal is {signal!r} but the {name} has no data[{signal!r}] "
+                f"(its data: {have}); give 'curvature' or a name both shapes carry"
+            )
+        if value.dim() != 1 or not value.is_floating_point():
+            raise ValueError(
+                f"{caller}: signal {signal!r} of the {name} must be one float per vertex, "
+                f"got {value.dtype} of shape {tuple(value.shape)}"
+            )
+
+
+def _standardised(values: torch.Tensor) -> torch.Tensor:
+    return (values - values.mean()) / values.std().clamp_min(1e-12)
+
+
+def _with_level_signal(level: Shape, full: Shape, signal: str | None) -> Shape:
+    """The level's shape carrying its standardised signal in ``data[SIGNAL]``: the mean
+    curvature of the level's own mesh, or the full shape's array at the nearest vertex."""
+    if signal is None:
+        return level
+    if signal == "curvature":
+        values = level.mean_curvature()
+    else:
+        values = full.data[signal][metrics.nearest_vertices(level.points, full)]
+    data = {**level.data, SIGNAL: _standardised(values.to(level.points.dtype))}
+    return dataclasses.replace(level, data=data)
 
 
 def _fit(fit: _Fit, src: Shape, tgt: Shape, levels: list[Level]) -> None:
     for level, lv in enumerate(levels):
         s_level, t_level = src.decimate(lv.points), tgt.decimate(lv.points)
+        s_level = _with_level_signal(s_level, src, fit.signal)
+        t_level = _with_level_signal(t_level, tgt, fit.signal)
+        factor = None if fit.signal is None else fit.signal_weight * lv.scale
         terms = {
-            name: make_loss(name, blur=lv.scale, sinkhorn=fit.sinkhorn, sigma=lv.scale)
+            name: make_loss(
+                name, blur=lv.scale, sinkhorn=fit.sinkhorn, sigma=lv.scale, signal=factor
+            )
             for name in lv.loss
             if name != "landmarks"
         }

@@ -149,7 +149,7 @@ def test_a_changed_option_reruns_only_the_pairs_it_touches(subjects, tmp_path):
     manifest(m, rows)
     dry = run("batch", m, "-o", out, *FAST, "--dry-run")
     assert "a: done" in dry.stdout
-    assert "b: will rerun (options changed: sigma 20.0 -> 15.0)" in dry.stdout
+    assert "b: will rerun (options changed: sigma None -> 15.0)" in dry.stdout
     assert run("batch", m, "-o", out, *FAST).returncode == 0
     second = records(out)
     assert second["a"]["finished"] == first["a"]["finished"]

@@ -86,3 +86,64 @@ def test_bad_dataset_arguments():
         datasets.mni152_surface(threshold=1.5)
     with pytest.raises(ValueError, match="sigma is -1"):
         datasets.synthetic_subjects(n=1, sigma=-1)
+
+
+def test_fsaverage5_midthickness_and_maps():
+    mid = datasets.fsaverage5("midthickness", "left")
+    pial, white = datasets.fsaverage5("pial", "left"), datasets.fsaverage5("white", "left")
+    assert mid.n_points == 10242 and torch.equal(mid.faces, pial.faces)
+    assert torch.allclose(mid.points, (pial.points + white.points) / 2, atol=1e-5)
+    assert float(white.area) < float(mid.area) < float(pial.area)
+    sulc, curv = datasets.fsaverage5_map("sulc"), datasets.fsaverage5_map("curv", "right")
+    assert sulc.shape == (10242,) and curv.shape == (10242,)
+    # FreeSurfer's sulcal depth and curvature agree in sign on most of the cortex
+    assert np.corrcoef(sulc, datasets.fsaverage5_map("curv"))[0, 1] > 0.3
+    # our mesh curvature is positive on crowns, FreeSurfer's curv positive in sulci
+    ours = white.mean_curvature().numpy()
+    assert np.corrcoef(ours, datasets.fsaverage5_map("curv"))[0, 1] < -0.5
+
+
+def test_conte69_loads_in_mm_with_its_medial_wall():
+    pytest.importorskip("brainspace")
+    left = datasets.conte69("left")
+    assert left.n_points == 32492 and left.n_faces == 64980 and left.unit == "mm"
+    assert (edge_counts(left.faces) == 2).all()  # closed
+    assert float(left.volume) > 0  # outward normals
+    extent = (left.points.max(0).values - left.points.min(0).values).numpy()
+    assert 60 < extent[0] < 80 and 160 < extent[1] < 180  # a hemisphere, in mm
+    right = datasets.conte69("right")
+    assert float(right.points[:, 0].mean()) > 0 > float(left.points[:, 0].mean())
+    cortex = left.data["cortex"]
+    assert cortex.shape == (32492,) and 0.85 < float(cortex.float().mean()) < 0.95
+    labels = datasets.conte69_parcellation("schaefer_100", "right")
+    assert labels.shape == (32492,) and set(np.unique(labels)) == {0, *range(51, 101)}
+    sphere = datasets.conte69("left", "sphere")
+    assert torch.equal(sphere.faces, left.faces)
+
+
+def test_conte69_without_brainspace_says_how_to_install(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_brainspace(name, *args, **kwargs):
+        if name == "brainspace" or name.startswith("brainspace."):
+            raise ImportError("No module named 'brainspace'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_brainspace)
+    with pytest.raises(ImportError, match=r"pip install 'otreg\[data\]'"):
+        datasets.conte69()
+
+
+def test_bad_conte69_and_map_arguments():
+    with pytest.raises(ValueError, match="hemi is 'middle'"):
+        datasets.conte69("middle")
+    with pytest.raises(ValueError, match="surface is 'pial'"):
+        datasets.conte69("left", "pial")
+    with pytest.raises(ValueError, match="name is 'depth'"):
+        datasets.fsaverage5_map("depth")
+    with pytest.raises(ValueError, match="name is 'aal'"):
+        datasets.conte69_parcellation("aal")
+    with pytest.raises(ValueError, match="no midthickness file"):
+        datasets.fsaverage5_path("midthickness")
