@@ -4,7 +4,7 @@ The public API is what this module exports; everything else is private.
 """
 
 from . import datasets, loops, registration
-from ._checks import ConvergenceWarning
+from ._checks import ConvergenceWarning, FoldWarning
 from ._info import info, package_version
 from .io import load_shape, save_shape
 from .ot import (
@@ -43,6 +43,7 @@ __all__ = [
     "SinkhornLoss",
     "TransportPlan",
     "ConvergenceWarning",
+    "FoldWarning",
     "KeOpsUnavailable",
     "info",
     "loops",

@@ -26,6 +26,10 @@ class ConvergenceWarning(UserWarning):
     """An iterative method stopped at its iteration cap before reaching its tolerance."""
 
 
+class FoldWarning(UserWarning):
+    """A deformation folds: its Jacobian determinant is not positive somewhere."""
+
+
 def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"

@@ -38,6 +38,7 @@ _KEY_METRICS = (
     ("varifold", "varifold"),
     ("jacobian_min", "min Jacobian"),
     ("jacobian_negative_fraction", "folded fraction"),
+    ("curvature_correlation", "curvature corr."),
     ("energy", "energy (mm²)"),
     ("before_mean_mm", "mean before (mm)"),
     ("before_hausdorff_mm", "Hausdorff before (mm)"),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import ConvergenceWarning, check_choice, check_int, check_positive
+from .._checks import ConvergenceWarning, FoldWarning, check_choice, check_int, check_positive
 from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from . import defaults, metrics
@@ -305,6 +305,7 @@ def register(
         "scale": dataclasses.asdict(scale),
         "signal": signal,
         "signal_weight": signal_weight,
+        "dtype": str(dtype).removeprefix("torch."),
     }
     start = time.perf_counter()
     src = source.to(dtype)
@@ -312,9 +313,9 @@ def register(
     history: list[dict] = []
 
     linear = None if pre.kind == "none" else fit_prealign(src, tgt, pre)
-    if linear is not None:
-        src = src.with_points(linear(src.points.double()).detach().to(dtype))
     moved_src = src
+    if linear is not None:  # the linear map is fitted in float64
+        moved_src = src.with_points(linear(src.points.double()).detach().to(dtype))
     deformation = None
     if lddmm is not None:
         deformation = LDDMM(
@@ -366,6 +367,16 @@ def register(
         varifold_shapes=(w64.decimate(METRIC_POINTS), tgt.decimate(METRIC_POINTS)),
     )
     result.metrics["jacobian_points"] = int(jac_points.shape[0])
+    if result.metrics["jacobian_negative_fraction"] > 0:
+        m = result.metrics
+        warnings.warn(
+            f"register: the deformation folds: its Jacobian determinant is <= 0 at "
+            f"{100 * m['jacobian_negative_fraction']:.2f}% of the source vertices (min "
+            f"{m['jacobian_min']:.3g}); raise the kernel width (model=LDDMMOptions(sigma=...)) "
+            "or the regularization",
+            FoldWarning,
+            stacklevel=2,
+        )
     to = result.metrics.get("distance_to", "auto")
     for when, shape in (("before", source), ("prealigned", moved_src)):
         if when == "prealigned" and linear is None:

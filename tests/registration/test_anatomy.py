@@ -78,7 +78,12 @@ def test_explicit_options_are_kept():
         progress=False,
     )
     assert res.options["levels"] == [{"points": 200, "scale": 3.0, "loss": {"sinkhorn": 1.0}}]
-    assert res.options["varifold_sigma"] == 2.5
+    assert res.options["varifold_sigma"] == 2.5 and res.options["dtype"] == "float64"
+    single = register(sphere, moved, levels=((200, 3.0),), dtype=torch.float32, progress=False)
+    assert single.options["dtype"] == "float32" and single.momenta.dtype == torch.float32
+    assert single.metrics["mean_mm"] < 0.5 * single.metrics["before_mean_mm"]
+    with pytest.raises(TypeError, match="dtype is torch.float16"):
+        register(sphere, moved, dtype=torch.float16, progress=False)
 
 
 def small_shapes(seed: int = 0):
@@ -201,3 +206,23 @@ def test_correspondence_reports_signals_and_labels(pial_small):
     shifted = src.with_points(src.points + torch.tensor([0.0, 30.0, 0.0], dtype=torch.float64))
     out = metrics.correspondence(src, src, shifted)  # the target moved 30 mm forward
     assert out["parcel_dice"] < 0.95 and out["curvature_correlation"] < 0.5
+
+
+def test_a_folding_deformation_warns(pial_small, monkeypatch):
+    """Where the Jacobian determinant is not positive at some vertex, register warns with
+    the fraction and the minimum (the Jacobians are faked here: the fit itself does not
+    fold)."""
+    import otreg
+
+    def folded(transform, points, chunk=50_000):
+        det = torch.ones(points.shape[0], dtype=torch.float64)
+        det[:3] = -0.5
+        return det
+
+    monkeypatch.setattr(metrics, "jacobian_determinants", folded)
+    tgt = pial_small.with_points(pial_small.points + 0.5)
+    with pytest.warns(
+        otreg.FoldWarning, match=r"<= 0 at 0\.\d+% of the source vertices \(min -0.5\)"
+    ):
+        res = register(pial_small, tgt, levels=((200, 4.0),), progress=False)
+    assert res.metrics["jacobian_min"] == -0.5
