@@ -442,7 +442,7 @@ def distance(
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(BACKENDS))
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON line.")
 def circles(n: int, iters: int | None, tol: float, backend: str, as_json: bool) -> None:
-    """Two unit circles, the second shifted by 1 along x; kernel exp(-|x-y|^2 / 0.25).
+    """Two unit circles, the second shifted by 1 along x; Gaussian kernel, eps = 0.125.
 
     Solves entropic OT in scaling form (u = a / K v) and prints the OT value, the norm of its
     gradient with respect to the first circle, the time and the peak memory.

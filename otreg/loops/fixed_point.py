@@ -1,4 +1,4 @@
-"""Implicit differentiation of a fixed point z* = step(z*, *params).
+"""Implicit differentiation of a fixed point ``z* = step(z*, *params)``.
 
 Forward iterates without a graph. Backward needs u = (d z*/d params)^T g; differentiating
 z* = step(z*, p) gives (I - J) dz* = (d step/d p) dp with J = d step/d z at z*, so
@@ -161,14 +161,14 @@ def fixed_point(
     backward_max_iter: int = 1000,
     report: dict | None = None,
 ):
-    """Find z* = step(z*, *params) by iteration, differentiably.
+    """Find ``z* = step(z*, *params)`` by iteration, differentiably.
 
     Args:
         step: ``step(z, *params) -> z`` (a tensor or a tuple of tensors), a contraction near z*.
         x0: the starting point.
         params: tensors that receive gradients (an nn.Module is not supported here: pass
             ``tuple(module.parameters())`` and use them in ``step``).
-        tol: stop when |z_{k+1} - z_k| <= tol |z_{k+1}| (all tensors flattened together).
+        tol: stop when ``|z_{k+1} - z_k| <= tol |z_{k+1}|`` (all tensors flattened together).
         max_iter: the most forward iterations; warns ``ConvergenceWarning`` at the cap.
         backward: ``"implicit"`` (solve the adjoint system: memory of one step) or
             ``"unroll"`` (autograd through the same number of iterations, for comparison).

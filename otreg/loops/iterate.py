@@ -1,4 +1,4 @@
-"""Differentiate a loop x_{k+1} = step(x_k, *params) under a memory budget.
+"""Differentiate a loop ``x_{k+1} = step(x_k, *params)`` under a memory budget.
 
 Strategies (the gradient is the same; memory and time differ):
 

@@ -7,17 +7,17 @@ r"""Multiscale Sinkhorn: a coarse-to-fine solver with kernel truncation.
    ``cluster_scale``.
 3. The coarse potentials are extended to the points to first order:
    f(x_i) = f_I + <c_I - T_I, x_i - c_I>, where T_I is the barycentre of the coarse plan's
-   row I (for the cost |x - y|^2 / 2 the gradient of f is x - T(x)).
+   row I (for the cost ``|x - y|^2 / 2`` the gradient of f is x - T(x)).
 4. The rest of the schedule and the final iterations run on the points, each softmin summing
    over the cluster pairs a *truncation pattern* keeps
    (:class:`otreg.reductions.sparse.BlockSparse`).
 
 The pattern drops a pair of clusters (I, J) only when every term it holds is below
 ``exp(-truncate)`` times its weight, relative to the row's total. With the slack
-s_ij = C_ij - f_i - g_j (a term is b_j exp(-s_ij / eps) of a row total 1 at convergence),
-x_i = c_I + delta, y_j = c_J + eta, Delta = c_I - c_J, |delta| <= r_I, |eta| <= r_J,
-R = r_I + r_J and any vectors d_I, e_J, writing w = delta - eta in
-|Delta + w|^2 / 2 - <d, delta> - <e, eta> gives
+``s_ij = C_ij - f_i - g_j`` (a term is ``b_j exp(-s_ij / eps)`` of a row total 1 at
+convergence), ``x_i = c_I + delta``, ``y_j = c_J + eta``, ``Delta = c_I - c_J``,
+``|delta| <= r_I``, ``|eta| <= r_J``, ``R = r_I + r_J`` and any vectors d_I, e_J, writing
+``w = delta - eta`` in ``|Delta + w|^2 / 2 - <d, delta> - <e, eta>`` gives
 
 .. math::
 

@@ -426,7 +426,7 @@ def sinkhorn(
         diameter: the largest distance, which starts the eps-scaling; default: the diagonal
             of the bounding box of both clouds.
         scaling: eps is multiplied by ``scaling ** p`` at each annealing step, in (0, 1).
-        cost: ``"sqeuclidean"`` (|x - y|^2 / 2, p = 2) or ``"euclidean"`` (|x - y|, p = 1).
+        cost: ``"sqeuclidean"`` (``|x - y|^2 / 2``, p = 2) or ``"euclidean"`` (``|x - y|``, p = 1).
         form: ``"log"`` (log-sum-exp, stable at any eps) or ``"scaling"`` (u = a / K v, faster
             per iteration, but exp(-C/eps) underflows at small eps: it then raises
             ``FloatingPointError`` naming the log form rather than switching silently).

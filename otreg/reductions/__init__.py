@@ -197,7 +197,7 @@ def kernel_product(
 ) -> torch.Tensor:
     """``sum_j exp(-C(x_i, y_j)/eps) v_j``: v (B, M, E) -> (B, N, E).
 
-    For ``cost="sqeuclidean"`` this is the Gaussian kernel exp(-|x - y|^2 / (2 sigma^2)) with
+    For ``cost="sqeuclidean"`` this is the Gaussian kernel ``exp(-|x - y|^2 / (2 sigma^2))`` with
     sigma^2 = eps.
     """
     return _run("kernel_product", backend, x, y, v, eps=eps, cost=cost)

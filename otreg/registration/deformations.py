@@ -11,7 +11,7 @@ Hamilton's equations for H(q, p) = 1/2 sum_ij p_i . k(q_i, q_j) p_j,
     \\dot q_i = \\sum_j k(q_i, q_j)\\, p_j, \\qquad
     \\dot p_i = \\sum_j (p_i \\cdot p_j)\\, k'(q_i, q_j)\\, (q_i - q_j),
 
-with k'(x, y) = sum_s w_s / sigma_s^2 exp(-|x - y|^2 / (2 sigma_s^2)), and any other point x
+with ``k'(x, y) = sum_s w_s / sigma_s^2 exp(-|x - y|^2 / (2 sigma_s^2))``, and any other point x
 follows the velocity field: x' = sum_j k(x, q_j) p_j. Time runs from 0 to 1 in ``n_steps``
 steps (Euler, RK4 or a leapfrog-type splitting). Every kernel sum is a lazy reduction; the
 time loop is differentiated through :func:`otreg.loops.iterate` with the chosen strategy and

@@ -1,7 +1,7 @@
 """Gaussian kernels of several widths for deformations, on otreg's lazy reductions.
 
-k(x, y) = sum_s w_s exp(-|x - y|^2 / (2 sigma_s^2)), widths sigma_s in mm (Deformetrica and
-the KeOps tutorials write exp(-|x - y|^2 / sigma^2): their sigma is ours times sqrt(2)).
+``k(x, y) = sum_s w_s exp(-|x - y|^2 / (2 sigma_s^2))``, widths sigma_s in mm (Deformetrica
+and the KeOps tutorials write ``exp(-|x - y|^2 / sigma^2)``: their sigma is ours times sqrt(2)).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class GaussianKernel:
         self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum_j k(x_i, y_j) v_j, sum_j k'(x_i, y_j) v_j)`` with one reduction per width;
-        k' = sum_s w_s / sigma_s^2 exp(-|x - y|^2 / (2 sigma_s^2)) (for gradients of k)."""
+        ``k' = sum_s w_s / sigma_s^2 exp(-|x - y|^2 / (2 sigma_s^2))`` (for gradients of k)."""
         out = deriv = None
         for s, w in zip(self.sigmas, self.weights):
             term = reductions.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]

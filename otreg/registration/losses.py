@@ -152,7 +152,7 @@ def _kernel_norm_terms(shape: Shape, oriented: bool, at: str = "faces"):
 def varifold_distance(
     a: Shape, b: Shape, sigma: float, oriented: bool = False, kernel: GaussianKernel | None = None
 ) -> torch.Tensor:
-    """|mu_a - mu_b|^2 in the varifold (or currents) kernel space, mm^4 (areas squared)."""
+    """``|mu_a - mu_b|^2`` in the varifold (or currents) kernel space, mm^4 (areas squared)."""
     kernel = kernel or GaussianKernel(sigma)
     ca, fa = _kernel_norm_terms(a, oriented)
     cb, fb = _kernel_norm_terms(b, oriented)
@@ -164,7 +164,7 @@ def varifold_distance(
 
 
 def _varifold(sigma: float, oriented: bool, signal: float | None = None):
-    """|mu_warped - mu_target|^2 / |mu_target|^2: comparable across data sets and levels,
+    """``|mu_warped - mu_target|^2 / |mu_target|^2``: comparable across data sets and levels,
     with the surfaces' vertices as Diracs (4x fewer kernel pairs than their triangles; the
     metric :func:`varifold_distance` uses the triangles). ``prepare`` computes the target's
     terms once (two kernel sums per evaluation, not four)."""

@@ -77,7 +77,7 @@ def surface_distances(a: Shape, b: Shape, to: str = "auto") -> dict[str, float]:
 
 
 def vertex_error(points: torch.Tensor, truth: torch.Tensor) -> dict[str, float]:
-    """|points - truth| per vertex (mm): mean, median, max."""
+    """``|points - truth|`` per vertex (mm): mean, median, max."""
     d = (points.detach().double() - truth.detach().double().to(points.device)).norm(dim=1)
     return {
         "vertex_error_mean_mm": float(d.mean()),
@@ -114,7 +114,7 @@ def summary(
     sigma: float = 10.0,
     varifold_shapes: tuple[Shape, Shape] | None = None,
 ) -> dict[str, float]:
-    """The metrics a registration reports. ``varifold`` is |mu_w - mu_t|^2 / |mu_t|^2 (0: the
+    """The metrics a registration reports. ``varifold`` is ``|mu_w - mu_t|^2 / |mu_t|^2`` (0: the
     same surface, about 2: nothing in common), with kernel width ``sigma`` mm, computed on
     ``varifold_shapes`` if given (e.g. decimated copies of large meshes)."""
     out = surface_distances(warped, target)

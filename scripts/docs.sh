@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Build the documentation site into docs/_build/html (offline, warnings as errors).
+# Extra arguments go to sphinx-build, e.g. `bash scripts/docs.sh -b linkcheck`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/_install.sh docs
+"$PY" -m sphinx -W --keep-going -b html docs docs/_build/html "$@"
+echo "open docs/_build/html/index.html"
