@@ -9,6 +9,8 @@ into the site, instead of Sphinx's default MathJax from a CDN).
 
 from __future__ import annotations
 
+import os
+
 import otreg
 
 project = "otreg"
@@ -17,16 +19,21 @@ copyright = "2026, the otreg developers"
 release = version = otreg.__version__
 
 extensions = [
-    "myst_parser",
+    "myst_nb",  # MyST Markdown pages and the notebooks (notebooks/, linked here)
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx_click",
     "sphinx.ext.mathjax",
     "sphinx-mathjax-offline",
 ]
-source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build", "README.md"]
+exclude_patterns = ["_build", "README.md", "notebooks/conftest.py", "**/.ipynb_checkpoints"]
+# The notebooks are committed without outputs and run while the site builds, at the size
+# OTREG_NOTEBOOK_SIZE says (scripts/docs.sh: small unless told otherwise); the tests run them
+# separately (pytest --nbmake) and build the site with OTREG_DOCS_EXECUTE=off.
+nb_execution_mode = os.environ.get("OTREG_DOCS_EXECUTE", "force")
+nb_execution_timeout = 1800
+nb_execution_raise_on_error = True
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
 

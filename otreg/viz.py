@@ -63,18 +63,19 @@ def _draw(plotter, shapes, names, colors, scalars) -> None:
 
 
 def plot_history(history: list[dict], path: str | Path) -> Path:
-    """The objective and its terms per evaluation (log scale) to a PNG."""
-    import matplotlib
+    """The objective and its terms per evaluation (log scale) to a PNG.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Drawn on a matplotlib ``Figure`` of its own (no pyplot), so it neither needs a display
+    nor changes the backend of a notebook that calls it."""
+    from matplotlib.figure import Figure
 
     from .io import atomic_write
 
     keys: list[str] = []
     for h in history:  # levels may have different data terms
-        keys += [k for k in h if k not in ("level", "evaluation", "seconds", *keys)]
-    fig, ax = plt.subplots(figsize=(6, 4))
+        keys += [k for k in h if k not in (*_NOT_VALUES, *keys)]
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     for key in keys:
         ax.semilogy([h.get(key, float("nan")) for h in history], label=key)
     for k in range(1, len(history)):
@@ -86,8 +87,11 @@ def plot_history(history: list[dict], path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     atomic_write(path, lambda tmp: fig.savefig(str(tmp), dpi=100))
-    plt.close(fig)
     return path
+
+
+#: history entries that are not values of the objective or its terms
+_NOT_VALUES = ("level", "evaluation", "seconds", "sinkhorn_iterations", "sinkhorn_converged")
 
 
 def plot_registration(

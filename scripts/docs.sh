@@ -4,5 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_install.sh docs
+# the notebooks run while the site builds: small sizes unless OTREG_NOTEBOOK_SIZE=full
+export OTREG_NOTEBOOK_SIZE=${OTREG_NOTEBOOK_SIZE:-small}
 "$PY" -m sphinx -W --keep-going -b html docs docs/_build/html "$@"
 echo "open docs/_build/html/index.html"

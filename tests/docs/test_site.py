@@ -3,6 +3,7 @@ the network."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -11,17 +12,19 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("sphinx")
-pytest.importorskip("myst_parser")
+pytest.importorskip("myst_nb")
 pytest.importorskip("sphinx_click")
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+NOTEBOOKS = DOCS.parent / "notebooks"
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html"]
-    proc = subprocess.run([*cmd, str(DOCS), str(out)], capture_output=True, text=True)
+    env = {**os.environ, "OTREG_DOCS_EXECUTE": "off"}  # the notebooks run under nbmake
+    proc = subprocess.run([*cmd, str(DOCS), str(out)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -29,10 +32,12 @@ def site(tmp_path_factory) -> Path:
 def test_every_page_is_built(site):
     for page in ("index", "getting-started", "guide", "batch", "api", "cli", "benchmarks"):
         assert (site / f"{page}.html").is_file(), page
+    for nb in NOTEBOOKS.glob("*.ipynb"):
+        assert (site / "notebooks" / f"{nb.stem}.html").is_file(), nb.name
 
 
 def test_the_site_loads_nothing_from_the_network(site):
-    for page in site.glob("*.html"):
+    for page in site.rglob("*.html"):
         text = page.read_text()
         external = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="(https?:)?//[^"]*"', text)
         assert not external, (page.name, external)
@@ -46,3 +51,14 @@ def test_the_references_hold_the_public_names(site):
     cli = (site / "cli.html").read_text()
     for command in ("demo", "register", "batch", "bids", "distance"):
         assert f'id="otreg-{command}"' in cli, command  # a section a command
+
+
+def test_notebooks_are_committed_without_outputs():
+    import json
+
+    notebooks = sorted(NOTEBOOKS.glob("*.ipynb"))
+    assert len(notebooks) >= 4
+    for path in notebooks:
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                assert cell["outputs"] == [] and cell["execution_count"] is None, path.name
