@@ -38,21 +38,14 @@ def test_documented_defaults():
     assert otreg.LDDMMOptions is LDDMMOptions and otreg.Level is Level
 
 
-def test_the_old_keywords_are_fields_of_the_option_objects():
-    # the keywords register() took before the option objects
-    old = [
-        "sigma",
-        "control_points",
-        "n_steps",
-        "integrator",
-        "regularization",
-        "strategy",
-        "memory",
-        "max_iter",
-        "tol",
-    ]
-    new = {**defaults(LDDMMOptions), **defaults(LBFGSOptions)}
-    assert set(old) <= set(new)
+def test_every_old_keyword_is_a_field_of_the_object_that_now_holds_it():
+    from otreg.ot.problem import SinkhornOptions
+    from otreg.registration.register import _ALIASES
+
+    holders = {"model": LDDMMOptions, "optimizer": LBFGSOptions, "sinkhorn": SinkhornOptions}
+    assert len(_ALIASES) == 10
+    for name, holder in _ALIASES.items():
+        assert name in defaults(holders[holder]), (name, holder)
     p = inspect.signature(prealign).parameters
     assert p["kind"].default == PrealignOptions().kind
 
