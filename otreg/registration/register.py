@@ -27,9 +27,9 @@ import torch
 from .._checks import ConvergenceWarning, FoldWarning, check_choice, check_int, check_positive
 from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
-from . import defaults, metrics
+from . import defaults, metrics, signals
 from .deformations import LDDMM
-from .losses import SIGNAL, SINKHORN_TERM, Loss, make_loss
+from .losses import SINKHORN_TERM, Loss, make_loss
 from .options import (
     MODELS,
     PREALIGNS,
@@ -279,7 +279,7 @@ def register(
     if any("landmarks" in lv.loss for lv in levels_) and landmarks is None:
         raise ValueError(f"{caller}: loss has 'landmarks' but landmarks= is None")
     if signal is not None:
-        _check_signal(caller, signal, source, target)
+        signals.check_signal(caller, signal, source, target)
     signal_weight = check_positive(caller, "signal_weight", signal_weight)
     if varifold_sigma is None:
         varifold_sigma = defaults.default_metric_sigma(scale)
@@ -415,48 +415,11 @@ class _Fit:
     signal_weight: float = 1.0
 
 
-def _check_signal(caller: str, signal: object, source: Shape, target: Shape) -> None:
-    if not isinstance(signal, str):
-        raise TypeError(f"{caller}: signal must be a str or None, got {type(signal).__name__}")
-    if signal == "curvature":
-        return
-    for name, shape in (("source", source), ("target", target)):
-        value = shape.data.get(signal)
-        if value is None:
-            have = ", ".join(map(repr, sorted(shape.data))) or "none"
-            raise ValueError(
-                f"{caller}: signal is {signal!r} but the {name} has no data[{signal!r}] "
-                f"(its data: {have}); give 'curvature' or a name both shapes carry"
-            )
-        if value.dim() != 1 or not value.is_floating_point():
-            raise ValueError(
-                f"{caller}: signal {signal!r} of the {name} must be one float per vertex, "
-                f"got {value.dtype} of shape {tuple(value.shape)}"
-            )
-
-
-def _standardised(values: torch.Tensor) -> torch.Tensor:
-    return (values - values.mean()) / values.std().clamp_min(1e-12)
-
-
-def _with_level_signal(level: Shape, full: Shape, signal: str | None) -> Shape:
-    """The level's shape carrying its standardised signal in ``data[SIGNAL]``: the mean
-    curvature of the level's own mesh, or the full shape's array at the nearest vertex."""
-    if signal is None:
-        return level
-    if signal == "curvature":
-        values = level.mean_curvature()
-    else:
-        values = full.data[signal][metrics.nearest_vertices(level.points, full)]
-    data = {**level.data, SIGNAL: _standardised(values.to(level.points.dtype))}
-    return dataclasses.replace(level, data=data)
-
-
 def _fit(fit: _Fit, src: Shape, tgt: Shape, levels: list[Level]) -> None:
     for level, lv in enumerate(levels):
         s_level, t_level = src.decimate(lv.points), tgt.decimate(lv.points)
-        s_level = _with_level_signal(s_level, src, fit.signal)
-        t_level = _with_level_signal(t_level, tgt, fit.signal)
+        s_level = signals.with_level_signal(s_level, src, fit.signal)
+        t_level = signals.with_level_signal(t_level, tgt, fit.signal)
         factor = None if fit.signal is None else fit.signal_weight * lv.scale
         terms = {
             name: make_loss(
