@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .dispatch import Cluster, dispatch
 from .keys import effective_options, file_digest, pair_key, why_rerun
-from .locks import lock_path, read_lock
+from .locks import is_stale, lock_path, read_lock
 from .manifest import Pair
 from .records import failure_reason, read_record
 from .tables import write_tables
@@ -259,10 +259,7 @@ def run_batch(
             interrupted = True
             echo("otreg batch: interrupted; the pairs not finished run on the next call")
         finally:
-            for p in todo:  # staging folders of pairs killed mid-way
-                for staging in (out / p.pair.folder).glob(f"{STAGING_PREFIX}{p.pair.pair_id}-*"):
-                    if read_lock(lock_path(out, p.pair.pair_id)) is None:
-                        shutil.rmtree(staging, ignore_errors=True)
+            _sweep_leftovers(out, [p.pair for p in planned])
     selected = [p.pair for p in planned]
     if tables:
         write_tables(out, selected, records)
@@ -288,6 +285,21 @@ def run_batch(
     else:
         code = EXIT_FAILED
     return BatchResult(planned, records, code, seconds)
+
+
+def _sweep_leftovers(out: Path, pairs: Iterable[Pair]) -> None:
+    """Remove what killed processes left: the staging folders of pairs that no live process
+    holds (no lock, or a stale one), and their stale locks. A worker orphaned by a killed
+    batch can finish or die after the next run planned its pair; this catches its remains."""
+    for pair in pairs:
+        lock = lock_path(out, pair.pair_id)
+        doc = read_lock(lock)
+        if doc is not None and not is_stale(doc):
+            continue  # a live process is working on it
+        for staging in (out / pair.folder).glob(f"{STAGING_PREFIX}{pair.pair_id}-*"):
+            shutil.rmtree(staging, ignore_errors=True)
+        if doc is not None:
+            lock.unlink(missing_ok=True)
 
 
 def pair_spec(out: Path, p: Planned, batch_id: str, threads=None, timeout=None) -> dict:

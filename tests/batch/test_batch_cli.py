@@ -317,7 +317,9 @@ def test_a_pair_over_the_memory_limit_fails_out_of_memory_alone(subjects, tmp_pa
     """A pair whose worker grows past --memory-limit (50 MB more every 50 ms, as a
     registration too large for the machine does) is killed by the worker's nanny, three
     times, and recorded 'out of memory' with the last reading; the other pair is done."""
-    grow = "[b'x' * 50_000_000 for _ in iter(lambda: time.sleep(0.05), 1)]"  # forever
+    # at most 3 GB (twice the limit), then wait: a slow nanny still finds it over the limit,
+    # and --timeout bounds the test if it never does
+    grow = "[b'x' * 50_000_000 for _ in range(60) if time.sleep(0.05) is None]; time.sleep(600)"
     env = hook_on_load(tmp_path, "hog-me.vtk", grow)
     (subjects / "hog-me.vtk").write_bytes((subjects / "s1.vtk").read_bytes())
     m = manifest(
@@ -328,7 +330,8 @@ def test_a_pair_over_the_memory_limit_fails_out_of_memory_alone(subjects, tmp_pa
         ],
     )
     out = tmp_path / "out"
-    r = run("batch", m, "-o", out, *FAST, "--workers", "1", "--memory-limit", "1.5GB", env=env)
+    limit = ["--memory-limit", "1.5GB", "--timeout", "120"]
+    r = run("batch", m, "-o", out, *FAST, "--workers", "1", *limit, env=env)
     assert r.returncode == 3, r.stderr
     recs = records(out)
     error = recs["hog"]["error"]
