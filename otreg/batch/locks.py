@@ -102,8 +102,8 @@ class PairLock:
         self._thread: threading.Thread | None = None
         self._rss: float | None = None  # the last memory reading written
 
-    def _doc(self) -> dict:
-        self._rss = _rss_mb()
+    def _doc(self, rss: float | None = None) -> dict:
+        self._rss = _rss_mb() if rss is None else rss
         return {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -146,16 +146,17 @@ class PairLock:
             rss = _rss_mb()
             grew = rss is not None and self._rss is not None and rss > 1.1 * self._rss
             if grew or time.monotonic() - last >= HEARTBEAT:
-                self.write()
+                self.write(rss)
                 last = time.monotonic()
 
-    def write(self) -> None:
-        """Rewrite the heartbeat now (atomically), if the lock is still ours."""
+    def write(self, rss: float | None = None) -> None:
+        """Rewrite the heartbeat now (atomically), if the lock is still ours, with the memory
+        reading ``rss`` (MB; read now if None)."""
         doc = read_lock(self.path)
         if doc is not None and doc.get("token") != self.token:
             return
         tmp = self.path.with_name(f".{self.path.name}.{self.token}.tmp")
-        tmp.write_text(json.dumps(self._doc()))
+        tmp.write_text(json.dumps(self._doc(rss)))
         os.replace(tmp, self.path)
 
     def release(self) -> None:

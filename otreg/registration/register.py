@@ -29,6 +29,7 @@ from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from . import defaults, metrics, signals
 from .deformations import LDDMM
+from .kernels import GaussianKernel
 from .losses import SINKHORN_TERM, Loss, make_loss
 from .options import (
     MODELS,
@@ -273,7 +274,8 @@ def register(
         sigma = defaults.default_sigma(scale) if lddmm.sigma is None else lddmm.sigma
         n_cp = lddmm.control_points
         if n_cp is None:
-            n_cp = defaults.default_control_points(scale, max(_widths(sigma)))
+            widest = max(GaussianKernel(sigma, caller=caller).sigmas)
+            n_cp = defaults.default_control_points(scale, widest)
         lddmm = dataclasses.replace(lddmm, sigma=sigma, control_points=n_cp)
     levels_ = _levels(defaults.default_levels(scale) if levels is None else levels, loss, caller)
     if any("landmarks" in lv.loss for lv in levels_) and landmarks is None:
@@ -352,21 +354,15 @@ def register(
         for name, s in (("source", source), ("target", target))
     }
     result = Registration(warped, linear, deformation, history, {}, options, inputs)
-    # The Jacobians at every vertex (in chunks); on very large meshes (a 300,000-vertex
-    # surface from a volume) the varifold metric on decimated copies: at full size it would
-    # take minutes to half an hour.
-    jac_points = source.points
-    jac = metrics.jacobian_determinants(result.apply, jac_points)
-    w64 = warped.to(torch.float64)
-    result.metrics = metrics.summary(
-        w64,
+    result.metrics = metrics.registration_metrics(
+        result,
+        source,
+        None if linear is None else moved_src,
         tgt,
-        jac=jac,
         truth=truth,
-        sigma=varifold_sigma,
-        varifold_shapes=(w64.decimate(METRIC_POINTS), tgt.decimate(METRIC_POINTS)),
+        varifold_sigma=varifold_sigma,
+        decimate_above=METRIC_POINTS,
     )
-    result.metrics["jacobian_points"] = int(jac_points.shape[0])
     if result.metrics["jacobian_negative_fraction"] > 0:
         m = result.metrics
         warnings.warn(
@@ -377,14 +373,6 @@ def register(
             FoldWarning,
             stacklevel=2,
         )
-    to = result.metrics.get("distance_to", "auto")
-    for when, shape in (("before", source), ("prealigned", moved_src)):
-        if when == "prealigned" and linear is None:
-            continue
-        d = metrics.surface_distances(shape.to(torch.float64), tgt.to(torch.float64), to=to)
-        result.metrics[f"{when}_mean_mm"] = d["mean_mm"]
-        result.metrics[f"{when}_hausdorff_mm"] = d["hausdorff_mm"]
-    result.metrics.update(metrics.correspondence(source, warped, target))
     if deformation is not None:  # mm^2: sqrt of it is the geodesic distance of the flow
         with torch.no_grad():
             result.metrics["energy"] = float(deformation.energy())
@@ -393,10 +381,6 @@ def register(
     )
     result.metrics["seconds"] = time.perf_counter() - start
     return result
-
-
-def _widths(sigma) -> list[float]:
-    return [sigma] if isinstance(sigma, (int, float)) else list(sigma)
 
 
 @dataclass
