@@ -52,6 +52,15 @@ class GaussianKernel:
             out = w * term if out is None else out + w * term
         return out
 
+    def matrix(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The dense kernel matrix ``k(x_i, y_j)``: x (N, D), y (M, D) -> (N, M) (for a few
+        thousand points: it is stored)."""
+        d2 = torch.cdist(x, y).square_()
+        out = torch.zeros_like(d2)
+        for s, w in zip(self.sigmas, self.weights):
+            out.add_(torch.exp(d2 / (-2 * s * s)), alpha=w)
+        return out
+
     def with_derivative(
         self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

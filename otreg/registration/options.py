@@ -90,13 +90,15 @@ class PrealignOptions:
         n_iter: rounds of (OT, barycentric targets, least-squares fit).
         blur: ``(first, last)`` blur in mm, shrinking geometrically; default a quarter of the
             target's size down to 1/40 of it.
-        max_points: the surfaces are decimated to about this many vertices.
+        max_points: the surfaces are decimated to about this many vertices (500 aligns
+            a hippocampus pair and two hemisphere templates as well as 2,000, in a sixth of
+            the time).
     """
 
     kind: str = "rigid"
     n_iter: int = 8
     blur: tuple[float, float] | None = None
-    max_points: int = 1000
+    max_points: int = 500
 
     def __post_init__(self) -> None:
         caller = "PrealignOptions"
@@ -122,20 +124,29 @@ class LBFGSOptions:
 
     Args:
         max_iter: iterations per level (at most 5/4 as many objective evaluations).
-        tol: stop a level when the objective changes by less than tol (relative) over an
-            iteration.
+        tol: stop a level when the objective changes over an iteration by less than tol
+            times its value at the level's start.
         history_size: number of past updates kept for the Hessian approximation.
+        precondition: optimise whitened LDDMM momenta
+            (:meth:`~otreg.registration.deformations.LDDMM.whitened`): the same objective,
+            reached in fewer iterations (fsaverage5 onto Conte69: closer after 15
+            iterations a level than without after 30).
     """
 
-    max_iter: int = 30
+    max_iter: int = 15
     tol: float = 1e-5
     history_size: int = 20
+    precondition: bool = True
 
     def __post_init__(self) -> None:
         caller = "LBFGSOptions"
         check_int(caller, "max_iter", self.max_iter, 1)
         _set(self, "tol", check_positive(caller, "tol", self.tol, allow_zero=True))
         check_int(caller, "history_size", self.history_size, 1)
+        if not isinstance(self.precondition, bool):
+            raise TypeError(
+                f"{caller}: precondition must be True or False, got {self.precondition!r}"
+            )
 
 
 def loss_weights(loss: object, caller: str, what: str = "loss") -> dict[str, float]:

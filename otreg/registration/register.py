@@ -14,6 +14,7 @@ each level until the relative change of E over an iteration is below ``optimizer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils import parametrize
 
 from .._checks import ConvergenceWarning, FoldWarning, check_choice, check_int, check_positive
 from ..ot.problem import SinkhornOptions
@@ -436,6 +438,11 @@ def _fit(fit: _Fit, src: Shape, tgt: Shape, levels: list[Level]) -> None:
             )
 
 
+def _landmark_term(moved: torch.Tensor, fit: _Fit) -> torch.Tensor:
+    """Mean squared distance (mm^2) of the moved source landmarks to the target's."""
+    return ((moved - fit.landmarks[1]) ** 2).sum(1).mean()
+
+
 def _fit_level(
     fit: _Fit,
     s_level: Shape,
@@ -446,7 +453,7 @@ def _fit_level(
     label: str,
 ) -> None:
     """L-BFGS on the momenta for one level."""
-    deformation, history, opts = fit.deformation, fit.history, fit.optimizer
+    deformation, opts = fit.deformation, fit.optimizer
     bar = None
     if fit.progress:
         try:
@@ -460,17 +467,52 @@ def _fit_level(
         warped = s_level.with_points(deformation(s_level.points))
         for term in terms.values():
             term.prepare(warped, t_level)
+        start_value = fit.regularization * deformation.energy()
+        for name, term in terms.items():
+            start_value = start_value + weights[name] * term(warped, t_level)
+        if fit.landmarks is not None and "landmarks" in weights:
+            moved = deformation(fit.landmarks[0])
+            start_value = start_value + weights["landmarks"] * _landmark_term(moved, fit)
+    # torch's tolerance_change is absolute: tol is relative to the level's starting objective
+    tolerance = opts.tol * max(abs(float(start_value)), torch.finfo(start_value.dtype).tiny)
+    whitened = deformation.whitened() if opts.precondition else contextlib.nullcontext()
+    with whitened as parameter:
+        _lbfgs(fit, s_level, t_level, terms, weights, level, bar, parameter, tolerance)
+    if bar is not None:
+        bar.close()
+
+
+def _lbfgs(
+    fit: _Fit,
+    s_level: Shape,
+    t_level: Shape,
+    terms: dict[str, Loss],
+    weights: dict[str, float],
+    level: int,
+    bar,
+    parameter: torch.nn.Parameter | None,
+    tolerance: float,
+) -> None:
+    """``torch.optim.LBFGS`` on ``parameter``: the momenta, or the whitened momenta that
+    :meth:`LDDMM.whitened` maps to them (None: the momenta)."""
+    deformation, history, opts = fit.deformation, fit.history, fit.optimizer
+    if parameter is None:
+        parameter = deformation.momenta
     optimizer = torch.optim.LBFGS(
-        [deformation.momenta],
+        [parameter],
         lr=1.0,
         max_iter=opts.max_iter,
         history_size=opts.history_size,
         line_search_fn="strong_wolfe",
-        tolerance_change=opts.tol,
-        tolerance_grad=1e-12,
+        tolerance_change=tolerance,
+        tolerance_grad=0.0,
     )
 
     def closure():
+        with parametrize.cached():  # the momenta computed once an evaluation
+            return evaluate()
+
+    def evaluate():
         optimizer.zero_grad()
         warped = s_level.with_points(deformation(s_level.points))
         energy = deformation.energy()
@@ -482,7 +524,7 @@ def _fit_level(
             record.update(term.report)
             total = total + weights[name] * value
         if fit.landmarks is not None and "landmarks" in weights:
-            value = ((deformation(fit.landmarks[0]) - fit.landmarks[1]) ** 2).sum(1).mean()
+            value = _landmark_term(deformation(fit.landmarks[0]), fit)
             record["landmarks"] = float(value.detach())
             total = total + weights["landmarks"] * value
         total.backward()
@@ -495,5 +537,3 @@ def _fit_level(
 
     start = fit.start
     optimizer.step(closure)
-    if bar is not None:
-        bar.close()

@@ -62,8 +62,10 @@ def test_one_call_registers_a_hemisphere_and_a_small_structure(hemisphere_pair):
         assert res.options["scale"]["size_mm"] == pytest.approx(size)
         assert res.options["lddmm"]["sigma"] == pytest.approx((size / 10, size / 27), rel=0.01)
         assert res.options["levels"][-1]["scale"] == pytest.approx(size / 50, rel=0.01)
+    # at least as close, relative to its size (the deformation energy's weight is not
+    # scaled with the size, so the small one is the less regularised)
     ratio = results[0.2].metrics["mean_mm"] / results[1.0].metrics["mean_mm"]
-    assert 0.1 < ratio < 0.3  # a fifth, as the shapes
+    assert ratio < 0.3
 
 
 def test_explicit_options_are_kept():

@@ -76,6 +76,39 @@ def test_zero_momenta_is_the_identity_and_flow_is_invertible_in_practice():
         assert torch.equal(m(x), x)
 
 
+def test_whitened_momenta_map_to_the_same_deformation():
+    """Inside ``whitened``: p = L^{-T} u with L L^T the kernel matrix (a brute-force one
+    here), the energy is |u|^2 / 2, gradients reach u by the chain rule; on leaving,
+    the momenta are a plain parameter holding the value u gave."""
+    m = model(n_steps=4, sigma=(15.0, 6.0))
+    p0 = m.momenta.detach().clone()
+    q = m.control_points
+    d2 = ((q[:, None, :] - q[None, :, :]) ** 2).sum(-1)
+    K = torch.exp(-d2 / (2 * 15.0**2)) + torch.exp(-d2 / (2 * 6.0**2))
+    L = m.kernel_factor()
+    assert torch.allclose(L @ L.T, K, atol=1e-5 * float(K.diagonal().mean()))
+    x = 10 * torch.randn(7, 3, generator=torch.Generator().manual_seed(2), dtype=D)
+    target = m(x).detach() + 1.0
+    with m.whitened() as u:
+        assert torch.allclose(m.momenta, p0, atol=1e-10)  # the same deformation
+        assert torch.allclose(u, L.T @ p0, atol=1e-10)
+        energy = float(m.energy().detach())
+        assert energy == pytest.approx(0.5 * float((u * u).sum().detach()), rel=1e-4)
+        loss = ((m(x) - target) ** 2).sum()
+        (grad_u,) = torch.autograd.grad(loss, u)
+        with torch.no_grad():
+            u.add_(0.01 * grad_u)
+        moved = m.momenta.detach().clone()
+    m2 = model(n_steps=4, sigma=(15.0, 6.0))
+    with torch.no_grad():
+        m2.momenta.copy_(p0)
+    (grad_p,) = torch.autograd.grad(((m2(x) - target) ** 2).sum(), m2.momenta)
+    assert torch.allclose(grad_u, L.T.inverse().T @ grad_p, rtol=1e-6, atol=1e-9)  # L^-1 g
+    assert isinstance(m.momenta, torch.nn.Parameter) and "parametrizations" not in dir(m)
+    assert torch.equal(m.momenta.detach(), moved)
+    assert not torch.allclose(moved, p0)
+
+
 def test_linear_models_and_fits():
     w = torch.tensor([0.1, -0.2, 0.3], dtype=D)
     R = rotation_matrix(w)

@@ -31,8 +31,8 @@ def test_documented_defaults():
         strategy="store",
         memory=None,
     )
-    assert defaults(PrealignOptions) == dict(kind="rigid", n_iter=8, blur=None, max_points=1000)
-    assert defaults(LBFGSOptions) == dict(max_iter=30, tol=1e-5, history_size=20)
+    assert defaults(PrealignOptions) == dict(kind="rigid", n_iter=8, blur=None, max_points=500)
+    assert defaults(LBFGSOptions) == dict(max_iter=15, tol=1e-5, history_size=20, precondition=True)
     assert MODELS == ("lddmm", "rigid", "similarity", "affine")
     assert PREALIGNS == ("rigid", "similarity", "affine", "none")
     assert otreg.LDDMMOptions is LDDMMOptions and otreg.Level is Level
@@ -71,6 +71,7 @@ def test_every_old_keyword_is_a_field_of_the_object_that_now_holds_it():
         (LBFGSOptions, dict(max_iter=0), ValueError, "LBFGSOptions: max_iter is 0"),
         (LBFGSOptions, dict(tol=-1.0), ValueError, "LBFGSOptions: tol is -1.0"),
         (LBFGSOptions, dict(history_size=0), ValueError, "LBFGSOptions: history_size is 0"),
+        (LBFGSOptions, dict(precondition="yes"), TypeError, "precondition must be True or"),
         (Level, dict(points=2, scale=1.0), ValueError, "Level: points is 2"),
         (Level, dict(points=100, scale=0), ValueError, "Level: scale is 0"),
         (Level, dict(points=100, scale=1.0, loss="l2"), ValueError, "Level: loss is 'l2'"),
