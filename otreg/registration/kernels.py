@@ -17,6 +17,9 @@ from ..costs import get_cost
 __all__ = ["GaussianKernel"]
 
 _SQ = get_cost("sqeuclidean")
+#: up to this many pairs N * M the kernel sums form their matrices directly (all widths in
+#: one pass); above, they go through :mod:`otreg.reductions` (no N x M matrix kept)
+DENSE_MAX_PAIRS = 250_000
 
 
 class GaussianKernel:
@@ -44,8 +47,22 @@ class GaussianKernel:
     def __repr__(self) -> str:
         return f"GaussianKernel(sigma={self.sigmas}, weights={self.weights})"
 
+    def _dense(self, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether to form the (N, M) matrices here, once for all widths: small problems,
+        where the cost is the number of torch calls rather than the pairs."""
+        return self.backend == "auto" and x.shape[0] * y.shape[0] <= DENSE_MAX_PAIRS
+
+    def _exponentials(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        c = y.detach().mean(0)
+        x, y = x - c, y - c  # the expansion of |x - y|^2 rounds less near the origin
+        d2 = ((x * x).sum(1, keepdim=True) + (y * y).sum(1) - 2 * x @ y.T).clamp_min(0)
+        return [torch.exp(d2 * (-0.5 / (s * s))) for s in self.sigmas]
+
     def __call__(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``sum_j k(x_i, y_j) v_j``: x (N, D), y (M, D), v (M, E) -> (N, E)."""
+        if self._dense(x, y):
+            e = self._exponentials(x, y)
+            return sum(w * m for w, m in zip(self.weights, e)) @ v
         out = None
         for s, w in zip(self.sigmas, self.weights):
             term = reductions.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]
@@ -66,6 +83,11 @@ class GaussianKernel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum_j k(x_i, y_j) v_j, sum_j k'(x_i, y_j) v_j)`` with one reduction per width;
         ``k' = sum_s w_s / sigma_s^2 exp(-|x - y|^2 / (2 sigma_s^2))`` (for gradients of k)."""
+        if self._dense(x, y):
+            e = self._exponentials(x, y)
+            k = sum(w * m for w, m in zip(self.weights, e))
+            kd = sum((w / (s * s)) * m for s, w, m in zip(self.sigmas, self.weights, e))
+            return k @ v, kd @ v
         out = deriv = None
         for s, w in zip(self.sigmas, self.weights):
             term = reductions.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]

@@ -146,3 +146,25 @@ def test_linear_models_and_fits():
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LDDMM(torch.zeros(5, 3), **kwargs)
+
+
+def test_small_kernel_sums_match_the_reductions(monkeypatch):
+    """Small kernel sums form their matrices once for all widths; the values and gradients
+    are those of the lazy reductions."""
+    from otreg.registration import kernels
+    from otreg.registration.kernels import GaussianKernel
+
+    g = torch.Generator().manual_seed(4)
+    x = (10 * torch.randn(30, 3, generator=g, dtype=D)).requires_grad_(True)
+    y = (10 * torch.randn(20, 3, generator=g, dtype=D)).requires_grad_(True)
+    v = torch.randn(20, 5, generator=g, dtype=D).requires_grad_(True)
+    k = GaussianKernel((8.0, 3.0), (1.0, 0.5))
+    outs = {}
+    for limit in (kernels.DENSE_MAX_PAIRS, 0):
+        monkeypatch.setattr(kernels, "DENSE_MAX_PAIRS", limit)
+        a, b = k.with_derivative(x, y, v)
+        c = k(x, y, v)
+        grads = torch.autograd.grad((a**2).sum() + (b**3).sum() + c.sum(), (x, y, v))
+        outs[limit] = (a, b, c, *grads)
+    for dense, lazy in zip(*outs.values()):
+        assert torch.allclose(dense, lazy, rtol=1e-10, atol=1e-12)
