@@ -112,3 +112,130 @@ def test_view_3d_refuses_bad_input(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_plotly)
     with pytest.raises(ImportError, match=r"pip install 'otreg\[mesh\]'"):
         view_3d({"tri": tri})
+
+
+# ---------------------------------------------------------------- every picture function
+def _pixels(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(path).convert("RGB"), dtype=int)
+
+
+def _orange(p: np.ndarray) -> np.ndarray:  # the moving shape (viz.COLOURS), under shading
+    return (p[..., 0] > p[..., 1] + 40) & (p[..., 1] > p[..., 2] + 20)
+
+
+def _blue(p: np.ndarray) -> np.ndarray:  # the target, under shading
+    return p[..., 2] > p[..., 0] + 40
+
+
+def _colourful(p: np.ndarray) -> np.ndarray:
+    return (p.max(-1) - p.min(-1)) > 60
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    """A small LDDMM registration: a sphere onto an ellipsoid (r = 20 mm)."""
+    pv = pytest.importorskip("pyvista")
+    import torch
+
+    from otreg import LBFGSOptions, Shape, register
+
+    src = Shape.from_pyvista(pv.Sphere(radius=20, theta_resolution=24, phi_resolution=24))
+    src = src.to(torch.float64)
+    tgt = src.with_points(src.points * torch.tensor([1.3, 0.8, 1.0], dtype=torch.float64))
+    res = register(
+        src,
+        tgt,
+        prealign="none",
+        levels=[(300, 3.0, "varifold")],
+        optimizer=LBFGSOptions(max_iter=6),
+        progress=False,
+    )
+    return res, src, tgt
+
+
+def test_plot_shapes_and_overlay(fitted, tmp_path):
+    from otreg.viz import plot_overlay, plot_shapes
+
+    res, src, tgt = fitted
+    p = _pixels(plot_shapes({"a": src, "b": tgt}, tmp_path / "s.png", window_size=(600, 300)))
+    assert p.shape == (300, 600, 3) and p.std() > 10
+    grey = (p.sum(-1) < 700) & (p.max(-1) - p.min(-1) < 40)  # the shaded grey shapes
+    assert grey.mean() > 0.15
+    p = _pixels(plot_overlay(src, res.warped, tgt, tmp_path / "o.png"))
+    assert p.shape == (600, 1200, 3)
+    for half in (p[:, :600], p[:, 600:]):  # before and after: both shapes in each view
+        assert _orange(half).mean() > 0.01 and _blue(half).mean() > 0.01
+
+
+def test_plot_jacobian_and_momenta(fitted, tmp_path):
+    from otreg.viz import plot_jacobian, plot_momenta
+
+    res, src, _ = fitted
+    p = _pixels(plot_jacobian(res, src, tmp_path / "j.png"))
+    assert p.shape == (600, 800, 3) and p.std() > 10
+    assert _colourful(p).mean() > 0.05  # coolwarm colours, not only grey
+    p = _pixels(plot_momenta(res, src, tmp_path / "m.png", view="iso"))
+    assert p.shape == (600, 800, 3) and _colourful(p).mean() > 0.01  # the plasma arrows
+
+
+def test_animate_flow_writes_one_frame_a_time_step(fitted, tmp_path):
+    from PIL import Image, ImageSequence
+
+    from otreg.viz import animate_flow
+
+    res, src, tgt = fitted
+    path = animate_flow(res, src, tmp_path / "flow.gif", target=tgt, window_size=(300, 250))
+    gif = Image.open(path)
+    frames = [np.asarray(f.convert("RGB"), dtype=int) for f in ImageSequence.Iterator(gif)]
+    assert len(frames) == res.deformation.n_steps + 1
+    assert frames[0].shape == (250, 300, 3) and gif.info.get("loop") == 0
+    assert np.abs(frames[0] - frames[-1]).mean() > 1  # the shape moved
+    assert _orange(frames[-1]).mean() > 0.02
+
+
+def test_plot_plan_and_tradeoff(tmp_path):
+    import torch
+
+    import otreg
+    from otreg.viz import plot_plan, plot_tradeoff
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(40, 2, generator=g), torch.rand(50, 2, generator=g) + 1.0
+    plan = otreg.sinkhorn(x, y, blur=0.05).plan
+    p = _pixels(plot_plan(x, y, plan, tmp_path / "plan.png", max_lines=100))
+    assert p.shape == (600, 600, 3)
+    for colour in ((31, 119, 180), (255, 127, 14)):  # the two clouds
+        assert (np.abs(p - colour).sum(-1) < 30).sum() > 100, colour
+    rows = [
+        {"strategy": "store", "peak_bytes": 8e8, "seconds": 1.0},
+        {"strategy": "checkpoint", "peak_bytes": 1e8, "seconds": 1.6, "memory": "100MB"},
+    ]
+    p = _pixels(plot_tradeoff(rows, tmp_path / "tradeoff.png"))
+    assert p.shape == (450, 600, 3)
+    for colour in ((31, 119, 180), (255, 127, 14)):  # one point a row
+        assert (np.abs(p - colour).sum(-1) < 30).sum() > 50, colour
+
+
+def test_picture_functions_refuse_bad_input(fitted, tmp_path):
+    import torch
+
+    from otreg import register
+    from otreg.viz import animate_flow, plot_momenta, plot_overlay, plot_plan, plot_tradeoff
+
+    res, src, tgt = fitted
+    with pytest.raises(ValueError, match="view is 'top'; choose from"):
+        plot_overlay(src, res.warped, tgt, tmp_path / "o.png", view="top")
+    with pytest.raises(TypeError, match="result must be an otreg Registration"):
+        plot_momenta({"momenta": 1}, src, tmp_path / "m.png")
+    rigid = register(src, tgt, model="rigid", progress=False)
+    with pytest.raises(ValueError, match="no LDDMM deformation"):
+        animate_flow(rigid, src, tmp_path / "f.gif")
+    with pytest.raises(
+        ValueError, match=r"plan has shape \(3, 3\); it must be \(N, M\) = \(4, 5\)"
+    ):
+        plot_plan(torch.rand(4, 2), torch.rand(5, 2), torch.rand(3, 3), tmp_path / "p.png")
+    with pytest.raises(ValueError, match="rows is empty"):
+        plot_tradeoff([], tmp_path / "t.png")
+    assert not list(tmp_path.iterdir())  # nothing half-written
