@@ -23,11 +23,28 @@ __all__ = [
 
 
 class ConvergenceWarning(UserWarning):
-    """An iterative method stopped at its iteration cap before reaching its tolerance."""
+    """An iterative method stopped at its iteration cap before reaching its tolerance.
+
+    Example:
+        >>> import warnings, torch, otreg
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     res = otreg.sinkhorn(torch.rand(50, 2), torch.rand(50, 2), blur=0.01, max_iter=12)
+        >>> res.converged, any(issubclass(w.category, otreg.ConvergenceWarning) for w in caught)
+        (False, True)
+    """
 
 
 class FoldWarning(UserWarning):
-    """A deformation folds: its Jacobian determinant is not positive somewhere."""
+    """A deformation folds: its Jacobian determinant is not positive somewhere.
+
+    Example:
+        >>> import warnings, otreg
+        >>> warnings.simplefilter("error", otreg.FoldWarning)  # make a fold stop a script
+        >>> issubclass(otreg.FoldWarning, UserWarning)
+        True
+        >>> warnings.resetwarnings()
+    """
 
 
 def _describe(x: object) -> str:

@@ -40,6 +40,16 @@ def info(check_keops: bool = True, file=None) -> dict:
         check_keops: compile and run one small KeOps formula (about 10 s the first time,
             cached afterwards) to tell whether the keops backend works.
         file: where to print (default ``sys.stdout``); ``False`` prints nothing.
+
+    Returns:
+        ``{name: version or status}``: otreg, Python, the platform, torch, the backends.
+
+    Example:
+        >>> import contextlib, io, otreg
+        >>> with contextlib.redirect_stdout(io.StringIO()):  # pykeops may print on import
+        ...     report = otreg.info(check_keops=False, file=io.StringIO())
+        >>> "otreg" in report and "torch" in report
+        True
     """
     report: dict = {
         "otreg": package_version("otreg"),

@@ -34,6 +34,13 @@ class Shape:
         data: per-point arrays (e.g. curvature, labels), each with N rows.
         unit: the length unit of ``points`` (``"mm"``).
         source: the file the shape was read from, if any (never overwritten by save_shape).
+
+    Example:
+        >>> import torch, otreg
+        >>> tetra = otreg.Shape(torch.eye(3).repeat(2, 1)[:4] * 10.0,
+        ...                     torch.tensor([[0, 1, 2], [0, 1, 3], [0, 2, 3], [1, 2, 3]]))
+        >>> tetra.n_points, tetra.n_faces, tetra.unit
+        (4, 4, 'mm')
     """
 
     points: torch.Tensor

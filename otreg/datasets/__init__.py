@@ -66,6 +66,12 @@ def circles(
 
     Returns:
         x, y: ``(n, 2)`` each.
+
+    Example:
+        >>> from otreg import datasets
+        >>> x, y = datasets.circles(1000)
+        >>> tuple(x.shape), tuple(y.shape)
+        ((1000, 2), (1000, 2))
     """
     n = check_int("circles", "n", n, 1)
     t = torch.arange(n, dtype=torch.float64) * (2 * math.pi / n)
@@ -86,6 +92,12 @@ def noisy_sphere(
 
     Returns:
         ``(n, 3)`` points, in the units of ``radius``.
+
+    Example:
+        >>> from otreg import datasets
+        >>> p = datasets.noisy_sphere(500, radius=2.0, noise=0.0)
+        >>> round(float(p.norm(dim=1).mean()), 3)
+        2.0
     """
     n = check_int("noisy_sphere", "n", n, 1)
     radius = check_positive("noisy_sphere", "radius", radius)
@@ -99,7 +111,13 @@ def noisy_sphere(
 
 # --------------------------------------------------------------------------- nilearn data
 def nilearn_data_dir() -> Path:
-    """The data folder inside the installed nilearn wheel."""
+    """The data folder inside the installed nilearn wheel.
+
+    Example:
+        >>> from otreg import datasets
+        >>> (datasets.nilearn_data_dir() / "fsaverage5").is_dir()
+        True
+    """
     try:
         import nilearn
     except ImportError as err:
@@ -116,6 +134,12 @@ def fsaverage5(
 
     ``surface``: ``"pial"``, ``"white"``, ``"midthickness"`` (their average, vertex by
     vertex: FreeSurfer's pial and white share vertex order), ``"inflated"`` or ``"sphere"``.
+
+    Example:
+        >>> from otreg import datasets
+        >>> lh = datasets.fsaverage5("midthickness", "left")
+        >>> lh.n_points, lh.n_faces, lh.unit
+        (10242, 20480, 'mm')
     """
     from ..io import load_shape
 
@@ -128,7 +152,13 @@ def fsaverage5(
 
 
 def fsaverage5_path(surface: str = "pial", hemi: str = "left") -> Path:
-    """The GIFTI file of an fsaverage5 hemisphere inside nilearn's installed package."""
+    """The GIFTI file of an fsaverage5 hemisphere inside nilearn's installed package.
+
+    Example:
+        >>> from otreg import datasets
+        >>> datasets.fsaverage5_path("white", "right").is_file()
+        True
+    """
     check_choice("fsaverage5", "surface", surface, FSAVERAGE5_SURFACES)
     check_choice("fsaverage5", "hemi", hemi, ("left", "right"))
     if surface == "midthickness":
@@ -142,7 +172,13 @@ def fsaverage5_path(surface: str = "pial", hemi: str = "left") -> Path:
 def fsaverage5_map(name: str = "sulc", hemi: str = "left") -> np.ndarray:
     """A per-vertex map of an fsaverage5 hemisphere, ``(10242,)`` float: ``"sulc"`` (sulcal
     depth, mm, positive in sulci), ``"curv"`` (mean curvature, 1/mm), ``"thick"`` (cortical
-    thickness, mm) or ``"area"`` (vertex area, mm^2)."""
+    thickness, mm) or ``"area"`` (vertex area, mm^2).
+
+    Example:
+        >>> from otreg import datasets
+        >>> datasets.fsaverage5_map("sulc", "left").shape
+        (10242,)
+    """
     import nibabel as nib
 
     check_choice("fsaverage5_map", "name", name, FSAVERAGE5_MAPS)
@@ -153,7 +189,13 @@ def fsaverage5_map(name: str = "sulc", hemi: str = "left") -> np.ndarray:
 
 # --------------------------------------------------------------------------- brainspace data
 def brainspace_data_dir() -> Path:
-    """The data folder inside the installed brainspace wheel."""
+    """The data folder inside the installed brainspace wheel.
+
+    Example:
+        >>> from otreg import datasets
+        >>> datasets.brainspace_data_dir().is_dir()
+        True
+    """
     try:
         import brainspace
     except ImportError as err:
@@ -165,7 +207,13 @@ def brainspace_data_dir() -> Path:
 
 
 def conte69_path(hemi: str = "left", surface: str = "midthickness") -> Path:
-    """The GIFTI file of a Conte69 hemisphere inside brainspace's installed package."""
+    """The GIFTI file of a Conte69 hemisphere inside brainspace's installed package.
+
+    Example:
+        >>> from otreg import datasets
+        >>> datasets.conte69_path("left").suffix
+        '.gii'
+    """
     check_choice("conte69", "hemi", hemi, ("left", "right"))
     check_choice("conte69", "surface", surface, CONTE69_SURFACES)
     suffix = "_sphere" if surface == "sphere" else ""
@@ -178,6 +226,12 @@ def conte69(
     """A Conte69 hemisphere (fs_LR 32k: 32,492 vertices, 64,980 triangles), MNI space, mm.
 
     ``data["cortex"]`` is 1 on the cortex and 0 on the medial wall (brainspace's mask).
+
+    Example:
+        >>> from otreg import datasets
+        >>> lh = datasets.conte69("left")
+        >>> lh.n_points, int(lh.data["cortex"].sum()) < lh.n_points
+        (32492, True)
     """
     from ..io import load_shape
 
@@ -189,7 +243,14 @@ def conte69(
 
 def conte69_parcellation(name: str = "schaefer_100", hemi: str = "left") -> np.ndarray:
     """brainspace's parcel labels on a Conte69 hemisphere, ``(32492,)`` int (0: the medial
-    wall; the right hemisphere's labels follow the left's)."""
+    wall; the right hemisphere's labels follow the left's).
+
+    Example:
+        >>> from otreg import datasets
+        >>> labels = datasets.conte69_parcellation("schaefer_100", "left")
+        >>> labels.shape
+        (32492,)
+    """
     check_choice("conte69_parcellation", "name", name, CONTE69_PARCELLATIONS)
     check_choice("conte69_parcellation", "hemi", hemi, ("left", "right"))
     path = brainspace_data_dir() / "parcellations" / f"{name}_conte69.csv"
@@ -199,7 +260,13 @@ def conte69_parcellation(name: str = "schaefer_100", hemi: str = "left") -> np.n
 
 
 def mni152(tissue: str = "wm") -> Path:
-    """Path of nilearn's MNI152 (2009a) grey- or white-matter probability map (uint8, 0-255)."""
+    """Path of nilearn's MNI152 (2009a) grey- or white-matter probability map (uint8, 0-255).
+
+    Example:
+        >>> from otreg import datasets
+        >>> datasets.mni152("gm").name.endswith(".nii.gz")
+        True
+    """
     check_choice("mni152", "tissue", tissue, ("gm", "wm"))
     return nilearn_data_dir() / f"mni_icbm152_{tissue}_tal_nlin_sym_09a_converted.nii.gz"
 
@@ -213,6 +280,12 @@ def mni152_surface(
     """The boundary of the MNI152 tissue map thresholded at ``threshold`` (a probability).
 
     ``largest`` keeps the largest connected component: a closed surface.
+
+    Example:
+        >>> from otreg import datasets
+        >>> wm = datasets.mni152_surface("wm")
+        >>> wm.n_points > 10_000, wm.unit
+        (True, 'mm')
     """
     from ..io import load_shape
 
@@ -230,7 +303,16 @@ def mni152_surface(
 # --------------------------------------------------------------------------- synthetic
 @dataclass
 class SyntheticSubject:
-    """One synthetic subject: ``shape`` = rigid(flow(base)), vertex k <-> base vertex k."""
+    """One synthetic subject: ``shape`` = rigid(flow(base)), vertex k <-> base vertex k.
+
+    Example:
+        >>> from otreg import datasets
+        >>> base = datasets.fsaverage5("pial").decimate(2000)
+        >>> (s,) = datasets.synthetic_subjects(base, n=1)
+        >>> truth = s.rigid(s.flow(base.points))       # where each base vertex went
+        >>> bool((truth - s.shape.points).abs().max() < 1e-3)
+        True
+    """
 
     name: str
     shape: Shape
@@ -277,6 +359,13 @@ def synthetic_subjects(
 
     Returns:
         One :class:`SyntheticSubject` per subject.
+
+    Example:
+        >>> from otreg import datasets
+        >>> base = datasets.fsaverage5("pial").decimate(2000)
+        >>> (s,) = datasets.synthetic_subjects(base, n=1, seed=1)
+        >>> s.name, s.shape.n_points == base.n_points
+        ('subject_000', True)
     """
     caller = "synthetic_subjects"
     base = fsaverage5("pial", "left") if base is None else base

@@ -84,6 +84,13 @@ def load_shape(
 
     Returns:
         :class:`~otreg.shapes.Shape` with ``source`` set to the file (an absolute path).
+
+    Example:
+        >>> import otreg, tempfile, pathlib
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> path = otreg.save_shape(otreg.datasets.fsaverage5("pial"), folder / "lh.pial.gii")
+        >>> otreg.load_shape(path).n_points
+        10242
     """
     caller = "load_shape"
     if not isinstance(path, (str, Path)):
@@ -154,6 +161,12 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
     ``.surf`` (FreeSurfer, coordinates as scanner RAS); point clouds: .csv, .npy.
     Refuses to overwrite ``shape.source`` (the file it was read from), however the path
     is spelled (relative, through a symlink).
+
+    Example:
+        >>> import otreg, tempfile, pathlib
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> otreg.save_shape(otreg.datasets.fsaverage5("white"), folder / "lh.white.vtk").name
+        'lh.white.vtk'
     """
     caller = "save_shape"
     if not isinstance(shape, Shape):

@@ -183,6 +183,15 @@ def fixed_point(
 
     Returns:
         z*, with the structure of x0.
+
+    Example:
+        >>> import torch
+        >>> from otreg.loops import fixed_point
+        >>> c = torch.tensor(2.0, requires_grad=True)
+        >>> x = fixed_point(lambda x, c: 0.5 * (x + c / x), torch.tensor(1.0), (c,))  # sqrt(c)
+        >>> x.backward()
+        >>> round(float(x), 6), round(float(c.grad), 6)          # d sqrt(c)/dc = 1/(2 sqrt(c))
+        (1.414214, 0.353553)
     """
     caller = "fixed_point"
     if not callable(step):

@@ -284,6 +284,16 @@ def iterate(
 
     Returns:
         x_n, with the structure of ``x0``.
+
+    Example:
+        >>> import torch
+        >>> from otreg.loops import iterate
+        >>> w = torch.tensor(0.5, requires_grad=True)
+        >>> x = iterate(lambda x, w: x + 0.01 * torch.tanh(w * x), torch.ones(1000), 100, (w,),
+        ...             strategy="checkpoint", snapshots=10)
+        >>> x.sum().backward()
+        >>> float(w.grad) > 0
+        True
     """
     caller = "iterate"
     if not callable(step):

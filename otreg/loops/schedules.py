@@ -48,7 +48,13 @@ def max_steps(s: int, t: int) -> int:
 
 
 def min_recomputations(n_steps: int, snapshots: int) -> int:
-    """Griewank and Walther's p(n, s): the fewest untaped forward steps to reverse n steps."""
+    """Griewank and Walther's p(n, s): the fewest untaped forward steps to reverse n steps.
+
+    Example:
+        >>> from otreg.loops import min_recomputations
+        >>> min_recomputations(10, 1), min_recomputations(10, 10), min_recomputations(100, 10)
+        (45, 9, 222)
+    """
     n = check_int("min_recomputations", "n_steps", n_steps, 1)
     s = check_int("min_recomputations", "snapshots", snapshots, 1)
     return _p(n, s)
@@ -80,6 +86,12 @@ def binomial_schedule(n_steps: int, snapshots: int) -> list[Action]:
     The initial state x_0 sits in a slot when the schedule starts. The list's ``advance``
     steps add up to :func:`min_recomputations`, and at most ``snapshots`` states are stored
     at once.
+
+    Example:
+        >>> from otreg.loops import binomial_schedule
+        >>> actions = binomial_schedule(10, 3)
+        >>> len(actions) > 10
+        True
     """
     n = check_int("binomial_schedule", "n_steps", n_steps, 1)
     s = check_int("binomial_schedule", "snapshots", snapshots, 1)

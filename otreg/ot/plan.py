@@ -24,6 +24,13 @@ class TransportPlan:
     Built by :func:`otreg.sinkhorn` from its potentials; inputs and outputs keep the batch
     dimension only if the problem had one. The plan is held fixed: gradients flow to the
     vectors it is applied to, not to the points or potentials.
+
+    Example:
+        >>> import torch, otreg
+        >>> plan = otreg.sinkhorn(torch.rand(50, 2), torch.rand(60, 2), blur=0.1).plan
+        >>> a, b = plan.marginals()          # the uniform weights: 1/50 and 1/60
+        >>> round(float(a.sum()), 4), tuple(plan.barycentric_map().shape)
+        (1.0, (50, 2))
     """
 
     def __init__(

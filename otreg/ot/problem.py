@@ -62,6 +62,13 @@ class Implicit:
     Args:
         tol: relative residual of the adjoint solve.
         max_iter: most iterations of the adjoint solve.
+
+    Example:
+        >>> import torch, otreg
+        >>> x, y = torch.rand(100, 3, requires_grad=True), torch.rand(120, 3)
+        >>> otreg.sinkhorn(x, y, blur=0.1, backward=otreg.Implicit()).cost.backward()
+        >>> tuple(x.grad.shape)
+        (100, 3)
     """
 
     tol: float = 1e-10
@@ -80,6 +87,14 @@ class Unroll:
     Args:
         strategy: ``"store"``, ``"checkpoint"``, ``"reversible"`` or ``"offload"``.
         memory: the budget for ``"checkpoint"``: bytes or a size like ``"500MB"``.
+
+    Example:
+        >>> import torch, otreg
+        >>> x, y = torch.rand(100, 3, requires_grad=True), torch.rand(120, 3)
+        >>> res = otreg.sinkhorn(x, y, blur=0.1, backward=otreg.Unroll("checkpoint", "20MB"))
+        >>> res.cost.backward()
+        >>> bool(torch.isfinite(x.grad).all())
+        True
     """
 
     strategy: str = "store"
@@ -105,6 +120,13 @@ class Multiscale:
             ``diameter * max(N, M) ** (-1/D)``.
         auto: only where it pays (the rule of ``multiscale="auto"``); False requires it and
             raises ``ValueError`` where it cannot run.
+
+    Example:
+        >>> import torch, otreg
+        >>> x, y = torch.rand(2000, 3), torch.rand(2000, 3)
+        >>> res = otreg.sinkhorn(x, y, blur=0.05, multiscale=otreg.Multiscale(auto=False))
+        >>> res.backend, res.converged
+        ('multiscale', True)
     """
 
     truncate: float = 5.0
@@ -125,6 +147,12 @@ class SinkhornOptions:
     for each one's meaning). Frozen: derive variants with :meth:`replace`.
 
     ``dataclasses.asdict(options)`` is what results record.
+
+    Example:
+        >>> import otreg
+        >>> opts = otreg.SinkhornOptions(blur=0.01, reach=0.5)
+        >>> opts.replace(tol=1e-6).tol, opts.reach
+        (1e-06, 0.5)
     """
 
     blur: float = 0.05

@@ -103,6 +103,12 @@ class SinkhornResult:
         form: ``"log"`` or ``"scaling"``.
         plan: the lazy :class:`~otreg.ot.plan.TransportPlan`.
         options: the :class:`~otreg.ot.problem.SinkhornOptions` of the solve.
+
+    Example:
+        >>> import torch, otreg
+        >>> res = otreg.sinkhorn(torch.rand(50, 2), torch.rand(60, 2), blur=0.1)
+        >>> res.stopped, res.marginal_error < res.options.tol
+        ('tol', True)
     """
 
     f: torch.Tensor
@@ -467,6 +473,13 @@ def sinkhorn(
     Returns:
         :class:`SinkhornResult`. Warns :class:`~otreg.ConvergenceWarning` when ``tol`` is
         not reached; ``result.converged`` says it too.
+
+    Example:
+        >>> import torch, otreg
+        >>> x, y = torch.rand(200, 3), torch.rand(300, 3)
+        >>> res = otreg.sinkhorn(x, y, blur=0.1)
+        >>> res.converged, tuple(res.f.shape), tuple(res.g.shape)
+        (True, (200,), (300,))
     """
     caller = "sinkhorn"
     backward, multiscale = _legacy_options(

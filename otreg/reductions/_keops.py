@@ -31,7 +31,13 @@ HELP = (
 
 
 class KeOpsUnavailable(RuntimeError):
-    """pykeops is missing or could not compile a formula."""
+    """pykeops is missing or could not compile a formula.
+
+    Example:
+        >>> import otreg
+        >>> issubclass(otreg.KeOpsUnavailable, RuntimeError)  # backend="keops" raises it
+        True
+    """
 
 
 _failure: str | None = None  # why pykeops failed in this process, once it has

@@ -49,6 +49,12 @@ class LDDMMOptions:
             and Jacobians (0.67 to 1.36).
         regularization: weight of the deformation energy in the objective (>= 0).
         strategy, memory: differentiation of the shooting loop (:func:`otreg.loops.iterate`).
+
+    Example:
+        >>> import otreg
+        >>> opts = otreg.LDDMMOptions(sigma=(20.0, 8.0), control_points=500)
+        >>> opts.n_steps, opts.integrator
+        (6, 'leapfrog')
     """
 
     sigma: float | Sequence[float] | None = None
@@ -93,6 +99,11 @@ class PrealignOptions:
         max_points: the surfaces are decimated to about this many vertices (500 aligns
             a hippocampus pair and two hemisphere templates as well as 2,000, in a sixth of
             the time).
+
+    Example:
+        >>> import otreg
+        >>> otreg.PrealignOptions("affine", max_points=1000).n_iter
+        8
     """
 
     kind: str = "rigid"
@@ -131,6 +142,11 @@ class LBFGSOptions:
             (:meth:`~otreg.registration.deformations.LDDMM.whitened`): the same objective,
             reached in fewer iterations (fsaverage5 onto Conte69: closer after 15
             iterations a level than without after 30).
+
+    Example:
+        >>> import otreg
+        >>> otreg.LBFGSOptions(max_iter=30).precondition
+        True
     """
 
     max_iter: int = 15
@@ -174,6 +190,11 @@ class Level:
         scale: mm; the Sinkhorn blur and the varifold/currents kernel width at this level.
         loss: this level's data term (a name or a dict of weights); None: ``register``'s
             ``loss`` (or its default).
+
+    Example:
+        >>> import otreg
+        >>> otreg.Level(2000, 4.0, {"sinkhorn": 1.0, "varifold": 0.5}).loss
+        {'sinkhorn': 1.0, 'varifold': 0.5}
     """
 
     points: int

@@ -36,6 +36,16 @@ class Registration:
         options: the effective options of the run (the option objects' fields).
         inputs: the files the source and target were read from (``{"source": path or
             None, "target": ...}``, absolute paths); :meth:`save` never writes over them.
+
+    Example:
+        >>> import pyvista as pv, torch, otreg, tempfile
+        >>> ball = otreg.Shape.from_pyvista(pv.Sphere(radius=20)).to(torch.float64)
+        >>> res = otreg.register(ball, ball.with_points(ball.points + 2.0), model="rigid",
+        ...                      progress=False)
+        >>> res.transform(torch.zeros(1, 3)).round(decimals=1)   # the centre moves 2 mm
+        tensor([[2., 2., 2.]])
+        >>> otreg.Registration.load(res.save(tempfile.mkdtemp())).metrics == res.metrics
+        True
     """
 
     warped: Shape
