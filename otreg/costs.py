@@ -35,7 +35,14 @@ def _sq_dists(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Cost:
-    """A ground cost: its name, its exponent p, and a formula for each backend."""
+    """A ground cost: its name, its exponent p, and a formula for each backend.
+
+    Example:
+        >>> from otreg.costs import get_cost
+        >>> c = get_cost("sqeuclidean")
+        >>> c.name, c.p
+        ('sqeuclidean', 2)
+    """
 
     name: str
     p: int
@@ -59,7 +66,13 @@ COSTS = {"sqeuclidean": Cost("sqeuclidean", 2), "euclidean": Cost("euclidean", 1
 
 
 def get_cost(name: str | Cost, caller: str = "otreg") -> Cost:
-    """The Cost of that name (``"sqeuclidean"`` or ``"euclidean"``)."""
+    """The Cost of that name (``"sqeuclidean"`` or ``"euclidean"``).
+
+    Example:
+        >>> from otreg.costs import get_cost
+        >>> get_cost("euclidean").p
+        1
+    """
     if isinstance(name, Cost):
         return name
     if name not in COSTS:
@@ -68,7 +81,14 @@ def get_cost(name: str | Cost, caller: str = "otreg") -> Cost:
 
 
 def diameter(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Diagonal of the bounding box of both clouds ``(B, N, D)``: the largest distance scale."""
+    """Diagonal of the bounding box of both clouds ``(B, N, D)``: the largest distance scale.
+
+    Example:
+        >>> import torch
+        >>> from otreg.costs import diameter
+        >>> diameter(torch.zeros(1, 3, 2), torch.tensor([[[3.0, 4.0]]]))
+        5.0
+    """
     both = torch.cat([x.detach().reshape(-1, x.shape[-1]), y.detach().reshape(-1, y.shape[-1])])
     span = both.max(0).values - both.min(0).values
     return float(span.norm())
@@ -80,6 +100,11 @@ def epsilon_schedule(p: int, diameter: float, blur: float, scaling: float) -> li
     Each step multiplies eps by ``scaling ** p``; the list starts with ``diameter ** p`` twice
     and ends with ``blur ** p``: GeomLoss's convention, so that an iteration count here means
     the same as there. The solver then iterates at the final eps until convergence.
+
+    Example:
+        >>> from otreg.costs import epsilon_schedule
+        >>> [round(e, 4) for e in epsilon_schedule(2, 1.0, 0.25, 0.5)]
+        [1.0, 1.0, 0.25, 0.0625]
     """
     start, stop, step = p * math.log(diameter), p * math.log(blur), p * math.log(scaling)
     n = max(0, math.ceil((stop - start) / step))

@@ -49,6 +49,12 @@ class SubjectInput:
         path: the file (absolute).
         kind: ``"surface"`` or ``"dseg"``.
         label: for ``"dseg"``, the segmentation value whose boundary is registered.
+
+    Example:
+        >>> import pathlib
+        >>> from otreg.batch import SubjectInput
+        >>> SubjectInput("01", None, "L", pathlib.Path("sub-01_hemi-L_pial.surf.gii")).subject
+        '01'
     """
 
     subject: str
@@ -98,6 +104,20 @@ def find_inputs(
         ValueError: a bad value, an unknown kind of folder, a raw dataset without derivatives,
             no inputs at all or for any of the participant labels, two files for one input.
         TypeError: an argument of the wrong type.
+
+    Example:
+        >>> import json, pathlib, tempfile, otreg
+        >>> from otreg.batch import find_inputs
+        >>> root = pathlib.Path(tempfile.mkdtemp()) / "fmriprep"          # a tiny fMRIPrep tree
+        >>> anat = root / "sub-01" / "anat"
+        >>> anat.mkdir(parents=True)
+        >>> surface = otreg.datasets.fsaverage5("pial").decimate(500)
+        >>> _ = otreg.save_shape(surface, anat / "sub-01_hemi-L_pial.surf.gii")
+        >>> _ = (root / "dataset_description.json").write_text(json.dumps({"Name": "demo",
+        ...     "BIDSVersion": "1.8.0", "DatasetType": "derivative",
+        ...     "GeneratedBy": [{"Name": "fMRIPrep"}]}))
+        >>> [(i.subject, i.hemisphere, i.path.name) for i in find_inputs(root, hemispheres="L")]
+        [('01', 'L', 'sub-01_hemi-L_pial.surf.gii')]
     """
     root = _path(root, "root", "find_inputs")
     if not root.is_dir():
@@ -343,6 +363,24 @@ def bids_pairs(
         ValueError: no inputs, a bad template_id, a template missing a hemisphere, two inputs
             with the same output names.
         TypeError: an argument of the wrong type.
+
+    Example:
+        >>> import json, pathlib, tempfile, otreg
+        >>> from otreg.batch import find_inputs
+        >>> root = pathlib.Path(tempfile.mkdtemp()) / "fmriprep"          # a tiny fMRIPrep tree
+        >>> anat = root / "sub-01" / "anat"
+        >>> anat.mkdir(parents=True)
+        >>> surface = otreg.datasets.fsaverage5("pial").decimate(500)
+        >>> _ = otreg.save_shape(surface, anat / "sub-01_hemi-L_pial.surf.gii")
+        >>> _ = (root / "dataset_description.json").write_text(json.dumps({"Name": "demo",
+        ...     "BIDSVersion": "1.8.0", "DatasetType": "derivative",
+        ...     "GeneratedBy": [{"Name": "fMRIPrep"}]}))
+        >>> from otreg.batch import bids_pairs
+        >>> inputs = find_inputs(root, hemispheres="L")
+        >>> template = otreg.datasets.fsaverage5_path("pial")
+        >>> (pair,) = bids_pairs(inputs, template, "fsaverage5")
+        >>> pair.pair_id, pair.folder, pair.prefix
+        ('sub-01_hemi-L', 'sub-01/anat', 'sub-01_hemi-L_space-fsaverage5_desc-otreg_')
     """
     caller = "bids_pairs"
     if isinstance(inputs, str) or not isinstance(inputs, Sequence) or not inputs:
@@ -452,6 +490,14 @@ def write_dataset_description(out_dir: str | os.PathLike, source_root: str | os.
 
     Raises:
         ValueError: a description exists that otreg did not write (or that is not JSON).
+
+    Example:
+        >>> import json, pathlib, tempfile
+        >>> from otreg.batch import write_dataset_description
+        >>> out = pathlib.Path(tempfile.mkdtemp())
+        >>> path = write_dataset_description(out, "/data/fmriprep")
+        >>> json.loads(path.read_text())["DatasetType"]
+        'derivative'
     """
     from importlib.metadata import PackageNotFoundError, version
 

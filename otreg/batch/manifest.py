@@ -68,6 +68,11 @@ class Pair:
         options: registration options of this row (keys of :data:`ROW_OPTIONS`).
         folder: the output folder, relative to the batch folder (default ``pairs/<id>``).
         prefix: prepended to every output file name (BIDS derivative names), default "".
+
+    Example:
+        >>> from otreg.batch import Pair
+        >>> Pair("sub-01_to_tpl", "sub-01.vtk", "tpl.vtk").pair_id
+        'sub-01_to_tpl'
     """
 
     pair_id: str
@@ -141,6 +146,16 @@ def read_manifest(path: str | Path) -> list[Pair]:
         FileNotFoundError: no such manifest.
         ValueError: a missing column, an unknown column, an empty or bad field, a pair id
             that is not allowed or appears twice (the message names the line).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.batch import pairs_to_template, read_manifest, write_manifest
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "pairs.csv"
+        >>> pairs = pairs_to_template({"sub-01": "/data/s1.vtk"}, "/data/tpl.vtk")
+        >>> write_manifest(pairs, path).name
+        'pairs.csv'
+        >>> [p.pair_id for p in read_manifest(path)]
+        ['sub-01_to_template']
     """
     path = Path(path)
     if not path.is_file():
@@ -222,7 +237,16 @@ def _hemisphere(value: str | None) -> str | None:
 
 
 def write_manifest(pairs: Sequence[Pair], path: str | Path) -> Path:
-    """Write pairs as a CSV manifest (atomically); paths are written as given (absolute)."""
+    """Write pairs as a CSV manifest (atomically); paths are written as given (absolute).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.batch import Pair, write_manifest
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "pairs.csv"
+        >>> path = write_manifest([Pair("a_to_b", "/data/a.vtk", "/data/b.vtk")], path)
+        >>> path.read_text().split()[0]
+        'pair_id,source,target,label,level,hemisphere,source_subject,target_subject,options'
+    """
     from ..io import atomic_write
 
     if not pairs:
@@ -274,6 +298,12 @@ def pairs_to_template(
         subjects: subject id -> surface or volume file.
         template: the template's file.
         **columns: label, level, hemisphere or options, the same for every pair.
+
+    Example:
+        >>> from otreg.batch import pairs_to_template
+        >>> pairs = pairs_to_template({"s1": "/d/s1.vtk", "s2": "/d/s2.vtk"}, "/d/t.vtk", "fsavg")
+        >>> [p.pair_id for p in pairs]
+        ['s1_to_fsavg', 's2_to_fsavg']
     """
     subjects = _subjects(subjects, "pairs_to_template")
     template = str(Path(template).expanduser().absolute())
@@ -292,7 +322,14 @@ def pairs_to_template(
 
 def all_pairs(subjects: Mapping[str, str | Path], symmetric: bool = False, **columns) -> list[Pair]:
     """Every pair of subjects: ``a_to_b`` for a before b in the given order, and also
-    ``b_to_a`` when ``symmetric`` (a registration is not symmetric in its inputs)."""
+    ``b_to_a`` when ``symmetric`` (a registration is not symmetric in its inputs).
+
+    Example:
+        >>> from otreg.batch import all_pairs
+        >>> subjects = {"a": "/d/a.vtk", "b": "/d/b.vtk", "c": "/d/c.vtk"}
+        >>> [p.pair_id for p in all_pairs(subjects)]
+        ['a_to_b', 'a_to_c', 'b_to_c']
+    """
     subjects = _subjects(subjects, "all_pairs")
     if len(subjects) < 2:
         raise ValueError(f"all_pairs: need at least 2 subjects, got {len(subjects)}")

@@ -56,7 +56,14 @@ FAILED_NAME = "error.json"
 
 def read_record(path: str | Path) -> dict | None:
     """A record, or None if the file is missing, unreadable or not a record of this
-    format (an interrupted or foreign file counts as no record)."""
+    format (an interrupted or foreign file counts as no record).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.batch import read_record
+        >>> read_record(pathlib.Path(tempfile.mkdtemp()) / "missing.json") is None
+        True
+    """
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -70,7 +77,14 @@ def read_record(path: str | Path) -> dict | None:
 
 def find_records(folder: str | Path) -> list[tuple[Path, dict]]:
     """Every record under a batch folder: (path, record), sorted by pair id. Hidden folders
-    (temporary ones) are skipped."""
+    (temporary ones) are skipped.
+
+    Example:
+        >>> import tempfile
+        >>> from otreg.batch import find_records
+        >>> find_records(tempfile.mkdtemp())                  # a folder without a batch
+        []
+    """
     folder = Path(folder)
     found = []
     for path in folder.rglob("*.json"):

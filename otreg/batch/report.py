@@ -112,6 +112,12 @@ def build_report(
         TypeError: ``folder``, ``title`` or ``distance_metric`` of the wrong type.
         FileNotFoundError: ``folder`` does not exist.
         NotADirectoryError: ``folder`` is a file.
+
+    Example:
+        >>> import tempfile
+        >>> from otreg.batch import build_report
+        >>> build_report(tempfile.mkdtemp()).name     # a folder with no records yet: an empty page
+        'index.html'
     """
     from ..io import atomic_write
 

@@ -212,7 +212,14 @@ def load_input(
 ) -> Shape:
     """An input of a registration: ``label``/``level`` apply to volumes only (the other
     input of a pair may be a mesh) and ``points`` decimates to about that many vertices,
-    the shape keeping its file as ``source`` (so that results never overwrite it)."""
+    the shape keeping its file as ``source`` (so that results never overwrite it).
+
+    Example:
+        >>> from otreg import datasets
+        >>> from otreg.io import load_input
+        >>> load_input(datasets.fsaverage5_path("white"), points=1000).n_points <= 1100
+        True
+    """
     import dataclasses
 
     volume = Path(path).name.lower().endswith(VOLUME_EXTS)

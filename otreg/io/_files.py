@@ -100,7 +100,16 @@ def _vtk_reason(err: Exception) -> str:
 
 
 def read_pyvista_mesh(path: Path, caller: str):
-    """The pyvista dataset in a mesh file, or a ValueError naming the file."""
+    """The pyvista dataset in a mesh file, or a ValueError naming the file.
+
+    Example:
+        >>> import tempfile, pathlib, otreg
+        >>> from otreg.io import read_pyvista_mesh
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "lh.vtk"
+        >>> _ = otreg.save_shape(otreg.datasets.fsaverage5("white"), path)
+        >>> read_pyvista_mesh(path, "example").n_points
+        10242
+    """
     import pyvista as pv
 
     if path.suffix.lower() == ".ply":
@@ -243,7 +252,17 @@ def warn_bad_triangles(shape: Shape, path: Path, caller: str) -> None:
 
 
 def same_file(a: str | Path, b: str | Path) -> bool:
-    """Whether two paths name one existing file (through symlinks, ``..``, hard links)."""
+    """Whether two paths name one existing file (through symlinks, ``..``, hard links).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.io import same_file
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> (folder / "a.txt").write_text("x")
+        1
+        >>> same_file(folder / "a.txt", folder / "." / "a.txt"), same_file(folder / "a.txt", folder)
+        (True, False)
+    """
     try:
         return os.path.samefile(a, b)
     except OSError:  # either is missing: writing one cannot replace the other
@@ -253,7 +272,15 @@ def same_file(a: str | Path, b: str | Path) -> bool:
 def check_writable_folder(folder: Path, caller: str) -> list[Path]:
     """Create ``folder`` if missing and write and delete a file in it; return the folders
     created (outermost first). PermissionError (no write permission, read-only file
-    system) or ValueError (a file in the way), naming the folder, if it cannot be used."""
+    system) or ValueError (a file in the way), naming the folder, if it cannot be used.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.io import check_writable_folder
+        >>> new = pathlib.Path(tempfile.mkdtemp()) / "results" / "sub-01"
+        >>> [p.name for p in check_writable_folder(new, "example")]    # the folders it created
+        ['results', 'sub-01']
+    """
     created = [p for p in (folder, *folder.parents) if not os.path.lexists(p)][::-1]
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -278,7 +305,17 @@ def check_writable_folder(folder: Path, caller: str) -> list[Path]:
 
 def remove_empty_folders(folders: Sequence[Path]) -> None:
     """Remove those of ``folders`` (outermost first) that exist and are empty, innermost
-    first: the folders a run created, after it failed."""
+    first: the folders a run created, after it failed.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.io import remove_empty_folders
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> (root / "a" / "b").mkdir(parents=True)
+        >>> remove_empty_folders([root / "a", root / "a" / "b"])
+        >>> list(root.iterdir())
+        []
+    """
     for folder in reversed(folders):
         try:
             folder.rmdir()
@@ -294,7 +331,15 @@ def _temp_affixes(path: Path) -> tuple[str, str]:
 
 def remove_stale_temps(folder: Path, names: Sequence[str]) -> list[Path]:
     """Delete the temporary files an interrupted :func:`atomic_write_all` of ``names``
-    left in ``folder`` (those names' pattern only); return them."""
+    left in ``folder`` (those names' pattern only); return them.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.io import remove_stale_temps
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> remove_stale_temps(folder, ["summary.csv"])       # nothing was interrupted here
+        []
+    """
     removed = []
     for name in names:
         prefix, suffix = _temp_affixes(folder / name)
@@ -310,7 +355,17 @@ def atomic_write_all(writes: dict[Path, Callable[[Path], None]]) -> None:
     """Write several files as one: each to a temporary file beside it, then all renamed
     into place in quick succession. An error or interrupt before the renames changes none
     of them; no temporary file is left behind (a killed process leaves some: see
-    :func:`remove_stale_temps`)."""
+    :func:`remove_stale_temps`).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.io import atomic_write_all
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> atomic_write_all({folder / "a.txt": lambda t: t.write_text("a"),
+        ...                   folder / "b.txt": lambda t: t.write_text("b")})
+        >>> sorted(p.name for p in folder.iterdir())
+        ['a.txt', 'b.txt']
+    """
     umask = os.umask(0)  # mkstemp makes files private (0600); give them the usual mode
     os.umask(umask)
     temps: dict[Path, Path] = {}
@@ -332,7 +387,16 @@ def atomic_write_all(writes: dict[Path, Callable[[Path], None]]) -> None:
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a temporary file in the same folder, then rename over ``path``."""
+    """Write through a temporary file in the same folder, then rename over ``path``.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.io import atomic_write
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "out.txt"
+        >>> atomic_write(path, lambda tmp: tmp.write_text("done"))
+        >>> path.read_text(), [p.name for p in path.parent.iterdir()]   # no temporary file left
+        ('done', ['out.txt'])
+    """
     atomic_write_all({path: write})
 
 

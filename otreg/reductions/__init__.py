@@ -82,7 +82,13 @@ _keops_warned = False
 
 def status() -> dict:
     """What each backend can do here, for :func:`otreg.info` (no compile is tried):
-    ``{"keops": (ok, reason), "fused": None or why the fused loops are off, ...}``."""
+    ``{"keops": (ok, reason), "fused": None or why the fused loops are off, ...}``.
+
+    Example:
+        >>> from otreg.reductions import status
+        >>> sorted(status())[:2]
+        ['fused', 'fused min pairs']
+    """
     return {
         "keops": _keops.status(),
         "keops build folder": _keops.build_folder() if _keops.status()[0] else None,
@@ -95,7 +101,14 @@ def status() -> dict:
 
 
 def keops_status() -> tuple[bool, str]:
-    """Whether pykeops imports here, and a reason when it does not (compiles are not tried)."""
+    """Whether pykeops imports here, and a reason when it does not (compiles are not tried).
+
+    Example:
+        >>> from otreg.reductions import keops_status
+        >>> ok, reason = keops_status()
+        >>> isinstance(ok, bool) and isinstance(reason, str)
+        True
+    """
     return _keops.status()
 
 
@@ -111,7 +124,15 @@ def resolve_backend(
     dtype: torch.dtype = torch.float32,
 ) -> str:
     """The backend that ``backend`` means for ``pairs`` = B * N * M pairs of ``dtype`` on
-    ``device`` (``recorded``: autograd records the call)."""
+    ``device`` (``recorded``: autograd records the call).
+
+    Example:
+        >>> import torch
+        >>> from otreg.reductions import resolve_backend
+        >>> cpu = torch.device("cpu")
+        >>> resolve_backend("auto", 10_000, cpu), resolve_backend("auto", 10**9, cpu)
+        ('tensorized', 'blocked')
+    """
     keops_dtype = dtype in KEOPS_DTYPES or (dtype == torch.float16 and device.type == "cuda")
     if backend == "keops" and not keops_dtype:
         raise TypeError(
@@ -188,6 +209,15 @@ def softmin(
     """``-eps log sum_j exp(h_j - C(x_i, y_j)/eps)``.
 
     x (B, N, D), y (B, M, D), h (B, M) -> (B, N).
+
+    Example:
+        >>> import math, torch
+        >>> from otreg.costs import get_cost
+        >>> from otreg.reductions import softmin
+        >>> x, y = torch.zeros(1, 2, 3), torch.zeros(1, 4, 3)      # every cost 0
+        >>> out = softmin(x, y, torch.zeros(1, 4), 0.1, get_cost("sqeuclidean"))
+        >>> torch.allclose(out, torch.full((1, 2), -0.1 * math.log(4)))
+        True
     """
     return _run("softmin", backend, x, y, h, eps=eps, cost=cost)
 
@@ -199,6 +229,14 @@ def kernel_product(
 
     For ``cost="sqeuclidean"`` this is the Gaussian kernel ``exp(-|x - y|^2 / (2 sigma^2))`` with
     sigma^2 = eps.
+
+    Example:
+        >>> import torch
+        >>> from otreg.costs import get_cost
+        >>> from otreg.reductions import kernel_product
+        >>> x, y = torch.zeros(1, 2, 3), torch.zeros(1, 4, 3)
+        >>> kernel_product(x, y, torch.ones(1, 4, 1), 1.0, get_cost("sqeuclidean")).flatten()
+        tensor([4., 4.])
     """
     return _run("kernel_product", backend, x, y, v, eps=eps, cost=cost)
 
@@ -212,5 +250,15 @@ def softmax_average(
     cost: Cost,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``sum_j softmax_j(h_j - C(x_i, y_j)/eps) v_j``: h (B, M), v (B, M, E) -> (B, N, E)."""
+    """``sum_j softmax_j(h_j - C(x_i, y_j)/eps) v_j``: h (B, M), v (B, M, E) -> (B, N, E).
+
+    Example:
+        >>> import torch
+        >>> from otreg.costs import get_cost
+        >>> from otreg.reductions import softmax_average
+        >>> x, y = torch.zeros(1, 2, 3), torch.zeros(1, 4, 3)
+        >>> v = torch.arange(4.0).reshape(1, 4, 1)                 # equal weights: the mean, 1.5
+        >>> softmax_average(x, y, torch.zeros(1, 4), v, 1.0, get_cost("sqeuclidean")).flatten()
+        tensor([1.5000, 1.5000])
+    """
     return _run("softmax_average", backend, x, y, h, v, eps=eps, cost=cost)

@@ -109,7 +109,16 @@ class _Linear(nn.Module):
 
 
 class Rigid(_Linear):
-    """Rotation about ``center`` (axis-angle parameter, radians) and translation (mm)."""
+    """Rotation about ``center`` (axis-angle parameter, radians) and translation (mm).
+
+    Example:
+        >>> import torch
+        >>> from otreg.registration import Rigid
+        >>> r = Rigid(torch.zeros(3)).double()
+        >>> r(torch.ones(2, 3, dtype=torch.float64)).detach()     # the identity until fitted
+        tensor([[1., 1., 1.],
+                [1., 1., 1.]], dtype=torch.float64)
+    """
 
     def __init__(self, center: torch.Tensor) -> None:
         super().__init__(center)
@@ -129,7 +138,14 @@ class Rigid(_Linear):
 
 
 class Similarity(Rigid):
-    """Rigid motion and an isotropic scale (log-parametrised)."""
+    """Rigid motion and an isotropic scale (log-parametrised).
+
+    Example:
+        >>> import torch
+        >>> from otreg.registration import Similarity
+        >>> float(torch.linalg.det(Similarity(torch.zeros(3)).double().matrix()))
+        1.0
+    """
 
     def __init__(self, center: torch.Tensor) -> None:
         super().__init__(center)
@@ -146,7 +162,16 @@ class Similarity(Rigid):
 
 
 class Affine(_Linear):
-    """Any invertible linear map about ``center`` and a translation."""
+    """Any invertible linear map about ``center`` and a translation.
+
+    Example:
+        >>> import torch
+        >>> from otreg.registration import Affine
+        >>> a = Affine(torch.zeros(3)).double()
+        >>> a.set_from(2 * torch.eye(3), torch.zeros(3))
+        >>> a(torch.ones(1, 3, dtype=torch.float64)).detach()
+        tensor([[2., 2., 2.]], dtype=torch.float64)
+    """
 
     def __init__(self, center: torch.Tensor) -> None:
         super().__init__(center)
@@ -172,6 +197,16 @@ class LDDMM(nn.Module):
         integrator: ``"euler"``, ``"rk4"`` or ``"leapfrog"``.
         strategy, memory: how the time loop is differentiated (:func:`otreg.loops.iterate`).
         backend: reduction backend.
+
+    Example:
+        >>> import torch
+        >>> from otreg.registration import LDDMM
+        >>> phi = LDDMM(torch.randn(50, 3) * 10, sigma=8.0, n_steps=6).double()
+        >>> with torch.no_grad():
+        ...     _ = phi.momenta.normal_()
+        >>> x = torch.randn(200, 3, dtype=torch.float64) * 10
+        >>> tuple(phi(x).shape), float(phi.energy()) > 0     # moved points (mm), energy (mm^2)
+        ((200, 3), True)
     """
 
     def __init__(

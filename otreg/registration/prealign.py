@@ -86,6 +86,14 @@ def prealign(
     ``blur[1]`` mm (default: a quarter of the target's size down to 1/40 of it). Surfaces
     are compared as vertex measures (area weights) decimated to about ``max_points``
     vertices: a linear map has 12 parameters at most, which a few thousand points fix.
+
+    Example:
+        >>> import pyvista as pv, torch, otreg
+        >>> ball = otreg.Shape.from_pyvista(pv.Sphere(radius=20)).to(torch.float64)
+        >>> from otreg.registration import prealign
+        >>> rigid = prealign(ball, ball.with_points(ball.points + 5.0), "rigid")
+        >>> rigid(torch.zeros(1, 3, dtype=torch.float64)).detach().round(decimals=0)
+        tensor([[5., 5., 5.]], dtype=torch.float64)
     """
     caller = "prealign"
     changes = {

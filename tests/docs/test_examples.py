@@ -15,7 +15,19 @@ pytest.importorskip("pyvista")
 pytest.importorskip("nilearn")
 
 #: the namespaces a user imports from, and the public names each must document by example
-NAMESPACES = ("otreg", "otreg.loops", "otreg.datasets", "otreg.viz")
+NAMESPACES = (
+    "otreg",
+    "otreg.loops",
+    "otreg.datasets",
+    "otreg.viz",
+    "otreg.registration",
+    "otreg.ot",
+    "otreg.reductions",
+    "otreg.batch",
+    "otreg.io",
+    "otreg.costs",
+    "otreg.shapes",
+)
 
 
 def _public_modules() -> list[str]:
