@@ -53,6 +53,11 @@ METHODS = {
         "otreg",
         dict(scaling=0.9, extra=0, backend="keops", multiscale=False),
     ),
+    "otreg default call": ("otreg-default", {}),
+    "otreg default, multiscale": ("otreg-default", {"multiscale": "force"}),
+    "otreg default, tol 1e-3": ("otreg-default", {"tol": 1e-3}),
+    "otreg default, multiscale, tol 1e-3": ("otreg-default", {"multiscale": "force", "tol": 1e-3}),
+    "GeomLoss default call (scaling 0.5)": ("geomloss", dict(backend="auto", scaling=0.5)),
     "GeomLoss online (keops), scaling 0.9": ("geomloss", dict(backend="online")),
     "GeomLoss multiscale, scaling 0.9": ("geomloss", dict(backend="multiscale")),
     "POT empirical_sinkhorn_divergence (log, 1000 its)": ("pot", {}),
@@ -105,11 +110,23 @@ def worker(method: str, n: int) -> dict:
         info = {"iters": res.n_iter, "backend": res.backend}
         if opts.get("tol", 0.0) > 0 and not res.converged:
             info["error"] = f"stopped ({res.stopped}) at marginal error {res.marginal_error:.1e}"
+    elif lib == "otreg-default":  # what a user writes first
+        import otreg
+
+        changes = dict(opts)
+        if changes.get("multiscale") == "force":
+            changes["multiscale"] = otreg.Multiscale(auto=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = otreg.sinkhorn_divergence(x, y, blur=BLUR, **changes)
+        unconverged = [w for w in caught if issubclass(w.category, otreg.ConvergenceWarning)]
+        if unconverged:
+            info["error"] = str(unconverged[0].message)[:120]
     elif lib == "geomloss":
         import geomloss
 
         loss = geomloss.SamplesLoss(
-            "sinkhorn", p=2, blur=BLUR, scaling=0.9, backend=opts["backend"]
+            "sinkhorn", p=2, blur=BLUR, scaling=opts.get("scaling", 0.9), backend=opts["backend"]
         )
         value = loss(x, y)
     else:

@@ -5,7 +5,12 @@ Strategies (the gradient is the same; memory and time differ):
 - ``"store"``: plain autograd; every step's saved tensors stay alive until backward.
 - ``"checkpoint"``: binomial checkpointing (revolve): at most ``snapshots`` states are stored;
   backward recomputes the others by the optimal schedule of :mod:`otreg.loops.schedules`.
-  RNG states are saved with the checkpoints, so random steps recompute identically.
+  RNG states are saved with the checkpoints, so random steps recompute identically. Given
+  ``memory=``, the number of snapshots comes from the budget minus the fixed cost of
+  checkpointing, *measured* once per step function and state shapes on a three-step
+  checkpointed loop that stores only its input, so that the process's measured peak stays
+  within the budget; on Linux the allocator is told to give large freed blocks back
+  (:mod:`otreg.loops.memory`).
 - ``"reversible"``: for steps with an exact ``inverse``: nothing is stored; backward rebuilds
   x_k = inverse(x_{k+1}) from the output. Floating-point inversion drifts: the drift
   ``|rebuilt x_0 - x_0| / |x_0|`` is reported (``report["drift"]``).
@@ -24,6 +29,7 @@ import torch
 from torch import nn
 
 from .._checks import check_choice, check_int
+from .memory import limit_heap_retention, measure_peak
 from .schedules import binomial_schedule
 
 __all__ = ["iterate", "STRATEGIES", "parse_bytes", "state_bytes"]
@@ -273,8 +279,12 @@ def iterate(
         n_steps: number of steps, >= 1.
         params: tensors passed to every step (gradients flow to them), or an nn.Module.
         strategy: ``"store"``, ``"checkpoint"``, ``"reversible"`` or ``"offload"``.
-        memory: checkpoint budget in bytes or as ``"500MB"``: the number of stored states is
-            ``memory // state_bytes``, one step's state measured on x0.
+        memory: checkpoint budget in bytes or as ``"500MB"``, for the loop forward and
+            backward: beside x0, ``(memory - working) // state`` states are stored,
+            ``working`` the measured peak of a short checkpointed loop that stores nothing
+            but its input (``report["working_bytes"]``: a step's temporaries, a taped step's
+            saved tensors and gradients, the gradient flowing back). A budget below
+            ``working`` raises ``ValueError`` naming it.
         snapshots: checkpoint budget as a number of stored states (instead of ``memory``);
             default ``ceil(sqrt(n_steps))``.
         inverse: ``inverse(x_{k+1}, *params) -> x_k``, for ``strategy="reversible"``.
@@ -340,7 +350,12 @@ def iterate(
         out = _Reversible.apply(run, inverse, n, report, len(state), *tensors)
         return out[0] if single else tuple(out)
 
-    s = _snapshots(caller, n, state, memory, snapshots)
+    working = None
+    if memory is not None and snapshots is None:
+        limit_heap_retention()
+        working = _working_bytes(run, state, param_t)
+        report["working_bytes"] = working
+    s = _snapshots(caller, n, state, memory, snapshots, working)
     report["snapshots"] = s
     if s >= n:  # every state fits: checkpointing would recompute nothing
         report.update(recomputations=0)
@@ -348,7 +363,46 @@ def iterate(
     return out[0] if single else tuple(out)
 
 
-def _snapshots(caller: str, n: int, state: tuple, memory, snapshots) -> int:
+#: the measured fixed cost of checkpointing a loop, by step function and shapes (64 kept)
+_WORKING: dict = {}
+#: steps and snapshots (the input included) of the loop that measures it
+_PROBE_STEPS, _PROBE_SNAPSHOTS = 4, 2
+
+
+def _working_bytes(run: _Step, state: tuple, params: tuple) -> int:
+    """The measured peak of a ``_PROBE_STEPS``-step checkpointed loop that stores nothing but
+    its input, forward and backward: what checkpointing the real loop needs besides its
+    snapshots (a step's temporaries, a taped step's saved tensors and gradients, the state
+    being advanced, the gradient flowing back, the output)."""
+    step = getattr(run.step, "__func__", run.step)  # a bound method: its function
+    key = (step, tuple(run.signature), tuple((p.shape, p.dtype, p.device) for p in params))
+    if key not in _WORKING:
+
+        def probe():
+            x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in state)
+            out = _Checkpointed.apply(
+                run, _PROBE_STEPS, _PROBE_SNAPSHOTS, {"n_steps": _PROBE_STEPS}, len(x), *x, *params
+            )
+            leaves = [t for t in (*x, *params) if t.requires_grad]
+            outs = [o for o in out if o.requires_grad]
+            if outs and leaves:
+                torch.autograd.grad(
+                    outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True
+                )
+
+        with torch.random.fork_rng(devices=run.devices):  # the loop's draws stay its own
+            probe()  # first calls' one-off allocations, unmeasured
+            _, _, peak = measure_peak(probe, state[0].device)
+        if len(_WORKING) >= 64:
+            _WORKING.clear()
+        # at least the output and its gradient (a small step may reuse resident memory and
+        # read 0; without a reading, off Linux, that is all there is)
+        size = state_bytes(state)
+        _WORKING[key] = max((peak or 0) - (_PROBE_SNAPSHOTS - 1) * size, 2 * size)
+    return _WORKING[key]
+
+
+def _snapshots(caller: str, n: int, state: tuple, memory, snapshots, working=None) -> int:
     if memory is not None and snapshots is not None:
         raise ValueError(f"{caller}: give memory or snapshots, not both")
     if snapshots is not None:
@@ -356,9 +410,12 @@ def _snapshots(caller: str, n: int, state: tuple, memory, snapshots) -> int:
     if memory is None:
         return max(1, math.ceil(math.sqrt(n)))
     budget, size = parse_bytes(caller, memory), max(1, state_bytes(state))
-    if budget < size:
+    working = 2 * size if working is None else working
+    if budget < working:
         raise ValueError(
-            f"{caller}: memory budget {budget:,} bytes is smaller than one state "
-            f"({size:,} bytes); checkpointing needs room for at least one"
+            f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what checkpointing this "
+            f"loop needs: {working / 1e6:,.1f} MB (measured on a {_PROBE_STEPS}-step loop that "
+            f"stores only its input; a state is {size / 1e6:,.1f} MB); raise memory, or use "
+            "strategy='store'"
         )
-    return budget // size
+    return 1 + (budget - working) // size  # the input, and what the rest of the budget holds

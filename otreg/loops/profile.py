@@ -1,60 +1,18 @@
 """Memory and time of each loop strategy on one problem: the trade-off table.
 
-Peak memory is measured, not estimated: on a GPU ``torch.cuda.max_memory_allocated``; on a
-Linux CPU the growth of the process's peak resident set (VmHWM, reset through
-``/proc/self/clear_refs`` after returning freed memory with ``malloc_trim``).
+Peak memory is measured, not estimated (:func:`otreg.loops.memory.measure_peak`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
 from .iterate import STRATEGIES, iterate
+from .memory import measure_peak
 
 __all__ = ["profile", "ProfileResult", "measure_peak"]
-
-
-def _proc_status_bytes(key: str) -> int | None:
-    """A memory line of /proc/self/status (``VmRSS``, ``VmHWM``: the peak) in bytes."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def measure_peak(
-    fn: Callable[[], object], device: torch.device
-) -> tuple[object, float, int | None]:
-    """Run fn(); return (its result, seconds, peak bytes above the starting level or None)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        start = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize(device)
-        return out, time.perf_counter() - start, torch.cuda.max_memory_allocated(device) - base
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
-    base = _proc_status_bytes("VmRSS")
-    start = time.perf_counter()
-    out = fn()
-    seconds = time.perf_counter() - start
-    peak = _proc_status_bytes("VmHWM")
-    return out, seconds, (None if peak is None or base is None else max(0, peak - base))
 
 
 class ProfileResult(list):

@@ -44,13 +44,23 @@ def test_checkpoint_equals_store_and_counts_recomputations(snapshots):
     assert report["max_stored"] <= s
 
 
-def test_checkpoint_memory_budget_in_bytes():
+def test_checkpoint_memory_budget_counts_the_measured_step():
+    """The budget pays for the measured fixed cost of checkpointing (a short loop that
+    stores only its input), then as many more states as fit; the same budget in other
+    units is the same."""
     ref, _ = grads("store")
     state = 4 * 6 * 8  # bytes of one float64 (4, 6) state
-    got, report = grads("checkpoint", memory=f"{3 * state}B")
+    _, probe = grads("checkpoint", memory="10MB")
+    working = probe["working_bytes"]
+    assert working >= 2 * state  # a step's temporaries and gradients, at least
+    budget = working + 2 * state  # the input and two more
+    got, report = grads("checkpoint", memory=f"{budget}B")
+    assert report["working_bytes"] == working  # measured once per step function and shapes
     assert report["snapshots"] == 3 and close(got, ref, 1e-10)
-    got, report = grads("checkpoint", memory=str(3 * state / 1000) + "KB")
+    got, report = grads("checkpoint", memory=f"{budget / 1000}KB")
     assert report["snapshots"] == 3
+    with pytest.raises(ValueError, match=r"below what checkpointing this loop needs: [\d.]+ MB"):
+        grads("checkpoint", memory=f"{working - 1}B")
 
 
 def test_offload_equals_store():
@@ -128,7 +138,7 @@ def test_profile_table():
     [
         (dict(n_steps=0), ValueError, "n_steps is 0"),
         (dict(strategy="revolve"), ValueError, "strategy is 'revolve'"),
-        (dict(strategy="checkpoint", memory="1B"), ValueError, "smaller than one state"),
+        (dict(strategy="checkpoint", memory="1B"), ValueError, "below what checkpointing"),
         (dict(strategy="checkpoint", memory="lots"), ValueError, "memory is 'lots'"),
         (dict(strategy="checkpoint", memory="1MB", snapshots=2), ValueError, "not both"),
         (dict(strategy="store", snapshots=2), ValueError, "checkpoint' only"),
