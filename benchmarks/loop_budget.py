@@ -28,7 +28,7 @@ def worker(memory: str) -> dict:
     from otreg.loops import iterate
     from otreg.loops.memory import measure_peak
 
-    x0 = torch.linspace(-1, 1, 1_000_000, dtype=torch.float64)  # 8 MB
+    x0 = torch.linspace(-0.5, 1.5, 1_000_000, dtype=torch.float64)  # 8 MB
     w = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
 
     def step(x, w):

@@ -116,9 +116,14 @@ def worker(method: str, n: int) -> dict:
         changes = dict(opts)
         if changes.get("multiscale") == "force":
             changes["multiscale"] = otreg.Multiscale(auto=False)
+        from otreg.ot.divergence import divergence
+
+        # what otreg.sinkhorn_divergence(x, y, blur=BLUR) runs, with its result's counts
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            value = otreg.sinkhorn_divergence(x, y, blur=BLUR, **changes)
+            options = otreg.SinkhornOptions(blur=BLUR, **changes)
+            value, res = divergence("sinkhorn_divergence", x, y, None, None, options)
+        info = {"iters": res.n_iter, "backend": res.backend}
         unconverged = [w for w in caught if issubclass(w.category, otreg.ConvergenceWarning)]
         if unconverged:
             info["error"] = str(unconverged[0].message)[:120]

@@ -23,20 +23,24 @@ class ProfileResult(list):
         >>> rows = ProfileResult([{"strategy": "store", "peak_bytes": 2**20, "seconds": 0.5,
         ...                        "recomputations": 0, "grad_diff": None}])
         >>> print(str(rows).splitlines()[-1])
-        store            1.0 MiB     0.500          0
+        store                          1.0 MiB     0.500          0
     """
 
     def __str__(self) -> str:
         head = (
-            f"{'strategy':<12} {'peak memory':>12} {'time (s)':>9} {'recomputed':>10} "
-            f"{'max |grad - store|':>19}"
+            f"{'strategy':<12} {'budget':>10} {'peak memory':>12} {'time (s)':>9} "
+            f"{'recomputed':>10} {'max |grad - store|':>19}"
         )
         lines = [head, "-" * len(head)]
         for r in self:
             mem = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:,.1f} MiB"
             diff = "" if r["grad_diff"] is None else f"{r['grad_diff']:.2e}"
             rec = "" if r.get("recomputations") is None else str(r["recomputations"])
-            lines.append(f"{r['strategy']:<12} {mem:>12} {r['seconds']:>9.3f} {rec:>10} {diff:>19}")
+            budget = "" if r.get("memory") is None else str(r["memory"])
+            lines.append(
+                f"{r['strategy']:<12} {budget:>10} {mem:>12} {r['seconds']:>9.3f} {rec:>10} "
+                f"{diff:>19}"
+            )
         return "\n".join(lines)
 
 
@@ -48,7 +52,7 @@ def profile(
     *,
     strategies: Sequence[str] = ("store", "checkpoint", "offload"),
     loss: Callable | None = None,
-    memory: int | str | None = None,
+    memory: int | str | Sequence[int | str] | None = None,
     snapshots: int | None = None,
     inverse: Callable | None = None,
 ) -> ProfileResult:
@@ -56,7 +60,9 @@ def profile(
 
     Args:
         step, x0, n_steps, params, memory, snapshots, inverse: as in
-            :func:`otreg.loops.iterate` (``inverse`` is needed for ``"reversible"``).
+            :func:`otreg.loops.iterate` (``inverse`` is needed for ``"reversible"``);
+            ``memory`` may also be a list of budgets: ``"checkpoint"`` then runs once per
+            budget, a row each (the trade-off a user picks a budget from).
         strategies: which to run; ``"store"`` first gives the reference gradients.
         loss: scalar function of the final state (default: the sum of its entries).
 
@@ -84,12 +90,14 @@ def profile(
         raise ValueError("profile: nothing requires grad; set requires_grad on x0 or params")
     loss = loss or (lambda y: sum(t.sum() for t in ((y,) if isinstance(y, torch.Tensor) else y)))
     device = state[0].device
+    budgets = list(memory) if isinstance(memory, (list, tuple)) else [memory]
+    runs = [(s, b) for s in strategies for b in (budgets if s == "checkpoint" else [None])]
     rows, reference = ProfileResult(), None
-    for strategy in strategies:
+    for strategy, budget in runs:
         report: dict = {}
         kwargs = {}
         if strategy == "checkpoint":
-            kwargs = {"memory": memory, "snapshots": snapshots}
+            kwargs = {"memory": budget, "snapshots": snapshots}
         if strategy == "reversible":
             kwargs = {"inverse": inverse}
 
@@ -106,6 +114,7 @@ def profile(
         rows.append(
             {
                 "strategy": strategy,
+                "memory": budget,
                 "peak_bytes": peak,
                 "seconds": seconds,
                 "recomputations": report.get("recomputations"),

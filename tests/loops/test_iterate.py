@@ -133,6 +133,26 @@ def test_profile_table():
     assert "checkpoint" in str(rows)
 
 
+def test_profile_runs_checkpoint_once_per_budget():
+    x0, W = make()
+    rows = profile(
+        lambda x, W: torch.tanh(x @ W),
+        x0,
+        20,
+        (W,),
+        memory=["4MB", "64MB"],
+        strategies=("store", "checkpoint"),
+    )
+    assert [(r["strategy"], r["memory"]) for r in rows] == [
+        ("store", None),
+        ("checkpoint", "4MB"),
+        ("checkpoint", "64MB"),
+    ]
+    assert rows[1]["snapshots"] <= rows[2]["snapshots"]
+    assert all(r["grad_diff"] < 1e-12 for r in rows)
+    assert "64MB" in str(rows).splitlines()[-1]
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
