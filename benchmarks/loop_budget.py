@@ -88,7 +88,7 @@ def main() -> None:
             ("memory", "memory=", ""),
             ("peak_mb", "measured peak (MB)", "{:.0f}"),
             ("peak_over_budget", "peak / budget", "{:.2f}"),
-            ("working_mb", "one step, measured (MB)", "{:.0f}"),
+            ("working_mb", "fixed cost, measured (MB)", "{:.0f}"),
             ("snapshots", "snapshots", "{}"),
             ("recomputations", "recomputed steps", "{}"),
             ("seconds", "time (s)", "{:.1f}"),
