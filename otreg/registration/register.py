@@ -446,9 +446,32 @@ def _fit(fit: _Fit, src: Shape, tgt: Shape, levels: list[Level]) -> None:
             )
 
 
-def _landmark_term(moved: torch.Tensor, fit: _Fit) -> torch.Tensor:
-    """Mean squared distance (mm^2) of the moved source landmarks to the target's."""
-    return ((moved - fit.landmarks[1]) ** 2).sum(1).mean()
+def _objective(
+    fit: _Fit,
+    s_level: Shape,
+    t_level: Shape,
+    terms: dict[str, Loss],
+    weights: dict[str, float],
+    record: dict,
+) -> torch.Tensor:
+    """regularization * energy + the weighted data terms (and landmarks) at the current
+    momenta; each term's value and report go into ``record``."""
+    deformation = fit.deformation
+    warped = s_level.with_points(deformation(s_level.points))
+    energy = deformation.energy()
+    record["energy"] = float(energy.detach())
+    total = fit.regularization * energy
+    for name, term in terms.items():
+        value = term(warped, t_level)
+        record[name] = float(value.detach())
+        record.update(term.report)
+        total = total + weights[name] * value
+    if fit.landmarks is not None and "landmarks" in weights:
+        moved = deformation(fit.landmarks[0])
+        value = ((moved - fit.landmarks[1]) ** 2).sum(1).mean()  # mm^2
+        record["landmarks"] = float(value.detach())
+        total = total + weights["landmarks"] * value
+    return total
 
 
 def _fit_level(
@@ -475,12 +498,7 @@ def _fit_level(
         warped = s_level.with_points(deformation(s_level.points))
         for term in terms.values():
             term.prepare(warped, t_level)
-        start_value = fit.regularization * deformation.energy()
-        for name, term in terms.items():
-            start_value = start_value + weights[name] * term(warped, t_level)
-        if fit.landmarks is not None and "landmarks" in weights:
-            moved = deformation(fit.landmarks[0])
-            start_value = start_value + weights["landmarks"] * _landmark_term(moved, fit)
+        start_value = _objective(fit, s_level, t_level, terms, weights, {})
     # torch's tolerance_change is absolute: tol is relative to the level's starting objective
     tolerance = opts.tol * max(abs(float(start_value)), torch.finfo(start_value.dtype).tiny)
     whitened = deformation.whitened() if opts.precondition else contextlib.nullcontext()
@@ -522,19 +540,8 @@ def _lbfgs(
 
     def evaluate():
         optimizer.zero_grad()
-        warped = s_level.with_points(deformation(s_level.points))
-        energy = deformation.energy()
-        record = {"level": level, "evaluation": len(history), "energy": float(energy.detach())}
-        total = fit.regularization * energy
-        for name, term in terms.items():
-            value = term(warped, t_level)
-            record[name] = float(value.detach())
-            record.update(term.report)
-            total = total + weights[name] * value
-        if fit.landmarks is not None and "landmarks" in weights:
-            value = _landmark_term(deformation(fit.landmarks[0]), fit)
-            record["landmarks"] = float(value.detach())
-            total = total + weights["landmarks"] * value
+        record = {"level": level, "evaluation": len(history)}
+        total = _objective(fit, s_level, t_level, terms, weights, record)
         total.backward()
         record.update(loss=float(total.detach()), seconds=time.perf_counter() - start)
         history.append(record)
