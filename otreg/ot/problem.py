@@ -162,7 +162,7 @@ class SinkhornOptions:
     cost: str = "sqeuclidean"
     form: str = "log"
     backend: str = "auto"
-    tol: float = 1e-4
+    tol: float = 1e-3
     max_iter: int = 1000
     relaxation: float | str = "auto"
     backward: str | Implicit | Unroll = "envelope"

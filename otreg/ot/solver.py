@@ -405,7 +405,7 @@ def sinkhorn(
     cost: str = "sqeuclidean",
     form: str = "log",
     backend: str = "auto",
-    tol: float = 1e-4,
+    tol: float = 1e-3,
     max_iter: int = 1000,
     relaxation: float | str = "auto",
     backward: str | Implicit | Unroll = "envelope",

@@ -185,10 +185,10 @@ def test_float32_stops_at_its_rounding_floor_and_says_so():
     # blur 0.02 on spheres: float64 reaches tol = 1e-4, float32's marginals hover at about
     # 2e-4 (its rounding of f / eps): the loop stops there instead of running to max_iter
     x, y = _spheres()
-    r64 = otreg.sinkhorn(x, y, blur=0.02, max_iter=1000)
+    r64 = otreg.sinkhorn(x, y, blur=0.02, max_iter=1000, tol=1e-4)
     assert r64.converged and r64.stopped == "tol"
     with pytest.warns(otreg.ConvergenceWarning, match="rounding floor of torch.float32"):
-        r32 = otreg.sinkhorn(x.float(), y.float(), blur=0.02, max_iter=1000)
+        r32 = otreg.sinkhorn(x.float(), y.float(), blur=0.02, max_iter=1000, tol=1e-4)
     assert r32.stopped == "stalled" and not r32.converged and r32.n_iter < 700
     assert 1e-4 < r32.marginal_error < 1e-3
     assert float(r32.cost) == pytest.approx(float(r64.cost), rel=1e-5)
