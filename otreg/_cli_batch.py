@@ -109,7 +109,10 @@ def runner_options(f):
             help="Decimate both surfaces to about this many vertices first.",
         ),
         click.option(
-            "--max-iter", default=None, type=click.IntRange(min=1), help="L-BFGS iterations [30]."
+            "--max-iter",
+            default=None,
+            type=click.IntRange(min=1),
+            help="L-BFGS iterations a level [default: LBFGSOptions's, 15].",
         ),
         click.option(
             "--picture/--no-picture", default=None, help="Pictures per pair [default: on]."

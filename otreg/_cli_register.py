@@ -60,10 +60,9 @@ __all__ = ["register_cmd", "demo", "check_volume_options"]
 )
 @click.option(
     "--max-iter",
-    default=30,
-    show_default=True,
+    default=None,
     type=click.IntRange(min=1),
-    help="L-BFGS iterations a level.",
+    help="L-BFGS iterations a level [default: LBFGSOptions's, 15].",
 )
 @click.option("--picture/--no-picture", default=True, show_default=True)
 @progress_option
@@ -78,7 +77,7 @@ def register_cmd(
     label: float | None,
     level: float | None,
     points: int | None,
-    max_iter: int,
+    max_iter: int | None,
     picture: bool,
     progress: bool | None,
 ) -> None:
@@ -102,7 +101,7 @@ def register_cmd(
                 model=LDDMMOptions(sigma=sigma) if model == "lddmm" else model,
                 prealign=prealign,
                 loss=loss,
-                optimizer=LBFGSOptions(max_iter=max_iter),
+                optimizer=LBFGSOptions() if max_iter is None else LBFGSOptions(max_iter=max_iter),
                 progress=progress_wanted(progress),
             )
         except (ValueError, TypeError, FileNotFoundError) as err:

@@ -26,7 +26,7 @@ DEFAULT_OPTIONS: dict[str, object] = {
     "loss": None,
     "sigma": None,  # derived from the target's size
     "points": None,
-    "max_iter": 30,
+    "max_iter": None,  # the library's LBFGSOptions default
     "picture": True,
 }
 
@@ -53,6 +53,8 @@ def effective_options(batch: Mapping[str, object] | None, pair: Pair) -> dict[st
     opts.update(check_options(batch or {}, "batch options"))
     opts.update(pair.options)
     opts["sigma"] = None if opts["sigma"] is None else float(opts["sigma"])
+    if opts["max_iter"] is None:
+        opts["max_iter"] = LBFGSOptions().max_iter
     opts["label"], opts["level"] = pair.label, pair.level
     asdict = dataclasses.asdict
     opts["library"] = {

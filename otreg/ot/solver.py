@@ -272,11 +272,12 @@ def dual_value(p: Problem, x, y, a, b, g, kernel) -> tuple[torch.Tensor, torch.T
         )
     value = value - eps * (mass - a.sum(1) * b.sum(1))
     if b.requires_grad:
-        value = value + (weight_path(p, f.detach(), g, kernel) * (b - b.detach())).sum(1)
+        path = weight_path(p, f.detach(), g, kernel, b.detach())
+        value = value + (path * (b - b.detach())).sum(1)
     return value, f.detach()
 
 
-def weight_path(p: Problem, f, g, kernel) -> torch.Tensor:
+def weight_path(p: Problem, f, g, kernel, b) -> torch.Tensor:
     """sum_i (d value / d s_i)(d s_i / d b_j), (B, M): the weights' share of the gradient that
     runs through the softmin s (which is computed with b detached).
 
@@ -284,10 +285,14 @@ def weight_path(p: Problem, f, g, kernel) -> torch.Tensor:
     is finite there: d s_i / d b_j = -eps exp((g_j - C_ij + s_i) / eps), and weighted by
     d value / d s_i = a_i exp((f_i - s_i) / eps) (balanced: a_i) it sums to
     -eps exp((g_j - t_j) / eps) with t = softmin over x of log a + f / eps, one reduction.
+    Where b_j = 0 the solver never fixes g_j (no mass constrains it) and (g_j - t_j) / eps
+    can overflow (0 * inf = NaN in the value): there g_j is taken as the update defines it,
+    g_j = damping * t_j.
     """
     with torch.no_grad():
         fk, gk = kernel.to_kernel_order(f, g)
         _, t = kernel.to_caller_order(fk, kernel.softmin_yx(p.eps, fk))
+        g = torch.where(b > 0, g, p.damping(p.eps) * t)
         return -p.eps * torch.exp((g - t) / p.eps)
 
 

@@ -111,6 +111,9 @@ def test_the_key_follows_content_and_options_not_paths(tmp_path):
     assert pair_key(file_digest(a), file_digest(b), other)[0] != key
     row = Pair("p", str(a), str(b), options={"max_iter": 6})  # the row wins over the batch
     assert effective_options({"max_iter": 5}, row)["max_iter"] == 6
+    from otreg import LBFGSOptions  # neither sets it: the library's default
+
+    assert effective_options({}, pair)["max_iter"] == LBFGSOptions().max_iter
     write(b, "mesh b, edited")
     assert pair_key(file_digest(a), file_digest(b), opts)[0] != key
     assert set(parts) == {"source", "target", "options", "format"}

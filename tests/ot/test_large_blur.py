@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import otreg
@@ -154,6 +154,17 @@ def problems(draw):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
+@example(  # zero target weights at a tiny blur: OT(b, b)'s weight path was 0 * inf = NaN
+    (
+        torch.tensor([[1.5410]]),
+        torch.tensor([-0.2934, -2.1788, 0.5684, -1.0845, -1.3986, 0.4033, 0.838, -0.7193])[:, None],
+        torch.tensor([1.0]),
+        torch.tensor([0.0994, 0.1997, 0.0, 0.2709, 0.0, 0.0, 0.0, 0.4300]),
+        0.001,
+        None,
+        "sqeuclidean",
+    )
+)
 def test_divergence_is_finite_non_negative_with_finite_gradients(problem):
     x, y, a, b, rel_blur, reach, cost = problem
     s = max(size(x, y), 1e-12)
