@@ -7,8 +7,8 @@ Strategies (the gradient is the same; memory and time differ):
   backward recomputes the others by the optimal schedule of :mod:`otreg.loops.schedules`.
   RNG states are saved with the checkpoints, so random steps recompute identically. Given
   ``memory=``, the number of snapshots comes from the budget minus the fixed cost of
-  checkpointing, *measured* once per step function and state shapes on a three-step
-  checkpointed loop that stores only its input, so that the process's measured peak stays
+  checkpointing, *measured* once per step function and state shapes on a short
+  checkpointed loop, so that the process's measured peak stays
   within the budget; on Linux the allocator is told to give large freed blocks back
   (:mod:`otreg.loops.memory`).
 - ``"reversible"``: for steps with an exact ``inverse``: nothing is stored; backward rebuilds
@@ -402,7 +402,9 @@ def _working_bytes(run: _Step, state: tuple, params: tuple) -> int:
     return _WORKING[key]
 
 
-def _snapshots(caller: str, n: int, state: tuple, memory, snapshots, working=None) -> int:
+def _snapshots(caller: str, n: int, state: tuple, memory, snapshots, working: int | None) -> int:
+    """The number of stored states: ``snapshots``, or from the ``memory`` budget and the
+    measured ``working`` cost (given with ``memory``), or sqrt(n)."""
     if memory is not None and snapshots is not None:
         raise ValueError(f"{caller}: give memory or snapshots, not both")
     if snapshots is not None:
@@ -410,7 +412,6 @@ def _snapshots(caller: str, n: int, state: tuple, memory, snapshots, working=Non
     if memory is None:
         return max(1, math.ceil(math.sqrt(n)))
     budget, size = parse_bytes(caller, memory), max(1, state_bytes(state))
-    working = 2 * size if working is None else working
     if budget < working:
         raise ValueError(
             f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what checkpointing this "

@@ -348,7 +348,7 @@ class LDDMM(nn.Module):
         parameter to optimise is u, yielded: the deformation energy is then about
         ``|u|^2 / 2``, a well-conditioned quadratic, where in p it is ``p^T K p / 2`` with K's
         eigenvalues spread over many decades (Gaussian kernels). The objective is the same;
-        L-BFGS reaches a given value in fewer iterations (measured in docs/performance.md).
+        L-BFGS reaches a given value in fewer iterations (measured in docs/guide/registration.md).
         On leaving, ``momenta`` is a plain parameter again with the fitted value. Above
         ``WHITEN_MAX_POINTS`` control points it yields ``momenta`` itself."""
         if self.control_points.shape[0] > WHITEN_MAX_POINTS:

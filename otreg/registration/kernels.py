@@ -61,8 +61,7 @@ class GaussianKernel:
     def __call__(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``sum_j k(x_i, y_j) v_j``: x (N, D), y (M, D), v (M, E) -> (N, E)."""
         if self._dense(x, y):
-            e = self._exponentials(x, y)
-            return sum(w * m for w, m in zip(self.weights, e)) @ v
+            return self.matrix(x, y) @ v
         out = None
         for s, w in zip(self.sigmas, self.weights):
             term = reductions.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]
@@ -72,11 +71,7 @@ class GaussianKernel:
     def matrix(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The dense kernel matrix ``k(x_i, y_j)``: x (N, D), y (M, D) -> (N, M) (for a few
         thousand points: it is stored)."""
-        d2 = torch.cdist(x, y).square_()
-        out = torch.zeros_like(d2)
-        for s, w in zip(self.sigmas, self.weights):
-            out.add_(torch.exp(d2 / (-2 * s * s)), alpha=w)
-        return out
+        return sum(w * m for w, m in zip(self.weights, self._exponentials(x, y)))
 
     def with_derivative(
         self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor

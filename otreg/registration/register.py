@@ -453,11 +453,14 @@ def _objective(
     terms: dict[str, Loss],
     weights: dict[str, float],
     record: dict,
+    warped: Shape | None = None,
 ) -> torch.Tensor:
     """regularization * energy + the weighted data terms (and landmarks) at the current
-    momenta; each term's value and report go into ``record``."""
+    momenta; each term's value and report go into ``record``. ``warped``: the level's source
+    already moved by the current momenta (else it is shot here)."""
     deformation = fit.deformation
-    warped = s_level.with_points(deformation(s_level.points))
+    if warped is None:
+        warped = s_level.with_points(deformation(s_level.points))
     energy = deformation.energy()
     record["energy"] = float(energy.detach())
     total = fit.regularization * energy
@@ -498,10 +501,12 @@ def _fit_level(
         warped = s_level.with_points(deformation(s_level.points))
         for term in terms.values():
             term.prepare(warped, t_level)
-        start_value = _objective(fit, s_level, t_level, terms, weights, {})
+        start_value = _objective(fit, s_level, t_level, terms, weights, {}, warped)
     # torch's tolerance_change is absolute: tol is relative to the level's starting objective
     tolerance = opts.tol * max(abs(float(start_value)), torch.finfo(start_value.dtype).tiny)
-    whitened = deformation.whitened() if opts.precondition else contextlib.nullcontext()
+    whitened = (
+        deformation.whitened() if opts.precondition else contextlib.nullcontext(deformation.momenta)
+    )
     with whitened as parameter:
         _lbfgs(fit, s_level, t_level, terms, weights, level, bar, parameter, tolerance)
     if bar is not None:
@@ -516,14 +521,12 @@ def _lbfgs(
     weights: dict[str, float],
     level: int,
     bar,
-    parameter: torch.nn.Parameter | None,
+    parameter: torch.nn.Parameter,
     tolerance: float,
 ) -> None:
     """``torch.optim.LBFGS`` on ``parameter``: the momenta, or the whitened momenta that
-    :meth:`LDDMM.whitened` maps to them (None: the momenta)."""
-    deformation, history, opts = fit.deformation, fit.history, fit.optimizer
-    if parameter is None:
-        parameter = deformation.momenta
+    :meth:`LDDMM.whitened` maps to them."""
+    history, opts = fit.history, fit.optimizer
     optimizer = torch.optim.LBFGS(
         [parameter],
         lr=1.0,
@@ -535,14 +538,11 @@ def _lbfgs(
     )
 
     def closure():
-        with parametrize.cached():  # the momenta computed once an evaluation
-            return evaluate()
-
-    def evaluate():
         optimizer.zero_grad()
         record = {"level": level, "evaluation": len(history)}
-        total = _objective(fit, s_level, t_level, terms, weights, record)
-        total.backward()
+        with parametrize.cached():  # the momenta computed once an evaluation
+            total = _objective(fit, s_level, t_level, terms, weights, record)
+            total.backward()
         record.update(loss=float(total.detach()), seconds=time.perf_counter() - start)
         history.append(record)
         if bar is not None:
