@@ -179,11 +179,14 @@ def varifold_distance(
     return aa - 2 * ab + bb
 
 
-def _varifold(sigma: float, oriented: bool, signal: float | None = None):
+def _varifold(
+    sigma: float, oriented: bool, signal: float | None = None, dtype: torch.dtype | None = None
+):
     """``|mu_warped - mu_target|^2 / |mu_target|^2``: comparable across data sets and levels,
     with the surfaces' vertices as Diracs (4x fewer kernel pairs than their triangles; the
     metric :func:`varifold_distance` uses the triangles). ``prepare`` computes the target's
-    terms once (two kernel sums per evaluation, not four)."""
+    terms once (two kernel sums per evaluation, not four). The kernel sums run in ``dtype``
+    (None: the points')."""
     kernel = GaussianKernel(sigma)
     cache: dict = {}
 
@@ -198,10 +201,11 @@ def _varifold(sigma: float, oriented: bool, signal: float | None = None):
         cb, fb, bb = target_terms(target)
         ca, fa = _kernel_norm_terms(warped, oriented, "points")
         ca = _with_signal(ca, warped, signal)
-        cb, fb, bb = cb.to(ca.dtype), fb.to(fa.dtype), bb.to(fa.dtype)
+        out, dt = ca.dtype, dtype or ca.dtype
+        ca, fa, cb, fb, bb = (t.to(dt) for t in (ca, fa, cb, fb, bb))
         aa = (fa * kernel(ca, ca, fa)).sum()
         ab = (fa * kernel(ca, cb, fb)).sum()
-        return (aa - 2 * ab) / bb + 1
+        return ((aa - 2 * ab) / bb + 1).to(out)
 
     def prepare(warped: Shape, target: Shape) -> None:
         with torch.no_grad():
@@ -227,7 +231,7 @@ def make_loss(
     *,
     blur: float = 2.0,
     sinkhorn: SinkhornOptions | None = None,
-    sinkhorn_dtype: torch.dtype | None = torch.float32,
+    dtype: torch.dtype | None = torch.float32,
     sigma: float = 10.0,
     signal: float | None = None,
     caller: str = "register",
@@ -238,10 +242,13 @@ def make_loss(
     mm: each solve starts from the potentials found by ``prepare`` (the surfaces move
     little between an optimiser's evaluations) and runs to ``sinkhorn.tol`` (an evaluation
     that does not get there within ``sinkhorn.max_iter`` iterations is solved again from
-    scratch), in ``sinkhorn_dtype`` (float32 by default: twice as fast; the value and
-    gradient are returned in the points' dtype; None keeps the points' dtype); the term's
-    ``report`` says whether the last evaluation converged. ``sigma`` is the
-    varifold/currents kernel width (mm).
+    scratch); the term's ``report`` says whether the last evaluation converged. ``sigma``
+    is the varifold/currents kernel width (mm).
+
+    ``dtype``: the kernel sums of the Sinkhorn, varifold and currents terms run in it
+    (float32 by default: about twice as fast; the value and gradient are returned in the
+    points' dtype, and the deformation itself is shot in the points' dtype; None keeps the
+    points' dtype).
 
     ``signal`` (mm per standard deviation): the Sinkhorn, varifold and currents terms also
     match the per-vertex signal in ``data[SIGNAL]`` of both shapes (standardised), each
@@ -258,6 +265,10 @@ def make_loss(
     """
     if signal is not None:
         signal = check_positive(caller, "signal", signal)
+    if dtype not in (None, torch.float32, torch.float64):
+        raise TypeError(
+            f"{caller}: dtype is {dtype!r}; choose torch.float32, torch.float64 or None"
+        )
     if name == "sinkhorn":
         blur = check_positive(caller, "blur", blur)
         if sinkhorn is not None and not isinstance(sinkhorn, SinkhornOptions):
@@ -266,13 +277,13 @@ def make_loss(
                 f"{type(sinkhorn).__name__}"
             )
         options = (sinkhorn or SINKHORN_TERM).replace(blur=blur)
-        term, prepare, report = _sinkhorn(options, sinkhorn_dtype, signal)
+        term, prepare, report = _sinkhorn(options, dtype, signal)
         loss = Loss(name, term, prepare, blur=blur, reach=options.reach, signal=signal)
         loss.report = report
         return loss
     if name in ("varifold", "currents"):
         sigma = check_positive(caller, f"{name} sigma", sigma)
-        term, prepare = _varifold(sigma, name == "currents", signal)
+        term, prepare = _varifold(sigma, name == "currents", signal, dtype)
         return Loss(name, term, prepare, sigma=sigma, signal=signal)
     if name == "chamfer":
         return Loss(name, _chamfer)

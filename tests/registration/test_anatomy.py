@@ -106,7 +106,7 @@ def small_shapes(seed: int = 0):
 @pytest.mark.parametrize("name", ["varifold", "currents"])
 def test_signal_terms_gradient_matches_finite_differences(name):
     a, b = small_shapes()
-    term = make_loss(name, sigma=3.0, signal=2.0)
+    term = make_loss(name, sigma=3.0, signal=2.0, dtype=None)  # float64 for gradcheck
     term.prepare(a, b)
 
     def value(points):
@@ -116,12 +116,35 @@ def test_signal_terms_gradient_matches_finite_differences(name):
     assert torch.autograd.gradcheck(value, (x,), eps=1e-6, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["varifold", "currents", "sinkhorn"])
+def test_terms_in_float32_agree_with_float64(name):
+    a, b = small_shapes()
+    exact = make_loss(name, sigma=3.0, blur=3.0, dtype=None)
+    fast = make_loss(name, sigma=3.0, blur=3.0)  # float32 kernel sums by default
+    values, grads = [], []
+    for term in (exact, fast):
+        term.prepare(a, b)
+        x = a.points.clone().requires_grad_(True)
+        value = term(a.with_points(x), b)
+        assert value.dtype == torch.float64  # returned in the points' dtype
+        (grad,) = torch.autograd.grad(value, x)
+        values.append(float(value))
+        grads.append(grad)
+    assert values[1] == pytest.approx(values[0], rel=1e-4, abs=1e-6)
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-3
+
+
+def test_term_dtype_is_checked():
+    with pytest.raises(TypeError, match="dtype is torch.int64"):
+        make_loss("varifold", sigma=3.0, dtype=torch.int64)
+
+
 def test_sinkhorn_signal_term_gradient_matches_finite_differences():
     from otreg.ot.problem import SinkhornOptions
 
     a, b = small_shapes(1)
     options = SinkhornOptions(scaling=0.5, tol=1e-9, max_iter=5000)
-    term = make_loss("sinkhorn", blur=3.0, sinkhorn=options, sinkhorn_dtype=None, signal=2.0)
+    term = make_loss("sinkhorn", blur=3.0, sinkhorn=options, dtype=None, signal=2.0)
     term.prepare(a, b)
     x = a.points.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(term(a.with_points(x), b), x)
