@@ -23,19 +23,19 @@ __all__ = ["main"]
 
 
 class _Relaxation(click.ParamType):
-    """'auto' or a number in [1, 2)."""
+    """'anderson', 'auto' or a number in [1, 2)."""
 
-    name = "auto|w"
+    name = "anderson|auto|w"
 
     def convert(self, value, param, ctx):
-        if value == "auto" or isinstance(value, float):
+        if value in ("anderson", "auto") or isinstance(value, float):
             return value
         try:
             w = float(value)
         except ValueError:
             w = math.nan
         if not 1 <= w < 2:
-            self.fail(f"{value!r} is neither 'auto' nor a number in [1, 2)", param, ctx)
+            self.fail(f"{value!r} is neither 'anderson', 'auto' nor a number in [1, 2)", param, ctx)
         return w
 
 
@@ -93,11 +93,12 @@ def info(no_keops: bool) -> None:
 )
 @click.option(
     "--relaxation",
-    default="auto",
+    default="anderson",
     show_default=True,
     type=_Relaxation(),
-    help="Over-relaxation of the Sinkhorn updates: 'auto' (adapted to the measured "
-    "convergence rate) or a weight in [1, 2) (1: plain updates).",
+    help="How the Sinkhorn updates are accelerated: 'anderson' (mixing of the last 8), "
+    "'auto' (over-relaxation adapted to the measured convergence rate) or a fixed "
+    "over-relaxation weight in [1, 2) (1: plain updates).",
 )
 @click.option("--label", default=None, type=float, help="Segmentation label for volumes.")
 @click.option("--level", default=None, type=float, help="Threshold for probability maps.")
@@ -172,7 +173,7 @@ def distance(
     if not res.converged:
         hint = {
             "stalled": "it stopped decreasing (the rounding floor): raise --tol or --blur",
-            "diverged": "the iteration diverged: use --relaxation auto",
+            "diverged": "the iteration diverged: use --relaxation anderson",
         }.get(res.stopped, "raise --max-iter or --blur for a converged value")
         click.echo(
             f"warning: marginal error {res.marginal_error:.2e} >= tol {tol:g}: {hint}", err=True

@@ -53,7 +53,10 @@ def test_distance_reports_bad_files(two_meshes, tmp_path):
     assert result.exit_code != 0 and "--blur" in result.output
     for bad in ("2", "fast"):
         result = CliRunner().invoke(main, ["distance", *two_meshes, "--relaxation", bad])
-        assert result.exit_code != 0 and "neither 'auto' nor a number in [1, 2)" in result.output
+        assert (
+            result.exit_code != 0
+            and "neither 'anderson', 'auto' nor a number in [1, 2)" in result.output
+        )
 
 
 @pytest.mark.parametrize("pair", ["templates", "hemispheres", "synthetic"])

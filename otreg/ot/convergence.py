@@ -1,8 +1,10 @@
 """When the Sinkhorn loop at the final eps changes its step and when it stops.
 
+:class:`Anderson` extrapolates the updates from the last few (the default);
 :class:`Relaxation` adapts the over-relaxation weight of the updates to the measured
-convergence rate; :class:`StoppingRule` decides when the loop ends and says why. Both see
-only the sequence of marginal errors (and, for a stall, the potentials' rounding floor).
+convergence rate; :class:`StoppingRule` decides when the loop ends and says why. They see
+only the updates and the sequence of marginal errors (and, for a stall, the potentials'
+rounding floor).
 """
 
 from __future__ import annotations
@@ -12,7 +14,69 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Relaxation", "StoppingRule", "rounding_floor"]
+__all__ = ["Anderson", "Relaxation", "StoppingRule", "rounding_floor"]
+
+
+class Anderson:
+    """Anderson mixing of the Sinkhorn updates at the final eps (Anderson 1965; Walker and
+    Ni 2011): the next potential is the combination of the last ``MEMORY`` updates whose
+    residuals (update minus input) cancel best in the least-squares sense, a Krylov-like
+    extrapolation of the fixed-point map g -> G(g) (one f- and one g-update). Measured on
+    two noisy spheres at blur 0.01 it reaches tol 1e-3 in 2 to 3 times fewer iterations
+    than the adaptive over-relaxation (docs/guide/ot.md). The residuals are weighted by
+    sqrt(b) / eps, so that the least-squares norm is the marginal error's to first order,
+    and the small (MEMORY x MEMORY) system is solved in float64 with a tiny Tikhonov term.
+
+    Safeguard: when the marginal error after an extrapolated step is more than
+    ``RESET_FACTOR`` times the best since the last reset, the history is dropped and the
+    next step is the plain update; after ``MAX_RESETS`` resets the mixing gives up
+    (``failed``) and the loop goes on with the adaptive over-relaxation, which the result's
+    ``acceleration`` then says.
+    """
+
+    MEMORY = 8
+    RESET_FACTOR = 2.0
+    MAX_RESETS = 5
+    RIDGE = 1e-10
+
+    def __init__(self, b: torch.Tensor, eps: float) -> None:
+        self.scale = b.detach().double().clamp_min(0).sqrt() / eps  # (B, M)
+        self.updates: list[torch.Tensor] = []
+        self.residuals: list[torch.Tensor] = []
+        self.best = math.inf
+        self.resets = 0
+        self.failed = False
+
+    def step(self, g: torch.Tensor, update: torch.Tensor, err: float) -> torch.Tensor:
+        """The next potential, from the input ``g`` (B, M), its plain update G(g) and the
+        marginal error measured at g."""
+        if not math.isfinite(err) or err > self.RESET_FACTOR * self.best:
+            self.updates, self.residuals = [], []
+            self.resets += 1
+            self.best = err if math.isfinite(err) else math.inf
+            self.failed = self.resets > self.MAX_RESETS
+            return update
+        self.best = min(self.best, err)
+        self.updates.append(update.double())
+        self.residuals.append((update - g).double() * self.scale)
+        if len(self.updates) > self.MEMORY + 1:
+            self.updates.pop(0)
+            self.residuals.pop(0)
+        if len(self.updates) == 1:
+            return update
+        dr = torch.stack([b - a for a, b in zip(self.residuals, self.residuals[1:])], -1)
+        du = torch.stack([b - a for a, b in zip(self.updates, self.updates[1:])], -1)
+        gram = dr.transpose(1, 2) @ dr  # (B, m, m)
+        ridge = self.RIDGE * gram.diagonal(dim1=1, dim2=2).sum(-1).clamp_min(1e-300)
+        eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+        gamma = torch.linalg.solve(
+            gram + ridge[:, None, None] * eye, dr.transpose(1, 2) @ self.residuals[-1][..., None]
+        )
+        out = self.updates[-1] - (du @ gamma)[..., 0]
+        if not bool(torch.isfinite(out).all()):
+            self.updates, self.residuals = self.updates[-1:], self.residuals[-1:]
+            return update
+        return out.to(update.dtype)
 
 
 class Relaxation:

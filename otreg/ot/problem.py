@@ -44,10 +44,13 @@ __all__ = [
     "Problem",
     "FORMS",
     "BACKWARDS",
+    "RELAXATIONS",
 ]
 
 FORMS = ("log", "scaling")
 BACKWARDS = ("envelope", "implicit", "unroll")
+#: the named ``relaxation`` settings (a number in [1, 2) fixes the over-relaxation weight)
+RELAXATIONS = ("anderson", "auto")
 
 
 def _number(value: object) -> bool:
@@ -164,7 +167,7 @@ class SinkhornOptions:
     backend: str = "auto"
     tol: float = 1e-3
     max_iter: int = 1000
-    relaxation: float | str = "auto"
+    relaxation: float | str = "anderson"
     backward: str | Implicit | Unroll = "envelope"
     multiscale: bool | str | Multiscale = "auto"
 
@@ -223,12 +226,12 @@ def _checked(caller: str, options: SinkhornOptions | dict) -> dict:
     v["tol"] = check_positive(caller, "tol", v["tol"], allow_zero=True)
     v["max_iter"] = check_int(caller, "max_iter", v["max_iter"], 1)
     w = v["relaxation"]
-    if w != "auto" and (not _number(w) or not 1 <= w < 2):
+    if w not in RELAXATIONS and (not _number(w) or not 1 <= w < 2):
         raise ValueError(
-            f"{caller}: relaxation is {w!r}; it must be 'auto' or in [1, 2) "
+            f"{caller}: relaxation is {w!r}; it must be 'anderson', 'auto' or in [1, 2) "
             "(1: plain Sinkhorn updates; 1.5-1.9 over-relaxes them)"
         )
-    v["relaxation"] = w if w == "auto" else float(w)
+    v["relaxation"] = w if w in RELAXATIONS else float(w)
     backward = v["backward"]
     if not isinstance(backward, (Implicit, Unroll)):
         check_choice(caller, "backward", backward, BACKWARDS)

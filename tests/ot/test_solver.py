@@ -189,7 +189,7 @@ def test_float32_stops_at_its_rounding_floor_and_says_so():
     assert r64.converged and r64.stopped == "tol"
     with pytest.warns(otreg.ConvergenceWarning, match="rounding floor of torch.float32"):
         r32 = otreg.sinkhorn(x.float(), y.float(), blur=0.02, max_iter=1000, tol=1e-4)
-    assert r32.stopped == "stalled" and not r32.converged and r32.n_iter < 700
+    assert r32.stopped == "stalled" and not r32.converged and r32.n_iter < 1000
     assert 1e-4 < r32.marginal_error < 1e-3
     assert float(r32.cost) == pytest.approx(float(r64.cost), rel=1e-5)
 
@@ -288,8 +288,8 @@ def test_bad_warm_start_raises_naming_it():
         otreg.sinkhorn(x, y, a, b, init=(f / 0 * 0, g))
 
 
-@pytest.mark.parametrize("relaxation", [1.8, "auto"])
-def test_over_relaxation_reaches_the_same_solution_in_fewer_iterations(relaxation):
+@pytest.mark.parametrize("relaxation", [1.8, "auto", "anderson"])
+def test_accelerated_updates_reach_the_same_solution_in_fewer_iterations(relaxation):
     x, y, a, b = clouds(n=60, m=50, seed=5)
     plain = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=1)
     fast = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=relaxation)
@@ -298,7 +298,7 @@ def test_over_relaxation_reaches_the_same_solution_in_fewer_iterations(relaxatio
     assert float(fast.cost) == pytest.approx(float(plain.cost), rel=1e-7)
     v = torch.ones(len(y), 1, dtype=x.dtype)
     assert torch.allclose(fast.plan.apply(v), plain.plan.apply(v), atol=1e-7)
-    with pytest.raises(ValueError, match="relaxation is 2.0; it must be 'auto' or in \\[1, 2\\)"):
+    with pytest.raises(ValueError, match="relaxation is 2.0; it must be 'anderson', 'auto' or in"):
         otreg.sinkhorn(x, y, a, b, relaxation=2.0)
     with pytest.raises(ValueError, match="relaxation is 'fast'"):
         otreg.sinkhorn(x, y, a, b, relaxation="fast")
@@ -338,3 +338,63 @@ def test_adaptive_relaxation_finds_the_optimal_weight_of_a_linear_iteration():
     for j in range(40):
         fixed.observe(0.5**j)
     assert fixed.w == 1.5
+
+
+def _gauge_fixed(res, a):
+    """Balanced potentials are defined up to (f + c, g - c): fix <a, f> = 0."""
+    c = (a * res.f).sum(-1, keepdim=True)
+    return res.f - c, res.g + c
+
+
+@pytest.mark.parametrize("reach", [None, 0.4])
+@pytest.mark.parametrize("batch", [None, 3])
+def test_anderson_reaches_the_potentials_of_plain_updates(reach, batch):
+    x, y, a, b = clouds(n=70, m=50, d=3, seed=7, batch=batch)
+    opts = dict(blur=0.05, reach=reach, tol=1e-13, max_iter=100_000)
+    plain = otreg.sinkhorn(x, y, a, b, relaxation=1, **opts)
+    fast = otreg.sinkhorn(x, y, a, b, relaxation="anderson", **opts)
+    assert plain.converged and fast.converged
+    assert fast.acceleration.startswith("anderson") and plain.acceleration == "none"
+    assert fast.n_iter < plain.n_iter / 3
+    if reach is None:
+        (fp, gp), (ff, gf) = _gauge_fixed(plain, a), _gauge_fixed(fast, a)
+    else:
+        (fp, gp), (ff, gf) = (plain.f, plain.g), (fast.f, fast.g)
+    torch.testing.assert_close(ff, fp, rtol=0, atol=1e-10)
+    torch.testing.assert_close(gf, gp, rtol=0, atol=1e-10)
+    torch.testing.assert_close(fast.cost, plain.cost, rtol=1e-12, atol=0)
+
+
+def test_anderson_that_cannot_help_falls_back_and_says_so(monkeypatch):
+    from otreg.ot.convergence import Anderson
+
+    # every extrapolated step counted as a failure: the safeguard resets, then gives up
+    monkeypatch.setattr(Anderson, "RESET_FACTOR", 0.0)
+    x, y, a, b = clouds(n=60, m=50, seed=5)
+    res = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000)
+    plain = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=1)
+    assert res.converged
+    assert res.acceleration.startswith(
+        f"anderson, then over-relaxation after {Anderson.MAX_RESETS + 1} resets"
+    )
+    assert float(res.cost) == pytest.approx(float(plain.cost), rel=1e-7)
+
+
+def test_anderson_history_is_bounded_and_its_step_is_exact_on_a_linear_map():
+    from otreg.ot.convergence import Anderson
+
+    # on an affine map g -> A g + c (a contraction), Anderson with m >= the dimension
+    # finds the fixed point in at most m + 2 steps (it is then GMRES)
+    gen = torch.Generator().manual_seed(0)
+    n = 5
+    A = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    A = 0.9 * A / torch.linalg.matrix_norm(A, 2)
+    c = torch.randn(n, generator=gen, dtype=torch.float64)
+    fixed = torch.linalg.solve(torch.eye(n, dtype=torch.float64) - A, c)
+    mixer = Anderson(torch.ones(1, n, dtype=torch.float64), eps=1.0)
+    g = torch.zeros(1, n, dtype=torch.float64)
+    for _ in range(n + 2):
+        update = g @ A.T + c
+        g = mixer.step(g, update, float((update - g).norm()))
+        assert len(mixer.updates) <= Anderson.MEMORY + 1
+    torch.testing.assert_close(g[0], fixed, rtol=0, atol=1e-9)
