@@ -16,6 +16,11 @@ Strategies (the gradient is the same; memory and time differ):
   ``|rebuilt x_0 - x_0| / |x_0|`` is reported (``report["drift"]``).
 - ``"offload"``: plain autograd with saved tensors moved to CPU memory (pinned with a GPU)
   and fetched back in backward (``torch.autograd.graph.save_on_cpu``).
+
+Every strategy takes ``memory=``: checkpointing fits its snapshots to it; the others measure
+what they need (one taped step for ``reversible``; that plus every step's saved tensors for
+``store``, and for ``offload`` on the CPU) and raise ``ValueError`` naming it when the budget
+is smaller.
 """
 
 from __future__ import annotations
@@ -279,12 +284,17 @@ def iterate(
         n_steps: number of steps, >= 1.
         params: tensors passed to every step (gradients flow to them), or an nn.Module.
         strategy: ``"store"``, ``"checkpoint"``, ``"reversible"`` or ``"offload"``.
-        memory: checkpoint budget in bytes or as ``"500MB"``, for the loop forward and
-            backward: beside x0, ``(memory - working) // state`` states are stored,
-            ``working`` the measured peak of a short checkpointed loop that stores nothing
-            but its input (``report["working_bytes"]``: a step's temporaries, a taped step's
-            saved tensors and gradients, the gradient flowing back). A budget below
-            ``working`` raises ``ValueError`` naming it.
+        memory: a budget in bytes or as ``"500MB"`` for the loop forward and backward
+            (the growth of the process's peak; a GPU's allocated memory for a loop on it).
+            ``checkpoint`` fits itself to it: beside x0, ``(memory - working) // state``
+            states are stored, ``working`` the measured peak of a short checkpointed loop
+            that stores nothing but its input (``report["working_bytes"]``: a step's
+            temporaries, a taped step's saved tensors and gradients, the gradient flowing
+            back). The other strategies check it: ``reversible`` (and ``offload`` on a GPU)
+            need one taped step's peak, measured; ``store`` (and ``offload`` on the CPU,
+            where the saved tensors stay in the same memory) that plus every step's saved
+            tensors, measured per step (``report["needed_bytes"]``). A budget below what
+            the strategy needs raises ``ValueError`` naming it.
         snapshots: checkpoint budget as a number of stored states (instead of ``memory``);
             default ``ceil(sqrt(n_steps))``.
         inverse: ``inverse(x_{k+1}, *params) -> x_k``, for ``strategy="reversible"``.
@@ -325,10 +335,13 @@ def iterate(
         raise ValueError(
             f"{caller}: strategy='reversible' needs inverse=, a callable giving x_k from x_{{k+1}}"
         )
-    if strategy != "checkpoint" and (memory is not None or snapshots is not None):
+    if strategy != "checkpoint" and snapshots is not None:
         raise ValueError(
-            f"{caller}: memory and snapshots apply to strategy='checkpoint' only, not {strategy!r}"
+            f"{caller}: snapshots applies to strategy='checkpoint' only, not {strategy!r}"
         )
+    if strategy != "checkpoint" and memory is not None:
+        limit_heap_retention()
+        _check_budget(caller, strategy, run, state, param_t, n, memory, inverse, report)
 
     if strategy in ("store", "offload"):
         ctx = (
@@ -362,6 +375,84 @@ def iterate(
     out = _Checkpointed.apply(run, n, min(s, n), report, len(state), *tensors)
     return out[0] if single else tuple(out)
 
+
+def _stores_on_host(strategy: str, state: tuple) -> bool:
+    """Whether the strategy keeps every step's saved tensors in the memory the budget is
+    for: ``store`` always, ``offload`` when the loop runs on the CPU (its host memory)."""
+    return strategy == "store" or (strategy == "offload" and state[0].device.type == "cpu")
+
+
+def _check_budget(
+    caller: str, strategy: str, run, state: tuple, params: tuple, n: int, memory, inverse, report
+) -> None:
+    """``memory=`` for the strategies that do not tune themselves to it: measure what the
+    loop will need and raise ``ValueError`` naming it (and the strategy that fits) when the
+    budget is smaller. ``reversible`` (and ``offload`` on a GPU, for the device's memory)
+    needs the fixed cost of one taped step, whatever ``n``; ``store`` (and ``offload`` on
+    the CPU) that plus every step's saved tensors, measured per step on short loops."""
+    budget = parse_bytes(caller, memory)
+    if _stores_on_host(strategy, state):
+        two = _probe_peak(run, state, params, "store", 2, None)
+        four = _probe_peak(run, state, params, "store", 4, None)
+        per_step = max(0, four - two) / 2
+        need = int(max(two - 2 * per_step, 0) + n * per_step)
+        report.update(working_bytes=int(two - 2 * per_step), step_bytes=int(per_step))
+        fits = "strategy='checkpoint' holds it within a budget"
+        detail = f"every step's saved tensors, {per_step / 1e6:,.1f} MB a step, for {n} steps"
+    else:
+        need = _probe_peak(run, state, params, strategy, _PROBE_STEPS, inverse)
+        report.update(working_bytes=need)
+        fits = "no strategy needs less than one taped step"
+        detail = "one taped step forward and backward (the loop's length does not matter)"
+    report["needed_bytes"] = need
+    if budget < need:
+        raise ValueError(
+            f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what "
+            f"strategy={strategy!r} needs for this loop: {need / 1e6:,.1f} MB ({detail}, "
+            f"measured); raise memory ({fits})"
+        )
+
+
+def _probe_peak(run, state: tuple, params: tuple, strategy: str, steps: int, inverse) -> int:
+    """The measured peak (bytes) of ``steps`` steps of the loop run with ``strategy``,
+    forward and backward, from a detached copy of its input (once per step function,
+    shapes, strategy and length: cached)."""
+    step = getattr(run.step, "__func__", run.step)
+    key = (step, tuple(run.signature), tuple((p.shape, p.dtype, p.device) for p in params))
+    key = (*key, strategy, steps)
+    if key not in _PEAKS:
+
+        def probe():
+            x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in state)
+            if strategy == "reversible":
+                out = _Reversible.apply(run, inverse, steps, {}, len(x), *x, *params)
+            else:
+                ctx = (
+                    torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+                    if strategy == "offload"
+                    else contextlib.nullcontext()
+                )
+                out = x
+                with ctx:
+                    for _ in range(steps):
+                        out = run(out)
+            leaves = [t for t in (*x, *params) if t.requires_grad]
+            outs = [o for o in out if o.requires_grad]
+            if outs and leaves:
+                torch.autograd.grad(
+                    outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True
+                )
+
+        with torch.random.fork_rng(devices=run.devices):
+            probe()  # first calls' one-off allocations, unmeasured
+            _, _, peak = measure_peak(probe, state[0].device)
+        if len(_PEAKS) >= 64:
+            _PEAKS.clear()
+        _PEAKS[key] = max(peak or 0, 2 * state_bytes(state))
+    return _PEAKS[key]
+
+
+_PEAKS: dict = {}
 
 #: the measured fixed cost of checkpointing a loop, by step function and shapes (64 kept)
 _WORKING: dict = {}

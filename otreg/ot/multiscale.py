@@ -57,6 +57,8 @@ __all__ = ["auto_cluster_scale", "worthwhile", "multiscale_unfit", "TruncatedKer
 
 #: pattern rebuilt every this many iterations at the final eps
 REFRESH = 10
+#: ... when the new pattern keeps at most this fraction of the current one's pairs
+KEEP_FRACTION = 0.75
 #: extra margin (in units of eps) for the first pattern, built from extrapolated potentials
 FIRST_MARGIN = 2.0
 #: ``multiscale="auto"`` turns on from this many pairs N * M (with the other conditions of
@@ -343,7 +345,7 @@ class TruncatedKernel:
         refresh = not full and self.kernels is not None
         candidates = self.kernels.pairs if refresh else None
         I, J = _pattern_pairs(self.cx, self.cy, fb, gb, dx, dy, threshold, candidates, self.scale)
-        if refresh and len(I) > 0.75 * len(candidates[0]):
+        if refresh and len(I) > KEEP_FRACTION * len(candidates[0]):
             return  # the current kernels hold every pair that matters
         xy = BlockSparse(self.cx, self.cy, I, J)
         yx = xy if self.symmetric else BlockSparse(self.cy, self.cx, J, I)

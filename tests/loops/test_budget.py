@@ -18,14 +18,20 @@ SCRIPT = """
 import json, sys, torch
 from otreg.loops import iterate
 from otreg.loops.memory import measure_peak
-memory, steps = sys.argv[1], int(sys.argv[2])
+memory, steps, strategy = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 x0 = torch.linspace(-0.5, 1.5, 1_000_000, dtype=torch.float64)
 w = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
 step = lambda x, w: x + 0.01 * torch.sin(w * x)
+def inverse(y, w):  # x + 0.01 sin(w x) = y by Newton's method (the map is increasing)
+    x = y.clone()
+    for _ in range(20):
+        x = x - (x + 0.01 * torch.sin(w * x) - y) / (1 + 0.01 * w * torch.cos(w * x))
+    return x
 iterate(step, x0[:10], 2, (w,))
 report = {}
 def run():
-    y = iterate(step, x0, steps, (w,), strategy="checkpoint", memory=memory, report=report)
+    y = iterate(step, x0, steps, (w,), strategy=strategy, memory=memory, report=report,
+                inverse=inverse if strategy == "reversible" else None)
     return torch.autograd.grad(y.sum(), w)[0]
 try:
     grad, seconds, peak = measure_peak(run, torch.device("cpu"))
@@ -39,13 +45,13 @@ with torch.no_grad():
         dx = dx * (1 + 0.01 * wv * c) + 0.01 * x * c
         x = x + 0.01 * torch.sin(wv * x)
 print(json.dumps({"peak_mb": peak / 1e6, "grad": float(grad), "oracle": float(dx.sum()),
-                  "snapshots": report["snapshots"], "working_mb": report["working_bytes"] / 1e6}))
+                  "snapshots": report.get("snapshots"), "working_mb": report["working_bytes"] / 1e6}))
 """
 
 
-def run_budget(memory: str) -> dict:
+def run_budget(memory: str, steps: int = STEPS, strategy: str = "checkpoint") -> dict:
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, memory, str(STEPS)],
+        [sys.executable, "-c", SCRIPT, memory, str(steps), strategy],
         capture_output=True,
         text=True,
         timeout=300,
@@ -71,3 +77,28 @@ def test_a_budget_below_one_step_names_the_minimum():
     assert "memory budget 25.0 MB is below what checkpointing this loop needs" in message
     need = float(message.split("needs: ")[1].split(" MB")[0].replace(",", ""))
     assert 25 < need < 200  # one step of an 8 MB state forward and backward, plus 3 states
+
+
+def test_reversible_within_its_budget_and_below_it_names_the_minimum():
+    out = run_budget("100MB", strategy="reversible")
+    assert out["peak_mb"] <= 1.25 * 100 + 30, out
+    assert out["grad"] == pytest.approx(out["oracle"], rel=1e-9), out
+    message = run_budget("20MB", strategy="reversible")["error"]
+    assert "below what strategy='reversible' needs for this loop" in message
+    need = float(message.split("needs for this loop: ")[1].split(" MB")[0].replace(",", ""))
+    assert 20 < need < 100  # one taped step of an 8 MB state, whatever the length
+
+
+@pytest.mark.parametrize("strategy", ["store", "offload"])
+def test_storing_strategies_check_the_budget_against_every_step(strategy):
+    # store (and offload on the CPU) keeps every step's saved tensors: 50 steps of an 8 MB
+    # state hold about 800 MB; a budget above that runs within it, one below it raises
+    # with the measured need and names the strategy that fits a budget
+    out = run_budget("1200MB", steps=50, strategy=strategy)
+    assert out["peak_mb"] <= 1.25 * 1200 + 30, out
+    assert out["grad"] == pytest.approx(out["oracle"], rel=1e-9), out
+    message = run_budget("200MB", steps=50, strategy=strategy)["error"]
+    assert f"below what strategy={strategy!r} needs" in message
+    assert "strategy='checkpoint' holds it within a budget" in message
+    need = float(message.split("needs for this loop: ")[1].split(" MB")[0].replace(",", ""))
+    assert 500 < need < 1200

@@ -162,6 +162,8 @@ def test_profile_runs_checkpoint_once_per_budget():
         (dict(strategy="checkpoint", memory="lots"), ValueError, "memory is 'lots'"),
         (dict(strategy="checkpoint", memory="1MB", snapshots=2), ValueError, "not both"),
         (dict(strategy="store", snapshots=2), ValueError, "checkpoint' only"),
+        (dict(strategy="store", memory="1B"), ValueError, "below what strategy='store' needs"),
+        (dict(strategy="offload", memory="lots"), ValueError, "memory is 'lots'"),
         (dict(strategy="reversible"), ValueError, "needs inverse="),
         (dict(step=lambda x, W: x[:2]), ValueError, "step changed the state from"),
         (dict(step=3), TypeError, "step must be callable"),
