@@ -56,9 +56,9 @@ from .multiscale import TruncatedKernel
 from .plan import TransportPlan
 from .problem import (
     _UNSET,
+    RELAXATIONS,
     Implicit,
     Multiscale,
-    RELAXATIONS,
     Problem,
     SinkhornOptions,
     Unroll,

@@ -45,7 +45,8 @@ with torch.no_grad():
         dx = dx * (1 + 0.01 * wv * c) + 0.01 * x * c
         x = x + 0.01 * torch.sin(wv * x)
 print(json.dumps({"peak_mb": peak / 1e6, "grad": float(grad), "oracle": float(dx.sum()),
-                  "snapshots": report.get("snapshots"), "working_mb": report["working_bytes"] / 1e6}))
+                  "snapshots": report.get("snapshots"),
+                  "working_mb": report["working_bytes"] / 1e6}))
 """
 
 
