@@ -4,8 +4,8 @@ Anderson mixing, on the same problems, in one process.
 Each row is one problem solved three times (``relaxation=1``, ``"auto"``, ``"anderson"``)
 from the same eps-scaling; iterations to ``tol`` (the eps-scaling's included), seconds, and
 the value's relative difference from the plain run's where that converged (or from
-``auto``'s). A run that does not reach ``tol`` within ``MAX_ITER`` shows ``> MAX_ITER`` and
-the marginal error it stopped at.
+``auto``'s). A run that does not reach ``tol`` shows why it stopped (``max_iter`` at
+``MAX_ITER``, or ``stalled`` at the dtype's rounding floor) and its marginal error.
 
     python benchmarks/acceleration.py
     python benchmarks/acceleration.py --record   # append the table to docs/benchmarks.md
@@ -85,7 +85,7 @@ def main() -> None:
             row[f"{label}_iter"] = (
                 f"{res.n_iter:,}"
                 if res.converged
-                else f"> {MAX_ITER:,} ({res.stopped}, {res.marginal_error:.1e})"
+                else f"{res.n_iter:,}: {res.stopped} at {res.marginal_error:.1e}"
             )
             row[f"{label}_s"] = seconds
         reference = values["plain"] if values["plain"] is not None else values["auto"]

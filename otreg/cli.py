@@ -96,7 +96,7 @@ def info(no_keops: bool) -> None:
     default="anderson",
     show_default=True,
     type=_Relaxation(),
-    help="How the Sinkhorn updates are accelerated: 'anderson' (mixing of the last 8), "
+    help="How the Sinkhorn updates are accelerated: 'anderson' (mixing of the last 24), "
     "'auto' (over-relaxation adapted to the measured convergence rate) or a fixed "
     "over-relaxation weight in [1, 2) (1: plain updates).",
 )

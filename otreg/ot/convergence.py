@@ -19,11 +19,13 @@ __all__ = ["Anderson", "Relaxation", "StoppingRule", "rounding_floor"]
 
 class Anderson:
     """Anderson mixing of the Sinkhorn updates at the final eps (Anderson 1965; Walker and
-    Ni 2011): the next potential is the combination of the last ``MEMORY`` updates whose
+    Ni 2011): the next potential is the combination of the last ``MEMORY`` (24) updates whose
     residuals (update minus input) cancel best in the least-squares sense, a Krylov-like
     extrapolation of the fixed-point map g -> G(g) (one f- and one g-update). Measured on
     two noisy spheres at blur 0.01 it reaches tol 1e-3 in 2 to 3 times fewer iterations
-    than the adaptive over-relaxation (docs/guide/ot.md). The residuals are weighted by
+    than the adaptive over-relaxation (docs/guide/ot.md; 8 updates did as well there but
+    converged slowly near a tight tol at blur 0.02 on 2,000 points: 686 iterations against 279
+    with 24 and 328 for the over-relaxation). The residuals are weighted by
     sqrt(b) / eps, so that the least-squares norm is the marginal error's to first order,
     and the small (MEMORY x MEMORY) system is solved in float64 with a tiny Tikhonov term.
 
@@ -34,47 +36,66 @@ class Anderson:
     ``acceleration`` then says.
     """
 
-    MEMORY = 8
+    MEMORY = 24
+    #: the history (2 m + 2 float64 vectors of length M a problem) stays within this: fewer
+    #: than ``MEMORY`` updates are mixed above about 160,000 points (at least ``MIN_MEMORY``)
+    HISTORY_BYTES = 64 * 2**20
+    MIN_MEMORY = 4
     RESET_FACTOR = 2.0
     MAX_RESETS = 5
     RIDGE = 1e-10
 
     def __init__(self, b: torch.Tensor, eps: float) -> None:
         self.scale = b.detach().double().clamp_min(0).sqrt() / eps  # (B, M)
-        self.updates: list[torch.Tensor] = []
-        self.residuals: list[torch.Tensor] = []
+        fits = self.HISTORY_BYTES // (16 * b.numel()) - 1
+        self.memory = m = int(max(self.MIN_MEMORY, min(self.MEMORY, fits)))
+        B, M = b.shape
+        # differences of successive residuals and updates, a ring of m columns, and the
+        # residual differences' Gram matrix, updated a column at a time (O(M m) a step)
+        self._dr = b.new_zeros((B, M, m), dtype=torch.float64)
+        self._du = torch.zeros_like(self._dr)
+        self._gram = b.new_zeros((B, m, m), dtype=torch.float64)
+        self._eye = torch.eye(m, dtype=torch.float64, device=b.device)
+        self.filled, self._pos = 0, 0
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self.best = math.inf
         self.resets = 0
         self.failed = False
+
+    def _forget(self) -> None:
+        self.filled, self._pos, self._last = 0, 0, None
 
     def step(self, g: torch.Tensor, update: torch.Tensor, err: float) -> torch.Tensor:
         """The next potential, from the input ``g`` (B, M), its plain update G(g) and the
         marginal error measured at g."""
         if not math.isfinite(err) or err > self.RESET_FACTOR * self.best:
-            self.updates, self.residuals = [], []
+            self._forget()
             self.resets += 1
             self.best = err if math.isfinite(err) else math.inf
             self.failed = self.resets > self.MAX_RESETS
             return update
         self.best = min(self.best, err)
-        self.updates.append(update.double())
-        self.residuals.append((update - g).double() * self.scale)
-        if len(self.updates) > self.MEMORY + 1:
-            self.updates.pop(0)
-            self.residuals.pop(0)
-        if len(self.updates) == 1:
+        u, r = update.double(), (update - g).double() * self.scale
+        last, self._last = self._last, (u, r)
+        if last is None:
             return update
-        dr = torch.stack([b - a for a, b in zip(self.residuals, self.residuals[1:])], -1)
-        du = torch.stack([b - a for a, b in zip(self.updates, self.updates[1:])], -1)
-        gram = dr.transpose(1, 2) @ dr  # (B, m, m)
+        k = self._pos
+        self._dr[:, :, k] = r - last[1]
+        self._du[:, :, k] = u - last[0]
+        row = torch.einsum("bm,bmk->bk", self._dr[:, :, k], self._dr)
+        self._gram[:, k, :] = row
+        self._gram[:, :, k] = row
+        self.filled, self._pos = min(self.filled + 1, self.memory), (k + 1) % self.memory
+        n = self.filled
+        dr, du, gram = self._dr[:, :, :n], self._du[:, :, :n], self._gram[:, :n, :n]
         ridge = self.RIDGE * gram.diagonal(dim1=1, dim2=2).sum(-1).clamp_min(1e-300)
-        eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
         gamma = torch.linalg.solve(
-            gram + ridge[:, None, None] * eye, dr.transpose(1, 2) @ self.residuals[-1][..., None]
+            gram + ridge[:, None, None] * self._eye[:n, :n],
+            torch.einsum("bmk,bm->bk", dr, r)[..., None],
         )
-        out = self.updates[-1] - (du @ gamma)[..., 0]
+        out = u - (du @ gamma)[..., 0]
         if not bool(torch.isfinite(out).all()):
-            self.updates, self.residuals = self.updates[-1:], self.residuals[-1:]
+            self._forget()
             return update
         return out.to(update.dtype)
 

@@ -478,7 +478,7 @@ def sinkhorn(
         relaxation: how the updates at the final eps are accelerated: the same fixed
             point, reached in far fewer iterations when plain updates crawl (balanced OT at
             a blur much smaller than the data). ``"anderson"`` (default): Anderson mixing of
-            the last 8 updates, safeguarded, falling back to ``"auto"`` if it fails
+            the last 24 updates, safeguarded, falling back to ``"auto"`` if it fails
             (:class:`~otreg.ot.convergence.Anderson`; 2-3x fewer iterations than
             ``"auto"`` where measured). ``"auto"``: over-relaxation
             f <- (1 - w) f + w softmin(g) (Thibault et al. 2017; Lehmann et al. 2021), w

@@ -184,11 +184,14 @@ def _spheres(dtype=torch.float64):
 def test_float32_stops_at_its_rounding_floor_and_says_so():
     # blur 0.02 on spheres: float64 reaches tol = 1e-4, float32's marginals hover at about
     # 2e-4 (its rounding of f / eps): the loop stops there instead of running to max_iter
+    # (with the over-relaxation: Anderson mixing gets float32 to 1.3e-4 here, slowly)
     x, y = _spheres()
     r64 = otreg.sinkhorn(x, y, blur=0.02, max_iter=1000, tol=1e-4)
     assert r64.converged and r64.stopped == "tol"
     with pytest.warns(otreg.ConvergenceWarning, match="rounding floor of torch.float32"):
-        r32 = otreg.sinkhorn(x.float(), y.float(), blur=0.02, max_iter=1000, tol=1e-4)
+        r32 = otreg.sinkhorn(
+            x.float(), y.float(), blur=0.02, max_iter=1000, tol=1e-4, relaxation="auto"
+        )
     assert r32.stopped == "stalled" and not r32.converged and r32.n_iter < 1000
     assert 1e-4 < r32.marginal_error < 1e-3
     assert float(r32.cost) == pytest.approx(float(r64.cost), rel=1e-5)
@@ -396,5 +399,5 @@ def test_anderson_history_is_bounded_and_its_step_is_exact_on_a_linear_map():
     for _ in range(n + 2):
         update = g @ A.T + c
         g = mixer.step(g, update, float((update - g).norm()))
-        assert len(mixer.updates) <= Anderson.MEMORY + 1
+        assert mixer.filled <= mixer.memory
     torch.testing.assert_close(g[0], fixed, rtol=0, atol=1e-9)
