@@ -30,10 +30,10 @@ class Anderson:
     and the small (MEMORY x MEMORY) system is solved in float64 with a tiny Tikhonov term.
 
     Safeguard: when the marginal error after an extrapolated step is more than
-    ``RESET_FACTOR`` times the best since the last reset, the history is dropped and the
-    next step is the plain update; after ``MAX_RESETS`` resets the mixing gives up
-    (``failed``) and the loop goes on with the adaptive over-relaxation, which the result's
-    ``acceleration`` then says.
+    ``RESET_FACTOR`` times the best so far, the history is dropped and the next step is the
+    plain update from the best point; after ``MAX_RESETS`` resets the mixing gives up
+    (``failed``) and the loop goes on from there with the adaptive over-relaxation, which
+    the result's ``acceleration`` then says.
     """
 
     MEMORY = 24
@@ -59,6 +59,7 @@ class Anderson:
         self.filled, self._pos = 0, 0
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self.best = math.inf
+        self._best_update: torch.Tensor | None = None  # the plain update at the best point
         self.resets = 0
         self.failed = False
 
@@ -71,10 +72,11 @@ class Anderson:
         if not math.isfinite(err) or err > self.RESET_FACTOR * self.best:
             self._forget()
             self.resets += 1
-            self.best = err if math.isfinite(err) else math.inf
             self.failed = self.resets > self.MAX_RESETS
-            return update
-        self.best = min(self.best, err)
+            # start again from the best point so far
+            return update if self._best_update is None else self._best_update
+        if err <= self.best:
+            self.best, self._best_update = err, update
         u, r = update.double(), (update - g).double() * self.scale
         last, self._last = self._last, (u, r)
         if last is None:
@@ -93,7 +95,9 @@ class Anderson:
             gram + ridge[:, None, None] * self._eye[:n, :n],
             torch.einsum("bmk,bm->bk", dr, r)[..., None],
         )
-        out = u - (du @ gamma)[..., 0]
+        # points without mass are fixed by no marginal: they keep the plain update (an
+        # extrapolated value there would overflow the marginals' exp for nothing)
+        out = torch.where(self.scale > 0, u - (du @ gamma)[..., 0], u)
         if not bool(torch.isfinite(out).all()):
             self._forget()
             return update

@@ -141,7 +141,8 @@ def residual(
     (balanced) or w * exp(-pot/rho) (unbalanced).
     """
     target = 1.0 if p.rho is None else torch.exp(-pot / p.rho)
-    err = (w * (torch.exp((pot - smin) / eps) - target).abs()).sum(1)
+    gap = w * (torch.exp((pot - smin) / eps) - target).abs()
+    err = torch.where(w > 0, gap, 0.0).sum(1)  # no mass: no condition (and no 0 * inf)
     return err / w.sum(1)
 
 

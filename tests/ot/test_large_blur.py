@@ -152,6 +152,10 @@ def problems(draw):
     return x.to(dtype), y.to(dtype), a.to(dtype), b.to(dtype), rel_blur, reach, cost
 
 
+def _unit(w: torch.Tensor) -> torch.Tensor:
+    return w / w.sum()
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 @example(  # zero target weights at a tiny blur: OT(b, b)'s weight path was 0 * inf = NaN
@@ -161,6 +165,20 @@ def problems(draw):
         torch.tensor([1.0]),
         torch.tensor([0.0994, 0.1997, 0.0, 0.2709, 0.0, 0.0, 0.0, 0.4300]),
         0.001,
+        None,
+        "sqeuclidean",
+    )
+)
+@example(  # zero target weights at a small blur: Anderson's extrapolated g where b = 0
+    # overflowed the marginal error (0 * inf), and its fallback restarted from a bad point
+    (
+        torch.tensor([1.541, -0.2934, -2.1788, 0.5684, -1.0845, -1.3986, 0.4033, 0.838])[:, None],
+        torch.tensor(
+            [-0.7193, -0.4033, -0.5966, 0.182, -0.8567, 1.1006, -1.0712, 0.1227, -0.5663, 0.3731]
+        )[:, None],
+        _unit(torch.tensor([0.1985, 0.2036, 0.0546, 0.1756, 0.0285, 0.1359, 0.0586, 0.1448])),
+        _unit(torch.tensor([0.0, 0.2419, 0.2644, 0.0, 0.2873, 0.0, 0.0, 0.0, 0.1708, 0.0355])),
+        0.01,
         None,
         "sqeuclidean",
     )

@@ -231,7 +231,7 @@ def test_default_options_are_recorded(pial_small):
         SINKHORN_TERM.tol,
         SINKHORN_TERM.max_iter,
         SINKHORN_TERM.relaxation,
-    ) == (0.5, 1e-3, 300, "auto")
+    ) == (0.5, 1e-3, 300, "anderson")
 
 
 def test_bad_shapes(pial_small):
