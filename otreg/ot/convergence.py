@@ -91,14 +91,14 @@ class Anderson:
         n = self.filled
         dr, du, gram = self._dr[:, :, :n], self._du[:, :, :n], self._gram[:, :n, :n]
         ridge = self.RIDGE * gram.diagonal(dim1=1, dim2=2).sum(-1).clamp_min(1e-300)
-        gamma = torch.linalg.solve(
+        gamma, info = torch.linalg.solve_ex(
             gram + ridge[:, None, None] * self._eye[:n, :n],
             torch.einsum("bmk,bm->bk", dr, r)[..., None],
         )
         # points without mass are fixed by no marginal: they keep the plain update (an
         # extrapolated value there would overflow the marginals' exp for nothing)
         out = torch.where(self.scale > 0, u - (du @ gamma)[..., 0], u)
-        if not bool(torch.isfinite(out).all()):
+        if bool(info.any()) or not bool(torch.isfinite(out).all()):
             self._forget()
             return update
         return out.to(update.dtype)
