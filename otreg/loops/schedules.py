@@ -96,27 +96,32 @@ def binomial_schedule(n_steps: int, snapshots: int) -> list[Action]:
     n = check_int("binomial_schedule", "n_steps", n_steps, 1)
     s = check_int("binomial_schedule", "snapshots", snapshots, 1)
     actions: list[Action] = []
-
-    def reverse(i: int, j: int, slots: int) -> None:
-        # Precondition: x_i is the current state and is stored in a checkpoint.
+    # reverse(i, j, slots), x_i current and stored: an explicit stack of what is left to do
+    # (recursion would nest once per stored state: a thousand steps with as many slots
+    # exceeded Python's recursion limit)
+    todo: list = [(0, n, s)]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, Action):
+            actions.append(item)
+            continue
+        i, j, slots = item
         length = j - i
         if length == 1:
             actions.append(Action("taped", i))
-            return
+            continue
         if slots == 1:
             for k in range(j - 1, i, -1):
                 actions.append(Action("advance", i, k))
                 actions.append(Action("taped", k))
                 actions.append(Action("restore", i))
             actions.append(Action("taped", i))
-            return
+            continue
         m = _split(length, slots)
         actions.append(Action("advance", i, i + m))
         actions.append(Action("store", i + m))
-        reverse(i + m, j, slots - 1)
-        actions.append(Action("free", i + m))
-        actions.append(Action("restore", i))
-        reverse(i, i + m, slots)
-
-    reverse(0, n, s)
+        # then: reverse the upper part, free its checkpoint, restore x_i, reverse the lower
+        todo.extend(
+            [(i, i + m, slots), Action("restore", i), Action("free", i + m), (i + m, j, slots - 1)]
+        )
     return actions
