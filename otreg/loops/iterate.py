@@ -413,18 +413,25 @@ def _check_budget(
         )
 
 
-def _probe_peak(run, state: tuple, params: tuple, strategy: str, steps: int, inverse) -> int:
+def _probe_peak(
+    run: _Step, state: tuple, params: tuple, strategy: str, steps: int, inverse=None
+) -> int:
     """The measured peak (bytes) of ``steps`` steps of the loop run with ``strategy``,
-    forward and backward, from a detached copy of its input (once per step function,
-    shapes, strategy and length: cached)."""
-    step = getattr(run.step, "__func__", run.step)
-    key = (step, tuple(run.signature), tuple((p.shape, p.dtype, p.device) for p in params))
-    key = (*key, strategy, steps)
+    forward and backward, from a detached copy of its input; ``checkpoint`` stores nothing
+    but that input (``_PROBE_SNAPSHOTS`` slots). Once per step function, shapes, strategy and
+    length (64 kept); at least the output and its gradient (a small step may reuse resident
+    memory and read 0; without a reading, off Linux, that is all there is)."""
+    step = getattr(run.step, "__func__", run.step)  # a bound method: its function
+    params_sig = tuple((p.shape, p.dtype, p.device) for p in params)
+    key = (step, tuple(run.signature), params_sig, strategy, steps)
     if key not in _PEAKS:
 
         def probe():
             x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in state)
-            if strategy == "reversible":
+            if strategy == "checkpoint":
+                report = {"n_steps": steps}
+                out = _Checkpointed.apply(run, steps, _PROBE_SNAPSHOTS, report, len(x), *x, *params)
+            elif strategy == "reversible":
                 out = _Reversible.apply(run, inverse, steps, {}, len(x), *x, *params)
             else:
                 ctx = (
@@ -443,7 +450,7 @@ def _probe_peak(run, state: tuple, params: tuple, strategy: str, steps: int, inv
                     outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True
                 )
 
-        with torch.random.fork_rng(devices=run.devices):
+        with torch.random.fork_rng(devices=run.devices):  # the loop's draws stay its own
             probe()  # first calls' one-off allocations, unmeasured
             _, _, peak = measure_peak(probe, state[0].device)
         if len(_PEAKS) >= 64:
@@ -452,45 +459,20 @@ def _probe_peak(run, state: tuple, params: tuple, strategy: str, steps: int, inv
     return _PEAKS[key]
 
 
+#: measured peaks of short loops, by step function, shapes, strategy and length
 _PEAKS: dict = {}
-
-#: the measured fixed cost of checkpointing a loop, by step function and shapes (64 kept)
-_WORKING: dict = {}
-#: steps and snapshots (the input included) of the loop that measures it
+#: steps and snapshots (the input included) of the loop that measures checkpointing's cost
 _PROBE_STEPS, _PROBE_SNAPSHOTS = 4, 2
 
 
 def _working_bytes(run: _Step, state: tuple, params: tuple) -> int:
-    """The measured peak of a ``_PROBE_STEPS``-step checkpointed loop that stores nothing but
-    its input, forward and backward: what checkpointing the real loop needs besides its
-    snapshots (a step's temporaries, a taped step's saved tensors and gradients, the state
-    being advanced, the gradient flowing back, the output)."""
-    step = getattr(run.step, "__func__", run.step)  # a bound method: its function
-    key = (step, tuple(run.signature), tuple((p.shape, p.dtype, p.device) for p in params))
-    if key not in _WORKING:
-
-        def probe():
-            x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in state)
-            out = _Checkpointed.apply(
-                run, _PROBE_STEPS, _PROBE_SNAPSHOTS, {"n_steps": _PROBE_STEPS}, len(x), *x, *params
-            )
-            leaves = [t for t in (*x, *params) if t.requires_grad]
-            outs = [o for o in out if o.requires_grad]
-            if outs and leaves:
-                torch.autograd.grad(
-                    outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True
-                )
-
-        with torch.random.fork_rng(devices=run.devices):  # the loop's draws stay its own
-            probe()  # first calls' one-off allocations, unmeasured
-            _, _, peak = measure_peak(probe, state[0].device)
-        if len(_WORKING) >= 64:
-            _WORKING.clear()
-        # at least the output and its gradient (a small step may reuse resident memory and
-        # read 0; without a reading, off Linux, that is all there is)
-        size = state_bytes(state)
-        _WORKING[key] = max((peak or 0) - (_PROBE_SNAPSHOTS - 1) * size, 2 * size)
-    return _WORKING[key]
+    """What checkpointing the loop needs besides its snapshots (a step's temporaries, a
+    taped step's saved tensors and gradients, the state being advanced, the gradient flowing
+    back, the output): the peak of a ``_PROBE_STEPS``-step checkpointed loop that stores
+    only its input, less the probe's own snapshots."""
+    size = state_bytes(state)
+    peak = _probe_peak(run, state, params, "checkpoint", _PROBE_STEPS)
+    return max(peak - (_PROBE_SNAPSHOTS - 1) * size, 2 * size)
 
 
 def _snapshots(caller: str, n: int, state: tuple, memory, snapshots, working: int | None) -> int:
