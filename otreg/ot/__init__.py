@@ -1,9 +1,10 @@
 """Entropic optimal transport: the Sinkhorn solver, the divergence and the lazy plan.
 
 Modules: :mod:`~otreg.ot.problem` (the options objects and the validated problem),
-:mod:`~otreg.ot.solver` (the loop against a kernel, ``sinkhorn``), :mod:`~otreg.ot.multiscale`
-(the truncated kernel and the coarse problem), :mod:`~otreg.ot.convergence` (relaxation and
-stopping rule), :mod:`~otreg.ot.divergence`, :mod:`~otreg.ot.plan`.
+:mod:`~otreg.ot.solver` (``sinkhorn``: checks, solve, gradient), :mod:`~otreg.ot.loop` (the
+loop against a kernel), :mod:`~otreg.ot.multiscale` (the truncated kernel and the coarse
+problem), :mod:`~otreg.ot.convergence` (Anderson mixing, relaxation and stopping rule),
+:mod:`~otreg.ot.divergence`, :mod:`~otreg.ot.plan`.
 """
 
 from .divergence import SinkhornLoss, sinkhorn_divergence

@@ -21,16 +21,9 @@ import torch
 from torch import nn
 
 from .large_blur import check_range, closed_form_applies
+from .loop import closed_form_solution, solve
 from .problem import _UNSET, Problem, SinkhornOptions, _legacy_options, resolve_options
-from .solver import (
-    SinkhornResult,
-    closed_form_solution,
-    dual_value,
-    make_result,
-    report_convergence,
-    solve,
-    unbatch,
-)
+from .solver import SinkhornResult, dual_value, make_result, report_convergence, unbatch
 
 __all__ = ["sinkhorn_divergence", "SinkhornLoss", "divergence", "DEFAULT_BLUR_SPAN"]
 

@@ -10,8 +10,8 @@ import otreg
 from otreg.costs import get_cost
 from otreg.datasets import noisy_sphere
 from otreg.ot import multiscale
+from otreg.ot.loop import solve
 from otreg.ot.problem import Multiscale, Problem, SinkhornOptions
-from otreg.ot.solver import solve
 from otreg.reductions import _dense
 from otreg.reductions.sparse import BlockSparse, grid_clusters
 

@@ -1,0 +1,188 @@
+"""The Sinkhorn loop against a kernel, without autograd: eps-scaling, then updates at the
+final eps until the stopping rule.
+
+A *kernel* computes the two softmins: :class:`~otreg.ot.kernels.DenseKernel` over every
+pair, :class:`~otreg.ot.multiscale.TruncatedKernel` over the cluster pairs its truncation
+pattern keeps; the latter also describes a coarse problem, which :func:`solve` solves first
+(recursively) before the kernel extrapolates its potentials. eps decreases from
+``diameter ** p`` to ``blur ** p`` (one symmetric, averaged update per value, as in GeomLoss);
+then alternating updates, Anderson-mixed or over-relaxed
+(:mod:`~otreg.ot.convergence`), continue at the final eps until the marginal error is below
+``tol``. :func:`pair_step` is one such update as a differentiable map, for the implicit and
+unrolled gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .convergence import Anderson, Relaxation, StoppingRule, rounding_floor
+from .kernels import DenseKernel, form_softmin, make_kernel
+from .large_blur import closed_form
+from .multiscale import TruncatedKernel
+from .problem import Problem
+
+__all__ = ["solve", "Solution", "residual", "closed_form_solution", "pair_step"]
+
+
+def residual(
+    p: Problem, eps: float, w: torch.Tensor, pot: torch.Tensor, smin: torch.Tensor
+) -> torch.Tensor:
+    """Relative L1 violation of the optimality condition of ``pot``, per batch, (B,).
+
+    The plan's marginal on that side is w * exp((pot - smin)/eps); it must equal w
+    (balanced) or w * exp(-pot/rho) (unbalanced).
+    """
+    target = 1.0 if p.rho is None else torch.exp(-pot / p.rho)
+    gap = w * (torch.exp((pot - smin) / eps) - target).abs()
+    err = torch.where(w > 0, gap, 0.0).sum(1)  # no mass: no condition (and no 0 * inf)
+    return err / w.sum(1)
+
+
+@dataclass
+class Solution:
+    """Potentials of one solve (caller's order, detached), the iterations, the stopping
+    rule (final error and reason), the kernel (its last pattern serves the gradient) and
+    what accelerated the final updates."""
+
+    f: torch.Tensor
+    g: torch.Tensor
+    n_iter: int
+    rule: StoppingRule
+    kernel: DenseKernel | TruncatedKernel
+    acceleration: str = "none"
+
+
+def closed_form_solution(p: Problem, debias: bool) -> tuple[torch.Tensor, Solution]:
+    """``(value, Solution)`` from the expansion in 1 / eps (:mod:`otreg.ot.large_blur`):
+    no iteration, converged by construction."""
+    value, f, g = closed_form(p, debias)
+    rule = StoppingRule(p.tol)
+    rule.error, rule.reason = 0.0, "closed form"
+    kernel = DenseKernel(p, p.x.detach(), p.a.detach(), p.y.detach(), p.b.detach())
+    return value, Solution(f, g, 0, rule, kernel, "closed form")
+
+
+def solve(p: Problem, x, a, y=None, b=None, init=None) -> Solution:
+    """Potentials of OT(a, b) between x and y (or of OT(a, a) when y is None), without
+    autograd. ``init``: potentials (f, g), (B, N) and (B, M), to start from at the final
+    eps, skipping the eps-scaling (a warm start from a nearby problem)."""
+    kernel = make_kernel(p, x, a, y, b)
+    f, g, n_iter = _anneal(p, kernel, init)
+    loop = _final_symmetric if kernel.symmetric else _final_pair
+    f, g, n_iter, rule, acceleration = loop(p, kernel, f, g, n_iter)
+    kernel.finish(f, g, p.eps)
+    f, g = kernel.to_caller_order(f, g)
+    return Solution(f, g, n_iter, rule, kernel, acceleration)
+
+
+def _anneal(p: Problem, kernel, init):
+    """Potentials at the start of the final eps: a warm start, or the eps-scaling (after
+    the kernel's coarse problem, solved by this loop, when it has one)."""
+    if init is not None:
+        f, g = kernel.to_kernel_order(*init)
+        kernel.refresh(f, g, p.eps, full=True)
+        return f, g, 0
+    schedule, n_iter = p.schedule, 0
+    coarse = kernel.coarse_problem()
+    if coarse is not None:
+        coarse_p, X, A, Y, B = coarse
+        start = solve(coarse_p, X, A, Y, B)
+        f, g = kernel.extrapolate(start.f, start.g)
+        schedule, n_iter = p.schedule[len(coarse_p.schedule) :], start.n_iter
+    else:
+        eps, lam = p.schedule[0], p.damping(p.schedule[0])
+        f = lam * kernel.softmin_xy(eps, torch.zeros_like(kernel.b))
+        g = f if kernel.symmetric else lam * kernel.softmin_yx(eps, torch.zeros_like(kernel.a))
+    for k, eps in enumerate(schedule):  # symmetric, averaged updates
+        kernel.refresh(f, g, eps, full=k == 0)
+        lam = p.damping(eps)
+        f_new = lam * kernel.softmin_xy(eps, g)
+        if kernel.symmetric:
+            f = g = (f + f_new) / 2
+        else:
+            g_new = lam * kernel.softmin_yx(eps, f)
+            f, g = (f + f_new) / 2, (g + g_new) / 2
+        n_iter += 1
+    return f, g, n_iter
+
+
+def _final_pair(p: Problem, kernel, f, g, n_iter: int):
+    """Alternating updates at the final eps until the rule stops: extrapolated by Anderson
+    mixing (``relaxation="anderson"``; over-relaxed adaptively if the mixing fails) or
+    over-relaxed when w > 1. Also returns what accelerated them."""
+    eps, lam = p.eps, p.damping(p.eps)
+    anderson = Anderson(kernel.b, eps) if p.relaxation == "anderson" else None
+    relax = Relaxation("auto" if anderson else p.relaxation)
+    rule = StoppingRule(p.tol)
+    first = n_iter
+    while n_iter < p.max_iter:
+        if n_iter > first and (n_iter - first) % kernel.refresh_every == 0:
+            kernel.refresh(f, g, eps)
+        mixing = anderson is not None and not anderson.failed
+        w = 1.0 if mixing else relax.w
+        f_new = lam * kernel.softmin_xy(eps, g)
+        f = f_new if w == 1 else torch.lerp(f, f_new, w)
+        sg = kernel.softmin_yx(eps, f)
+        err = float(residual(p, eps, kernel.b, g, sg).max())
+        update = lam * sg if w == 1 else torch.lerp(g, lam * sg, w)
+        n_iter += 1
+        if rule.stop(err, lambda f=f, g=update: rounding_floor(eps, f, g)):
+            g = update
+            break
+        if mixing:
+            g = anderson.step(g, update, err)
+        else:
+            g = update
+            relax.observe(err)
+    return f, g, n_iter, rule, _acceleration(p, anderson, relax)
+
+
+def _acceleration(p: Problem, anderson: Anderson | None, relax: Relaxation) -> str:
+    """What sped up the final updates, in words, for the result."""
+    if anderson is not None:
+        if anderson.failed:
+            return f"anderson, then over-relaxation after {anderson.resets} resets"
+        return "anderson" if not anderson.resets else f"anderson ({anderson.resets} resets)"
+    if p.relaxation == "auto":
+        return f"over-relaxation (w = {relax.w:.2f})"
+    return "none" if relax.w == 1 else f"over-relaxation (w = {relax.w:.2f}, fixed)"
+
+
+def _final_symmetric(p: Problem, kernel, f, g, n_iter: int):
+    """Averaged updates of the symmetric potential f = g at the final eps."""
+    eps, lam = p.eps, p.damping(p.eps)
+    rule = StoppingRule(p.tol)
+    first = n_iter
+    while n_iter < p.max_iter:
+        if n_iter > first and (n_iter - first) % kernel.refresh_every == 0:
+            kernel.refresh(f, f, eps)
+        sf = kernel.softmin_xy(eps, f)
+        err = float(residual(p, eps, kernel.a, f, sf).max())
+        f = (f + lam * sf) / 2
+        n_iter += 1
+        if rule.stop(err, lambda f=f: rounding_floor(eps, f)):
+            break
+    return f, f, n_iter, rule, "averaged"
+
+
+def pair_step(p: Problem):
+    """One alternating Sinkhorn update at the final eps, as a map (f, g) -> (f, g).
+
+    Balanced potentials are defined up to (f + c, g - c); the map fixes <a, f> = <b, g> so
+    that its fixed point is isolated and the implicit system I - J^T is invertible.
+    """
+    eps, lam = p.eps, p.damping(p.eps)
+
+    def step(state, x, y, a, b):
+        f, g = state
+        f = lam * form_softmin(p, eps, x, y, b.log(), g)
+        g = lam * form_softmin(p, eps, y, x, a.log(), f)
+        if p.rho is None:
+            shift = ((a * f).sum(1) - (b * g).sum(1)) / (2 * a.sum(1))
+            f, g = f - shift[:, None], g + shift[:, None]
+        return f, g
+
+    return step

@@ -1,0 +1,73 @@
+"""The stopping rule, the adaptive over-relaxation and Anderson mixing as objects
+(otreg/ot/convergence.py), on sequences with known answers."""
+
+import math
+
+import pytest
+import torch
+
+from otreg.ot.convergence import Anderson, Relaxation, StoppingRule
+
+
+def test_stopping_rule():
+    rule = StoppingRule(tol=1e-4)
+    assert not any(rule.stop(0.5**k, floor=lambda: 1e-6) for k in range(13))
+    assert rule.stop(0.5**14, floor=lambda: 1e-6) and rule.reason == "tol"
+    # a plateau far above the rounding floor is slow progress, not a stall
+    rule = StoppingRule(tol=1e-4)
+    assert not any(rule.stop(1e-2, floor=lambda: 1e-7) for _ in range(500))
+    # within FLOOR times the floor, PATIENCE iterations without a 1% new low stop the loop
+    rule = StoppingRule(tol=1e-4)
+    stops = [
+        rule.stop(2e-4 * (1 + 0.001 * (k % 3)), floor=lambda: 1e-4)
+        for k in range(3 * StoppingRule.PATIENCE)
+    ]
+    assert stops.index(True) == StoppingRule.PATIENCE and rule.reason == "stalled"
+    rule = StoppingRule(tol=1e-4)
+    assert rule.stop(float("nan")) and rule.reason == "diverged"
+    rule = StoppingRule(tol=0.0)  # a fixed iteration count: nothing stops it
+    assert not any(rule.stop(e, floor=lambda: 1.0) for e in (1.0, 0.0, float("inf"), 1.0))
+    assert rule.reason == "max_iter"
+
+
+def test_adaptive_relaxation_finds_the_optimal_weight_of_a_linear_iteration():
+    # errors theta^k at w = 1: the estimate is theta, the weight 2 / (1 + sqrt(1 - theta))
+    theta = 0.99
+    relax = Relaxation("auto")
+    k = 0
+    while relax.w == 1.0:
+        relax.observe(theta**k)
+        k += 1
+    assert k == Relaxation.SETTLE + Relaxation.WINDOW + 1
+    assert relax.w == pytest.approx(2 / (1 + math.sqrt(1 - theta)), rel=1e-9)
+    # at a weight above the optimum the rate is w - 1: the estimate returns w, which stays
+    w = relax.w
+    for j in range(50):
+        relax.observe((w - 1) ** j)
+    assert relax.w == w
+    # no progress for three windows: back halfway to 1
+    for _ in range(3 * Relaxation.WINDOW + 1):
+        relax.observe(1.0)
+    assert relax.w == pytest.approx(1 + (w - 1) / 2)
+    fixed = Relaxation(1.5)
+    for j in range(40):
+        fixed.observe(0.5**j)
+    assert fixed.w == 1.5
+
+
+def test_anderson_history_is_bounded_and_its_step_is_exact_on_a_linear_map():
+    # on an affine map g -> A g + c (a contraction), Anderson with m >= the dimension
+    # finds the fixed point in at most m + 2 steps (it is then GMRES)
+    gen = torch.Generator().manual_seed(0)
+    n = 5
+    A = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    A = 0.9 * A / torch.linalg.matrix_norm(A, 2)
+    c = torch.randn(n, generator=gen, dtype=torch.float64)
+    fixed = torch.linalg.solve(torch.eye(n, dtype=torch.float64) - A, c)
+    mixer = Anderson(torch.ones(1, n, dtype=torch.float64), eps=1.0)
+    g = torch.zeros(1, n, dtype=torch.float64)
+    for _ in range(n + 2):
+        update = g @ A.T + c
+        g = mixer.step(g, update, float((update - g).norm()))
+        assert mixer.filled <= mixer.memory
+    torch.testing.assert_close(g[0], fixed, rtol=0, atol=1e-9)

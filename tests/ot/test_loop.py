@@ -1,0 +1,117 @@
+"""The loop at the final eps (otreg/ot/loop.py): over-relaxation and Anderson mixing reach
+plain updates' solution in fewer iterations, fall back and say so, warm starts, stops."""
+
+import pytest
+import torch
+
+import otreg
+from otreg.datasets import noisy_sphere
+from otreg.ot.convergence import Anderson
+from tests.conftest import clouds
+
+# each test runs on every reduction backend (tests/ot/conftest.py)
+pytestmark = pytest.mark.usefixtures("each_backend")
+
+
+def _spheres(dtype=torch.float64):
+    x = noisy_sphere(600, seed=1, dtype=dtype)
+    return x, noisy_sphere(700, radius=0.8, center=(0.3, 0.0, 0.0), seed=2, dtype=dtype)
+
+
+def test_a_diverging_fixed_relaxation_stops_and_says_so():
+    x, y = _spheres()
+    with pytest.warns(otreg.ConvergenceWarning, match="diverged"):
+        res = otreg.sinkhorn(x, y, blur=0.02, relaxation=1.9, max_iter=1000)
+    assert res.stopped == "diverged" and res.n_iter < 1000  # (the default 'auto' converges)
+
+
+def test_a_non_finite_error_under_auto_relaxation_does_not_advise_auto(monkeypatch):
+    from otreg.ot import loop
+
+    x, y = _spheres()
+    monkeypatch.setattr(loop, "residual", lambda *a: torch.tensor([float("nan")]))
+    with pytest.warns(otreg.ConvergenceWarning) as caught:
+        res = otreg.sinkhorn(x, y, blur=0.1)
+    assert res.stopped == "diverged"
+    (message,) = [str(w.message) for w in caught]
+    assert "relaxation='auto'" not in message and "NaN or infinite" in message
+
+
+def test_warm_start_reaches_the_same_solution_in_fewer_iterations():
+    x, y, a, b = clouds(n=60, m=50, seed=3)
+    first = otreg.sinkhorn(x, y, a, b, blur=0.1, tol=1e-9)
+    moved = x + 0.01 * torch.randn(
+        x.shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype
+    )
+    cold = otreg.sinkhorn(moved, y, a, b, blur=0.1, tol=1e-9)
+    warm = otreg.sinkhorn(moved, y, a, b, blur=0.1, tol=1e-9, init=(first.f, first.g))
+    assert warm.converged and warm.n_iter < cold.n_iter
+    assert float(warm.cost) == pytest.approx(float(cold.cost), rel=1e-8)
+    # balanced potentials are defined up to a constant: compare the plans' action
+    v = torch.ones(len(y), 1, dtype=x.dtype)
+    assert torch.allclose(warm.plan.apply(v), cold.plan.apply(v), atol=1e-8)
+
+
+@pytest.mark.parametrize("relaxation", [1.8, "auto", "anderson"])
+def test_accelerated_updates_reach_the_same_solution_in_fewer_iterations(relaxation):
+    x, y, a, b = clouds(n=60, m=50, seed=5)
+    plain = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=1)
+    fast = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=relaxation)
+    assert plain.converged and fast.converged
+    assert fast.n_iter < plain.n_iter / 2
+    assert float(fast.cost) == pytest.approx(float(plain.cost), rel=1e-7)
+    v = torch.ones(len(y), 1, dtype=x.dtype)
+    assert torch.allclose(fast.plan.apply(v), plain.plan.apply(v), atol=1e-7)
+    with pytest.raises(ValueError, match="relaxation is 2.0; it must be 'anderson', 'auto' or in"):
+        otreg.sinkhorn(x, y, a, b, relaxation=2.0)
+    with pytest.raises(ValueError, match="relaxation is 'fast'"):
+        otreg.sinkhorn(x, y, a, b, relaxation="fast")
+
+
+@pytest.mark.parametrize("reach", [None, 0.5])
+def test_adaptive_relaxation_costs_nothing_where_plain_updates_are_fast(reach):
+    x, y, a, b = clouds(n=60, m=50, seed=5)
+    b = b if reach is None else 1.5 * b
+    plain = otreg.sinkhorn(x, y, a, b, blur=0.5, reach=reach, tol=1e-10, relaxation=1)
+    auto = otreg.sinkhorn(x, y, a, b, blur=0.5, reach=reach, tol=1e-10)  # the default
+    assert plain.converged and auto.converged
+    assert auto.n_iter <= plain.n_iter + 2
+    assert float(auto.cost) == pytest.approx(float(plain.cost), rel=1e-9)
+
+
+def _gauge_fixed(res, a):
+    """Balanced potentials are defined up to (f + c, g - c): fix <a, f> = 0."""
+    c = (a * res.f).sum(-1, keepdim=True)
+    return res.f - c, res.g + c
+
+
+@pytest.mark.parametrize("reach", [None, 0.4])
+@pytest.mark.parametrize("batch", [None, 3])
+def test_anderson_reaches_the_potentials_of_plain_updates(reach, batch):
+    x, y, a, b = clouds(n=70, m=50, d=3, seed=7, batch=batch)
+    opts = dict(blur=0.05, reach=reach, tol=1e-13, max_iter=100_000)
+    plain = otreg.sinkhorn(x, y, a, b, relaxation=1, **opts)
+    fast = otreg.sinkhorn(x, y, a, b, relaxation="anderson", **opts)
+    assert plain.converged and fast.converged
+    assert fast.acceleration.startswith("anderson") and plain.acceleration == "none"
+    assert fast.n_iter < plain.n_iter / 3
+    if reach is None:
+        (fp, gp), (ff, gf) = _gauge_fixed(plain, a), _gauge_fixed(fast, a)
+    else:
+        (fp, gp), (ff, gf) = (plain.f, plain.g), (fast.f, fast.g)
+    torch.testing.assert_close(ff, fp, rtol=0, atol=1e-10)
+    torch.testing.assert_close(gf, gp, rtol=0, atol=1e-10)
+    torch.testing.assert_close(fast.cost, plain.cost, rtol=1e-12, atol=0)
+
+
+def test_anderson_that_cannot_help_falls_back_and_says_so(monkeypatch):
+    # every extrapolated step counted as a failure: the safeguard resets, then gives up
+    monkeypatch.setattr(Anderson, "RESET_FACTOR", 0.0)
+    x, y, a, b = clouds(n=60, m=50, seed=5)
+    res = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000)
+    plain = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=1)
+    assert res.converged
+    assert res.acceleration.startswith(
+        f"anderson, then over-relaxation after {Anderson.MAX_RESETS + 1} resets"
+    )
+    assert float(res.cost) == pytest.approx(float(plain.cost), rel=1e-7)
