@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from .._checks import ConvergenceWarning, check_choice, check_int, check_positive
-from .iterate import _as_tuple, _Step, iterate
+from .iterate import iterate
+from .tape import Step, as_tuple
 
 __all__ = ["fixed_point", "implicit", "BACKWARDS", "SOLVERS"]
 
@@ -83,7 +84,7 @@ def _solve_adjoint(
 
 class _Implicit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: _Step, opts: dict, report: dict, n_state: int, *tensors):
+    def forward(ctx, run: Step, opts: dict, report: dict, n_state: int, *tensors):
         z, params = tensors[:n_state], tensors[n_state:]
         ctx.run, ctx.opts, ctx.report, ctx.n_state = run, opts, report, n_state
         ctx.save_for_backward(*z, *params)
@@ -139,8 +140,8 @@ def implicit(
     Returns z_star (same values) whose gradients with respect to ``params`` solve the adjoint
     system of the module docstring.
     """
-    z, single = _as_tuple("implicit", z_star)
-    run = _Step(step, tuple(params), False, single, z)
+    z, single = as_tuple("implicit", z_star)
+    run = Step(step, tuple(params), False, single, z)
     opts = {"solver": solver, "tol": tol, "max_iter": max_iter}
     out = _Implicit.apply(
         run, opts, {} if report is None else report, len(z), *(t.detach() for t in z), *params
@@ -198,7 +199,7 @@ def fixed_point(
         raise TypeError(f"{caller}: step must be callable, got {type(step).__name__}")
     if isinstance(params, nn.Module):
         raise TypeError(f"{caller}: pass tuple(module.parameters()) as params and use them in step")
-    z, single = _as_tuple(caller, x0)
+    z, single = as_tuple(caller, x0)
     tol = check_positive(caller, "tol", tol)
     max_iter = check_int(caller, "max_iter", max_iter, 1)
     check_choice(caller, "backward", backward, BACKWARDS)
@@ -208,7 +209,7 @@ def fixed_point(
     )
     backward_max_iter = check_int(caller, "backward_max_iter", backward_max_iter, 1)
     params = tuple(params)
-    run = _Step(step, params, False, single, z)
+    run = Step(step, params, False, single, z)
     report = {} if report is None else report
     with torch.no_grad():
         current, change, n = tuple(t.detach() for t in z), float("inf"), 0

@@ -104,7 +104,8 @@ class Unroll:
     memory: int | str | None = None
 
     def __post_init__(self) -> None:
-        from ..loops.iterate import STRATEGIES, parse_bytes
+        from ..loops.budget import parse_bytes
+        from ..loops.iterate import STRATEGIES
 
         check_choice("Unroll", "strategy", self.strategy, STRATEGIES)
         if self.memory is not None:

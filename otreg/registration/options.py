@@ -66,7 +66,8 @@ class LDDMMOptions:
     memory: int | str | None = None
 
     def __post_init__(self) -> None:
-        from ..loops.iterate import STRATEGIES, parse_bytes
+        from ..loops.budget import parse_bytes
+        from ..loops.iterate import STRATEGIES
 
         caller = "LDDMMOptions"
         if self.sigma is not None:

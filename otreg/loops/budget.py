@@ -1,0 +1,193 @@
+"""What a loop's memory budget buys, measured: ``memory=`` parsed, the peak of short loops
+run with each strategy (the cost of one taped step, of checkpointing, of storing a step),
+the number of snapshots a budget holds, and the check that raises when a budget is below
+what a strategy needs. Used by :func:`~otreg.loops.iterate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .._checks import check_int
+from .memory import measure_peak
+from .tape import Checkpointed, Reversible, Step
+
+__all__ = [
+    "parse_bytes",
+    "state_bytes",
+    "check_budget",
+    "probe_peak",
+    "working_bytes",
+    "snapshot_count",
+    "PROBE_STEPS",
+]
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def parse_bytes(caller: str, memory: int | str) -> int:
+    """``"500MB"``, ``"2 GiB"`` or an integer number of bytes -> bytes."""
+    if isinstance(memory, bool):
+        raise TypeError(
+            f"{caller}: memory must be bytes (int) or a string like '500MB', got {memory!r}"
+        )
+    if isinstance(memory, int):
+        value = memory
+    elif isinstance(memory, str):
+        text = memory.strip().upper().replace(" ", "")
+        number = text.rstrip("KMGIB")
+        unit = text[len(number) :]
+        try:
+            value = int(float(number) * _UNITS[unit])
+        except (ValueError, KeyError):
+            raise ValueError(
+                f"{caller}: memory is {memory!r}; give bytes or a size like '500MB', "
+                "'2GB', '512MiB'"
+            ) from None
+    else:
+        raise TypeError(
+            f"{caller}: memory must be bytes (int) or a string like '500MB', "
+            f"got {type(memory).__name__}"
+        )
+    if value <= 0:
+        raise ValueError(f"{caller}: memory is {memory!r}; it must be positive")
+    return value
+
+
+def state_bytes(state: Sequence[torch.Tensor]) -> int:
+    """Bytes held by one state."""
+    return sum(t.numel() * t.element_size() for t in state)
+
+
+def stores_on_host(strategy: str, state: tuple) -> bool:
+    """Whether the strategy keeps every step's saved tensors in the memory the budget is
+    for: ``store`` always, ``offload`` when the loop runs on the CPU (its host memory)."""
+    return strategy == "store" or (strategy == "offload" and state[0].device.type == "cpu")
+
+
+def check_budget(
+    caller: str, strategy: str, run, state: tuple, params: tuple, n: int, memory, inverse, report
+) -> None:
+    """``memory=`` for the strategies that do not tune themselves to it: measure what the
+    loop will need and raise ``ValueError`` naming it (and the strategy that fits) when the
+    budget is smaller. ``reversible`` (and ``offload`` on a GPU, for the device's memory)
+    needs the fixed cost of one taped step, whatever ``n``; ``store`` (and ``offload`` on
+    the CPU) that plus every step's saved tensors, measured per step on short loops."""
+    budget = parse_bytes(caller, memory)
+    if stores_on_host(strategy, state):
+        two = probe_peak(run, state, params, "store", 2, None)
+        four = probe_peak(run, state, params, "store", 4, None)
+        per_step = max(0, four - two) / 2
+        need = int(max(two - 2 * per_step, 0) + n * per_step)
+        report.update(working_bytes=int(two - 2 * per_step), step_bytes=int(per_step))
+        fits = "strategy='checkpoint' holds it within a budget"
+        detail = f"every step's saved tensors, {per_step / 1e6:,.1f} MB a step, for {n} steps"
+    else:
+        need = probe_peak(run, state, params, strategy, PROBE_STEPS, inverse)
+        report.update(working_bytes=need)
+        fits = "no strategy needs less than one taped step"
+        detail = "one taped step forward and backward (the loop's length does not matter)"
+    report["needed_bytes"] = need
+    if budget < need:
+        raise ValueError(
+            f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what "
+            f"strategy={strategy!r} needs for this loop: {need / 1e6:,.1f} MB ({detail}, "
+            f"measured); raise memory ({fits})"
+        )
+
+
+def probe_peak(
+    run: Step, state: tuple, params: tuple, strategy: str, steps: int, inverse=None
+) -> int:
+    """The measured peak (bytes) of ``steps`` steps of the loop run with ``strategy``,
+    forward and backward, from a detached copy of its input; ``checkpoint`` stores nothing
+    but that input (``PROBE_SNAPSHOTS`` slots). Once per step function, shapes, strategy and
+    length (64 kept); at least the output and its gradient (a small step may reuse resident
+    memory and read 0; without a reading, off Linux, that is all there is)."""
+    step = getattr(run.step, "__func__", run.step)  # a bound method: its function
+    params_sig = tuple((p.shape, p.dtype, p.device) for p in params)
+    key = (step, tuple(run.signature), params_sig, strategy, steps)
+    if key not in _PEAKS:
+
+        def probe():
+            x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in state)
+            if strategy == "checkpoint":
+                report = {"n_steps": steps}
+                out = Checkpointed.apply(run, steps, PROBE_SNAPSHOTS, report, len(x), *x, *params)
+            elif strategy == "reversible":
+                out = Reversible.apply(run, inverse, steps, {}, len(x), *x, *params)
+            else:
+                ctx = (
+                    torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+                    if strategy == "offload"
+                    else contextlib.nullcontext()
+                )
+                out = x
+                with ctx:
+                    for _ in range(steps):
+                        out = run(out)
+            leaves = [t for t in (*x, *params) if t.requires_grad]
+            outs = [o for o in out if o.requires_grad]
+            if outs and leaves:
+                torch.autograd.grad(
+                    outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True
+                )
+
+        with torch.random.fork_rng(devices=run.devices):  # the loop's draws stay its own
+            probe()  # first calls' one-off allocations, unmeasured
+            _, _, peak = measure_peak(probe, state[0].device)
+        if len(_PEAKS) >= 64:
+            _PEAKS.clear()
+        _PEAKS[key] = max(peak or 0, 2 * state_bytes(state))
+    return _PEAKS[key]
+
+
+#: measured peaks of short loops, by step function, shapes, strategy and length
+_PEAKS: dict = {}
+#: steps and snapshots (the input included) of the loop that measures checkpointing's cost
+PROBE_STEPS, PROBE_SNAPSHOTS = 4, 2
+
+
+def working_bytes(run: Step, state: tuple, params: tuple) -> int:
+    """What checkpointing the loop needs besides its snapshots (a step's temporaries, a
+    taped step's saved tensors and gradients, the state being advanced, the gradient flowing
+    back, the output): the peak of a ``PROBE_STEPS``-step checkpointed loop that stores
+    only its input, less the probe's own snapshots."""
+    size = state_bytes(state)
+    peak = probe_peak(run, state, params, "checkpoint", PROBE_STEPS)
+    return max(peak - (PROBE_SNAPSHOTS - 1) * size, 2 * size)
+
+
+def snapshot_count(
+    caller: str, n: int, state: tuple, memory, snapshots, working: int | None
+) -> int:
+    """The number of stored states: ``snapshots``, or from the ``memory`` budget and the
+    measured ``working`` cost (given with ``memory``), or sqrt(n)."""
+    if memory is not None and snapshots is not None:
+        raise ValueError(f"{caller}: give memory or snapshots, not both")
+    if snapshots is not None:
+        return check_int(caller, "snapshots", snapshots, 1)
+    if memory is None:
+        return max(1, math.ceil(math.sqrt(n)))
+    budget, size = parse_bytes(caller, memory), max(1, state_bytes(state))
+    if budget < working:
+        raise ValueError(
+            f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what checkpointing this "
+            f"loop needs: {working / 1e6:,.1f} MB (measured on a {PROBE_STEPS}-step loop that "
+            f"stores only its input; a state is {size / 1e6:,.1f} MB); raise memory, or use "
+            "strategy='store'"
+        )
+    return 1 + (budget - working) // size  # the input, and what the rest of the budget holds

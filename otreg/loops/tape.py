@@ -1,0 +1,181 @@
+"""The loop's step as a function of state tuples, and the autograd functions that re-run it
+in backward: :class:`Checkpointed` (revolve's schedule over stored snapshots) and
+:class:`Reversible` (states rebuilt by the step's inverse). :func:`~otreg.loops.iterate`
+picks one; :mod:`~otreg.loops.budget` runs short ones to measure a loop's memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .schedules import binomial_schedule
+
+
+def as_tuple(caller: str, x0: object) -> tuple[tuple[torch.Tensor, ...], bool]:
+    if isinstance(x0, torch.Tensor):
+        return (x0,), True
+    if isinstance(x0, (tuple, list)) and x0 and all(isinstance(t, torch.Tensor) for t in x0):
+        return tuple(x0), False
+    raise TypeError(
+        f"{caller}: x0 must be a tensor or a non-empty tuple of tensors, got {type(x0).__name__}"
+    )
+
+
+class Step:
+    """The user's step as a function of tuples, with a shape check and RNG handling."""
+
+    def __init__(
+        self,
+        step: Callable,
+        params: tuple,
+        module: bool,
+        single: bool,
+        like: tuple[torch.Tensor, ...],
+    ) -> None:
+        self.step, self.params, self.module, self.single = step, params, module, single
+        self.signature = [(t.shape, t.dtype, t.device) for t in like]
+        self.devices = sorted({t.device.index for t in like if t.device.type == "cuda"})
+
+    def __call__(self, state: tuple, params: tuple | None = None) -> tuple:
+        params = self.params if params is None else params
+        arg = state[0] if self.single else state
+        out = self.step(arg) if self.module else self.step(arg, *params)
+        out_t = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        got = [(t.shape, t.dtype, t.device) for t in out_t]
+        if got != self.signature:
+            raise ValueError(
+                f"iterate: step changed the state from {self._fmt(self.signature)} "
+                f"to {self._fmt(got)}; a step must keep shapes, dtypes and devices"
+            )
+        return out_t
+
+    @staticmethod
+    def _fmt(sig) -> str:
+        return ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d, _ in sig)
+
+    def rng_state(self):
+        return (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
+
+    def set_rng_state(self, rng) -> None:
+        torch.set_rng_state(rng[0])
+        for d, s in zip(self.devices, rng[1]):
+            torch.cuda.set_rng_state(s, d)
+
+
+def vjp(run: Step, state: tuple, params: tuple, grad_state: tuple):
+    """One taped step from ``state``: gradients with respect to the state and the params."""
+    with torch.enable_grad():
+        x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in state)
+        out = run(x, params)
+        inputs = [t for t in x if t.requires_grad] + [p for p in params if p.requires_grad]
+        pairs = [(o, g) for o, g in zip(out, grad_state) if g is not None and o.requires_grad]
+        if not pairs:
+            return tuple(None for _ in x), tuple(None for _ in params)
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True
+        )
+    it = iter(grads)
+    gx = tuple(next(it) if t.requires_grad else None for t in x)
+    gp = tuple(next(it) if p.requires_grad else None for p in params)
+    return gx, gp
+
+
+def add_grads(total: list, grads: tuple) -> None:
+    for k, g in enumerate(grads):
+        if g is not None:
+            total[k] = g if total[k] is None else total[k] + g
+
+
+# ----------------------------------------------------------------------- checkpoint
+class Checkpointed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: Step, n: int, snapshots: int, report: dict, n_state: int, *tensors):
+        state, params = tuple(tensors[:n_state]), tuple(tensors[n_state:])
+        actions = binomial_schedule(n, snapshots)
+        first_taped = next(k for k, a in enumerate(actions) if a.kind == "taped")
+        slots = {0: (state, run.rng_state())}
+        current, evaluations = state, 0
+        for action in actions[:first_taped]:
+            if action.kind == "advance":
+                for _ in range(action.start, action.stop):
+                    current = run(current, params)
+                    evaluations += 1
+            elif action.kind == "store":
+                slots[action.start] = (current, run.rng_state())
+        report["max_stored"] = len(slots)
+        working = (current, run.rng_state())  # x_{n-1}
+        out = run(current, params)
+        ctx.run, ctx.n_state, ctx.report = run, n_state, report
+        ctx.actions, ctx.first_taped = actions, first_taped
+        ctx.slots, ctx.working, ctx.evaluations = slots, working, evaluations + 1
+        ctx.save_for_backward(*params)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grad_out):
+        run, params = ctx.run, ctx.saved_tensors
+        slots, evaluations = ctx.slots, ctx.evaluations
+        current, rng = ctx.working
+        grad_state = grad_out
+        grad_params: list = [None] * len(params)
+        max_stored = len(slots)
+        with torch.random.fork_rng(devices=run.devices):
+            for action in ctx.actions[ctx.first_taped :]:
+                if action.kind == "taped":
+                    run.set_rng_state(rng)
+                    grad_state, gp = vjp(run, current, params, grad_state)
+                    add_grads(grad_params, gp)
+                elif action.kind == "restore":
+                    current, rng = slots[action.start]
+                elif action.kind == "advance":
+                    run.set_rng_state(rng)
+                    with torch.no_grad():
+                        for _ in range(action.start, action.stop):
+                            current = run(current, params)
+                            evaluations += 1
+                    rng = run.rng_state()
+                elif action.kind == "store":
+                    slots[action.start] = (current, rng)
+                    max_stored = max(max_stored, len(slots))
+                elif action.kind == "free":
+                    del slots[action.start]
+        ctx.report.update(
+            max_stored=max_stored,
+            untaped_evaluations=evaluations,
+            recomputations=evaluations - int(ctx.report["n_steps"]),
+        )
+        ctx.slots = ctx.working = None
+        return (None, None, None, None, None, *grad_state, *grad_params)
+
+
+# ----------------------------------------------------------------------- reversible
+class Reversible(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: Step, inverse: Callable, n: int, report: dict, n_state: int, *tensors):
+        state, params = tuple(tensors[:n_state]), tuple(tensors[n_state:])
+        current = state
+        for _ in range(n):
+            current = run(current, params)
+        ctx.run, ctx.inverse, ctx.n, ctx.report, ctx.n_state = run, inverse, n, report, n_state
+        ctx.save_for_backward(*state, *current, *params)
+        return current
+
+    @staticmethod
+    def backward(ctx, *grad_out):
+        saved, k = ctx.saved_tensors, ctx.n_state
+        x0, current, params = saved[:k], saved[k : 2 * k], saved[2 * k :]
+        run = ctx.run
+        grad_state, grad_params = grad_out, [None] * len(params)
+        for _ in range(ctx.n):
+            with torch.no_grad():
+                arg = current[0] if run.single else current
+                prev = ctx.inverse(arg) if run.module else ctx.inverse(arg, *params)
+                current = (prev,) if isinstance(prev, torch.Tensor) else tuple(prev)
+            grad_state, gp = vjp(run, current, params, grad_state)
+            add_grads(grad_params, gp)
+        num = max(float((a - b).abs().max()) for a, b in zip(current, x0))
+        den = max(float(b.abs().max()) for b in x0) or 1.0
+        ctx.report["drift"] = num / den
+        return (None, None, None, None, None, *grad_state, *grad_params)
