@@ -22,13 +22,18 @@ def peak_rss_mb() -> float:
 
 
 def run_worker(
-    script: str, args: list[str], timeout: float, env: dict[str, str] | None = None
+    script: str,
+    args: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    flag: str = "--worker",
 ) -> dict:
     """Run ``python script --worker ARGS`` in a fresh process; return its JSON (or an error).
 
-    ``env`` adds environment variables for the worker (e.g. glibc malloc settings).
+    ``env`` adds environment variables for the worker (e.g. glibc malloc settings); ``flag``
+    replaces ``--worker`` for a script with several kinds of worker.
     """
-    cmd = [sys.executable, script, "--worker", *args]
+    cmd = [sys.executable, script, flag, *args]
     env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

@@ -14,6 +14,15 @@ column counts its own size) compares implicit with unrolled differentiation.
     python benchmarks/loops_tradeoff.py            # n = 1,000
     python benchmarks/loops_tradeoff.py --quick    # n = 100, state 10 MB
     python benchmarks/loops_tradeoff.py --record   # append the table to docs/benchmarks.md
+
+A second table, the budget sweep, is what a user picks a budget from: 400 steps of an 8 MB
+state (the loop above with 40,000 rows), ``strategy="checkpoint", memory=B`` for budgets
+from 25 MB up to one that holds every state, against ``store``, each in a fresh process
+*without* the allocator setting above (``iterate`` makes it itself when given a budget):
+measured peak growth (:func:`otreg.loops.memory.measure_peak`, probes included) against the
+bound 1.25 B + 30 MB, time against store's.
+
+    python benchmarks/loops_tradeoff.py --sweep-only [--record]
 """
 
 from __future__ import annotations
@@ -143,6 +152,76 @@ def worker(method: str, n: int, rows: int, store_steps: int) -> dict:
     }
 
 
+SWEEP_BUDGETS = ("25MB", "50MB", "100MB", "200MB", "400MB", "1GB", "4GB")
+SWEEP_STEPS, SWEEP_ROWS = 400, 40_000
+
+
+def sweep_worker(budget: str, n: int, rows: int) -> dict:
+    """One row of the budget sweep: ``store`` or ``checkpoint`` under ``memory=budget``."""
+    import torch
+
+    from otreg.loops import iterate
+    from otreg.loops.memory import measure_peak
+
+    a, b, W1, W2 = problem(rows)
+    report: dict = {}
+
+    def run():
+        kw = {} if budget == "store" else {"strategy": "checkpoint", "memory": budget}
+        x = iterate(step, (a, b), n, (W1, W2), report=report, **kw)
+        return torch.autograd.grad((x[0] * x[1]).sum(), (a, b, W1, W2))
+
+    _, seconds, peak = measure_peak(run, torch.device("cpu"))
+    return {
+        "seconds": seconds,
+        "growth_mb": None if peak is None else peak / 1e6,
+        "snapshots": report.get("snapshots"),
+        "recomputations": report.get("recomputations", 0 if budget == "store" else None),
+        "working_mb": report["working_bytes"] / 1e6 if "working_bytes" in report else None,
+    }
+
+
+def sweep(timeout: float) -> str:
+    """The budget sweep's table (see the module's docstring)."""
+    state_mb = 2 * SWEEP_ROWS * 25 * 4 / 1e6
+    rows_out = []
+    for budget in ("store", *SWEEP_BUDGETS):
+        args = [budget, str(SWEEP_STEPS), str(SWEEP_ROWS)]
+        out = run_worker(__file__, args, timeout, flag="--sweep-worker")
+        print("sweep", budget, out, file=sys.stderr, flush=True)
+        row = {"budget": budget, **out}
+        if budget != "store" and out.get("growth_mb") is not None:
+            from otreg.loops.budget import parse_bytes
+
+            bound = 1.25 * parse_bytes("sweep", budget) / 1e6 + 30
+            row["bound_mb"] = bound
+            row["within"] = "yes" if out["growth_mb"] <= bound else "NO"
+        rows_out.append(row)
+    store = rows_out[0]
+    for r in rows_out:
+        if "seconds" in r and "seconds" in store:
+            r["time_vs_store"] = r["seconds"] / store["seconds"]
+    text = table(
+        rows_out,
+        [
+            ("budget", "memory=", ""),
+            ("snapshots", "snapshots", "{}"),
+            ("recomputations", "recomputed steps", "{}"),
+            ("working_mb", "measured working cost (MB)", "{:.0f}"),
+            ("growth_mb", "measured peak growth (MB)", "{:.0f}"),
+            ("bound_mb", "bound 1.25 B + 30 MB", "{:.0f}"),
+            ("within", "within", ""),
+            ("seconds", "time (s)", "{:.1f}"),
+            ("time_vs_store", "time / store's", "{:.2f}"),
+            ("error", "error", ""),
+        ],
+    )
+    return (
+        f"Budget sweep: {SWEEP_STEPS} steps, state {state_mb:.0f} MB, strategy='checkpoint', "
+        "each budget in a fresh process (no allocator setting from the script)\n\n" + text
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=1000)
@@ -152,11 +231,20 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=METHODS, choices=METHODS)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--record", action="store_true")
+    parser.add_argument("--sweep-only", action="store_true", help="only the budget sweep")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--sweep-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         m, n, rows, ss = args.worker
         print(json.dumps(worker(m, int(n), int(rows), int(ss))))
+        return
+    if args.sweep_worker:
+        budget, n, rows = args.sweep_worker
+        print(json.dumps(sweep_worker(budget, int(n), int(rows))))
+        return
+    if args.sweep_only:
+        publish(f"Loop budgets: {SWEEP_STEPS} steps, 8 MB state", sweep(args.timeout), args.record)
         return
     n, rows = (100, 50_000) if args.quick else (args.n, args.rows)
     state_mb = 2 * rows * 25 * 4 / 1e6
@@ -198,7 +286,7 @@ def main() -> None:
     )
     publish(
         f"Loop strategies: {n:,} steps, {state_mb:.0f} MB state",
-        header + "\n\n" + text,
+        header + "\n\n" + text + "\n\n" + sweep(args.timeout),
         args.record,
     )
 
