@@ -117,16 +117,28 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.nda
 
 def _greedy_chunks(heights: list, widths: list, block: int) -> list:
     """Consecutive slices whose padded size (count x max height x max width) stays within
-    ``block`` (a slice holds at least one item)."""
-    out, start, tall, wide = [], 0, 0, 0
+    ``block`` and, once past ``MIN_CHUNK`` elements, within ``SLACK`` times the elements it
+    holds (a slice holds at least one item). Padding is computed for nothing (one chunk of
+    clusters of every size padded 3.4x the kept pairs); a chunk costs a few tensor
+    operations."""
+    out, start, tall, wide, held = [], 0, 0, 0, 0
     for k, (h, w) in enumerate(zip(heights, widths)):
-        t, v = max(tall, h), max(wide, w)
-        if k > start and (k - start + 1) * t * v > block:
+        t, v, a = max(tall, h), max(wide, w), held + h * w
+        padded = (k - start + 1) * t * v
+        if k > start and (padded > block or (padded > MIN_CHUNK and padded > SLACK * a)):
             out.append(slice(start, k))
-            start, t, v = k, h, w
-        tall, wide = t, v
+            start, t, v, a = k, h, w, h * w
+        tall, wide, held = t, v, a
     out.append(slice(start, len(heights)))
     return out
+
+
+#: a chunk past this many padded elements is cut where its padding would exceed SLACK.
+#: Measured on the noisy spheres at blur 0.01 (divergence and gradient): N = 5,000 3.7 s ->
+#: 1.9 s (padding 3.4x -> 1.6x the kept pairs); at N = 100,000 chunks down to 2^18 elements
+#: ran 15 % slower than 2^19 (smaller matrix products)
+MIN_CHUNK = 1 << 19
+SLACK = 1.5
 
 
 class BlockSparse:

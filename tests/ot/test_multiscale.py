@@ -57,6 +57,37 @@ def test_block_sparse_softmin_with_every_pair_equals_the_dense_one():
     torch.testing.assert_close(got, dense, rtol=1e-10, atol=1e-12)
 
 
+def test_chunks_cover_the_clusters_once_and_pad_within_the_slack():
+    from otreg.reductions import sparse
+
+    g = torch.Generator().manual_seed(1)
+    heights = torch.randint(1, 50, (300,), generator=g).sort().values.tolist()
+    widths = torch.randint(100, 400, (300,), generator=g).tolist()
+    chunks = sparse._greedy_chunks(heights, widths, 1 << 22)
+    assert [c.start for c in chunks[1:]] == [c.stop for c in chunks[:-1]]
+    assert chunks[0].start == 0 and chunks[-1].stop == 300
+    held = padded = small = 0
+    for c in chunks:
+        h, w = heights[c], widths[c]
+        size = len(h) * max(h) * max(w)
+        assert size <= 1 << 22
+        inside = sum(a * b for a, b in zip(h, w))
+        if c.stop < 300:  # cut only where the next cluster would break a rule
+            k = c.stop
+            grown = (len(h) + 1) * max(*h, heights[k]) * max(*w, widths[k])
+            too_padded = grown > sparse.MIN_CHUNK and grown > sparse.SLACK * (
+                inside + heights[k] * widths[k]
+            )
+            assert grown > 1 << 22 or too_padded
+        held, padded = held + inside, padded + size
+        small += size <= sparse.MIN_CHUNK
+        assert size <= sparse.MIN_CHUNK or size <= sparse.SLACK * inside
+    assert padded <= sparse.SLACK * held + small * sparse.MIN_CHUNK
+    everything = 300 * max(heights) * max(widths)
+    assert padded < 0.6 * everything  # one chunk of all the clusters pads 3.4x here
+    assert len(sparse._greedy_chunks(heights, widths, 1 << 40)) < 20
+
+
 def test_block_sparse_softmin_gradients_pass_gradcheck():
     g = torch.Generator().manual_seed(0)
     x = torch.rand(25, 3, generator=g, dtype=torch.float64)
