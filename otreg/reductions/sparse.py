@@ -259,6 +259,62 @@ class BlockSparse:
         ph = torch.cat([h, h.new_full((1,), -torch.inf)])
         return px, py, ph
 
+    def gradients(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        h: torch.Tensor,
+        eps: float,
+        out: torch.Tensor,
+        grad_out: torch.Tensor,
+        needs: tuple[bool, bool, bool] = (True, True, True),
+    ) -> list[torch.Tensor | None]:
+        """The gradients of ``sum_i grad_out_i softmin_i`` with respect to x (N, D), y (M, D)
+        and h (M,) (None where ``needs`` is False), given ``out`` = :meth:`softmin`; no
+        autograd. With P_ij = exp(h_j - |x_i - y_j|^2 / (2 eps) + out_i / eps) (each row
+        sums to 1) and G = grad_out, they are G_i (x_i - sum_j P_ij y_j),
+        sum_i G_i P_ij (y_j - x_i) and -eps sum_i G_i P_ij: each chunk's P once (each row
+        normalised by its computed sum), then two batched products. G is scaled to at most 1
+        and its negligible entries zeroed, so that no product is a denormal number (as the
+        blocked backward does)."""
+        px, py, ph = self._padded(x, y, h)
+        D = x.shape[1]
+        gx = torch.zeros_like(px) if needs[0] else None
+        gy = torch.zeros_like(py) if needs[1] else None
+        gh = torch.zeros_like(ph) if needs[2] else None
+        G, scale = _dense.scaled(grad_out)
+        pad_g = torch.cat([G, G.new_zeros(1)])
+        pad_out = torch.cat([out, out.new_zeros(1)])
+        floor = _dense.product_floor(x.dtype)
+        for k, (_, row_idx, _) in enumerate(self.chunks):
+            col_idx = self._column_indices(k)
+            X, x_sq, Y, y_sq = self._geometry(k, px, py, col_idx)
+            col = ph.index_select(0, col_idx.view(-1)).view(col_idx.shape)
+            rows = row_idx.view(-1)
+            # log of each row's total: (|x|^2 / 2 - out) / eps in centred coordinates
+            lse = x_sq.squeeze(2).sub(pad_out.index_select(0, rows).view(row_idx.shape))
+            col = col.sub(y_sq, alpha=1 / eps).unsqueeze(1)
+            P = torch.baddbmm(col, X, Y.transpose(1, 2), alpha=1.0 / eps)
+            P.sub_(lse.unsqueeze(2), alpha=1 / eps).clamp_(min=floor).exp_()
+            # each row normalised by its own sum: out's rounding, divided by eps, would
+            # otherwise leave it 1 +- 1e-5 in float32 at small eps
+            total = P.sum(2, keepdim=True)
+            Gk = pad_g.index_select(0, rows).view(row_idx.shape).unsqueeze(2)  # (C, R, 1)
+            if gx is not None:
+                gx.index_add_(0, rows, (Gk * (X - torch.bmm(P, Y) / total)).view(-1, D))
+            Gk = Gk / total
+            if gy is None and gh is None:
+                continue
+            Q = P.mul_(Gk)
+            weight = Q.sum(1)  # (C, L): sum_i G_i P_ij
+            cols = col_idx.view(-1).long()
+            if gh is not None:
+                gh.index_add_(0, cols, weight.view(-1), alpha=-eps)
+            if gy is not None:
+                moved = weight.unsqueeze(2) * Y - torch.bmm(Q.transpose(1, 2), X)
+                gy.index_add_(0, cols, moved.view(-1, D))
+        return [None if g is None else g[:-1] * scale for g in (gx, gy, gh)]
+
 
 class _SparseSoftmin(torch.autograd.Function):
     @staticmethod
@@ -276,47 +332,18 @@ class _SparseSoftmin(torch.autograd.Function):
             row = total.log_().add_(m).mul_(-eps).add_(x_sq)
             out.index_copy_(0, row_idx.view(-1), row.view(-1))
         ctx.kernel, ctx.eps = kernel, eps
-        ctx.save_for_backward(x, y, h)
-        return out[:-1]
+        result = out[:-1]
+        ctx.save_for_backward(x, y, h, result)
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        """Each chunk's scores recomputed with autograd on its gathered rows and columns, the
-        gradients then added back to the points they were gathered from."""
+        """:meth:`BlockSparse.gradients` (hand-written: no autograd graph of the chunks)."""
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 "multiscale Sinkhorn does not support second derivatives (create_graph=True); "
                 "use multiscale=False"
             )
-        x, y, h = ctx.saved_tensors
-        kernel, eps = ctx.kernel, ctx.eps
-        needs = ctx.needs_input_grad[2:]
-        px, py, ph = kernel._padded(x, y, h)
-        gx, gy, gh = torch.zeros_like(px), torch.zeros_like(py), torch.zeros_like(ph)
-        pad_g = torch.cat([grad_out, grad_out.new_zeros(1)])
-        floor = _dense.product_floor(x.dtype)
-        for k, (clusters, row_idx, _) in enumerate(kernel.chunks):
-            col_idx = kernel._column_indices(k)
-            c = kernel.rows.centres[clusters].unsqueeze(1)
-            X = px[row_idx].requires_grad_(needs[0])
-            Y = py[col_idx].requires_grad_(needs[1])
-            H = ph[col_idx].requires_grad_(needs[2])
-            with torch.enable_grad():
-                Xc, Yc = X - c, Y - c
-                col = H - (Yc * Yc).sum(-1) / (2 * eps)
-                s = torch.baddbmm(col.unsqueeze(1), Xc, Yc.transpose(1, 2), alpha=1.0 / eps)
-                m = s.detach().amax(2, keepdim=True)
-                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-                z = (s - m).clamp(min=floor).exp()
-                out = -eps * (z.sum(2).log() + m.squeeze(2)) + (Xc * Xc).sum(-1) / 2
-                wanted = [t for t, need in zip((X, Y, H), needs) if need]
-                got = iter(torch.autograd.grad(out, wanted, pad_g[row_idx]))
-            if needs[0]:
-                gx.index_add_(0, row_idx.flatten(), next(got).reshape(-1, x.shape[1]))
-            cols = col_idx.flatten().long()
-            if needs[1]:
-                gy.index_add_(0, cols, next(got).reshape(-1, y.shape[1]))
-            if needs[2]:
-                gh.index_add_(0, cols, next(got).flatten())
-        grads = [g[:-1] if need else None for g, need in zip((gx, gy, gh), needs)]
+        x, y, h, out = ctx.saved_tensors
+        grads = ctx.kernel.gradients(x, y, h, ctx.eps, out, grad_out, ctx.needs_input_grad[2:])
         return (None, None, *grads)
