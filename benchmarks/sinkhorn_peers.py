@@ -67,6 +67,8 @@ METHODS = {
     ),
     "otreg default call": ("otreg-default", {}),
     "otreg default, multiscale": ("otreg-default", {"multiscale": "force"}),
+    "otreg, tol=Accuracy(gradient=1e-3)": ("otreg-default", {"accuracy": 1e-3}),
+    "otreg, tol=Accuracy(gradient=1e-2)": ("otreg-default", {"accuracy": 1e-2}),
     "otreg default, tol 1e-3": ("otreg-default", {"tol": 1e-3}),
     "otreg default, multiscale, tol 1e-3": ("otreg-default", {"multiscale": "force", "tol": 1e-3}),
     "otreg default, multiscale, tol 3e-3": ("otreg-default", {"multiscale": "force", "tol": 3e-3}),
@@ -144,6 +146,8 @@ def worker(method: str, n: int) -> dict:
         changes = dict(opts)
         if changes.get("multiscale") == "force":
             changes["multiscale"] = otreg.Multiscale(auto=False)
+        if "accuracy" in changes:  # the stopping rule on the value and the gradient
+            changes["tol"] = otreg.Accuracy(gradient=changes.pop("accuracy"))
         from otreg.ot.divergence import divergence
 
         # what otreg.sinkhorn_divergence(x, y, blur=BLUR) runs, with its result's counts

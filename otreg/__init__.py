@@ -8,6 +8,7 @@ from ._checks import ConvergenceWarning, FoldWarning
 from ._info import info, package_version
 from .io import load_shape, save_shape
 from .ot import (
+    Accuracy,
     Implicit,
     Multiscale,
     SinkhornLoss,
@@ -39,6 +40,7 @@ __all__ = [
     "Implicit",
     "Unroll",
     "Multiscale",
+    "Accuracy",
     "sinkhorn_divergence",
     "SinkhornLoss",
     "TransportPlan",

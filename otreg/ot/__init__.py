@@ -9,7 +9,7 @@ problem), :mod:`~otreg.ot.convergence` (Anderson mixing, relaxation and stopping
 
 from .divergence import SinkhornLoss, sinkhorn_divergence
 from .plan import TransportPlan
-from .problem import Implicit, Multiscale, SinkhornOptions, Unroll
+from .problem import Accuracy, Implicit, Multiscale, SinkhornOptions, Unroll
 from .solver import SinkhornResult, sinkhorn
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "Implicit",
     "Unroll",
     "Multiscale",
+    "Accuracy",
 ]

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from .problem import Accuracy
+
 __all__ = ["Anderson", "Relaxation", "StoppingRule", "rounding_floor"]
 
 
@@ -153,7 +155,10 @@ class Relaxation:
 class StoppingRule:
     """When the alternating updates at the final eps stop.
 
-    ``"tol"``: the marginal error is below ``tol`` (converged). ``"stalled"``: the error is
+    ``"tol"``: converged: the marginal error is below ``tol`` (a number), or, with
+    ``tol=Accuracy(...)``, the value's and the gradient's estimated errors are below its
+    tolerances (:class:`~otreg.ot.problem.Accuracy`; the loop passes a ``probe`` that
+    evaluates them). ``"stalled"``: the error is
     within ``FLOOR`` times its rounding floor and has not reached a new low (by 1%) for
     ``PATIENCE`` iterations: further iterations would change nothing. The floor is
     u max|f, g| / eps (u the dtype's machine epsilon): the rounding of the potentials, seen
@@ -171,23 +176,56 @@ class StoppingRule:
     PATIENCE = 100
     PROGRESS = 0.99
     FLOOR = 10.0
+    #: an Accuracy's estimate uses the ratios of the last WINDOW changes (WINDOW + 1 checks)
+    WINDOW = 4
+    #: ... or changes below NOISE times the dtype's machine epsilon (relative) are rounding
+    NOISE = 100
+    NOISE_MARGIN = 1e-3
 
-    def __init__(self, tol: float) -> None:
+    def __init__(self, tol: float | Accuracy, value_floor: float = 0.0) -> None:
         self.tol = tol
+        self.accuracy = tol if isinstance(tol, Accuracy) else None
         self.error = math.nan  # not measured until an update at the final eps
         self.reason = "max_iter"
-        self._best, self._since = math.inf, 0
+        #: with an Accuracy: the estimated relative errors of the value and the gradient
+        #: at the last check (infinite until three checks have been made)
+        self.estimates: dict[str, float] | None = None
+        self._best, self._since, self._count = math.inf, 0, 0
+        self._value_floor = value_floor
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._changes: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def stop(self, err: float, floor: Callable[[], float] = lambda: 0.0) -> bool:
+    @property
+    def converged(self) -> bool:
+        """Whether the loop met its tolerance (or needed none: a closed form)."""
+        return self.reason in ("tol", "closed form")
+
+    def stop(
+        self,
+        err: float,
+        floor: Callable[[], float] = lambda: 0.0,
+        probe: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> bool:
         """Take the marginal error after an update; True to stop. ``floor()`` gives the
-        error's rounding floor (computed only when the error has stalled)."""
+        error's rounding floor (computed only when the error has stalled); ``probe()`` the
+        value (B,) and gradient (B, K) at the current potentials (called every
+        ``Accuracy.every`` iterations, with an :class:`Accuracy` only)."""
         self.error = err
-        if self.tol <= 0:
+        if self.accuracy is None and self.tol <= 0:
             return False
         if not math.isfinite(err):
             self.reason = "diverged"
             return True
-        if err < self.tol:
+        if self.accuracy is None and err < self.tol:
+            self.reason = "tol"
+            return True
+        self._count += 1
+        if (
+            self.accuracy is not None
+            and probe is not None
+            and self._count % self.accuracy.every == 0
+            and self._accurate(*probe(), lambda: err < self.FLOOR * floor())
+        ):
             self.reason = "tol"
             return True
         if err < self.PROGRESS * self._best:
@@ -198,6 +236,57 @@ class StoppingRule:
             self.reason = "stalled"
             return True
         return False
+
+    def _accurate(
+        self, value: torch.Tensor, gradient: torch.Tensor, at_floor: Callable[[], bool]
+    ) -> bool:
+        """Take a check's value (B,) and gradient (B, K); whether both estimated errors
+        (the geometric tail of their changes, see :class:`Accuracy`) are within tolerance.
+
+        Changes at rounding level (below ``NOISE`` times the dtype's machine epsilon) for
+        two checks in a row are taken as converged as far as the dtype allows (the error
+        estimated by those changes), where either the marginal error is at its rounding
+        floor (``at_floor()``) or the tolerance is over ``1 / NOISE_MARGIN`` times that
+        level: a sequence still converging behind changes that small would need a
+        contraction above 1 - NOISE_MARGIN per check to hide an error above the tolerance.
+        """
+        noise = self.NOISE * torch.finfo(gradient.dtype).eps
+        value, gradient = value.double(), gradient.double()
+        last, self._last = self._last, (value, gradient)
+        if last is None:
+            return False
+        tiny = torch.finfo(torch.float64).tiny
+        dv = (value - last[0]).abs() / value.abs().clamp_min(max(self._value_floor, tiny))
+        dg = (gradient - last[1]).norm(dim=1) / gradient.norm(dim=1).clamp_min(tiny)
+        self._changes = [*self._changes[-(self.WINDOW - 1) :], (dv, dg)]
+        a = self.accuracy
+        estimates = {}
+        for k, (name, tol) in enumerate((("value", a.value), ("gradient", a.gradient))):
+            changes = [c[k] for c in self._changes]
+            estimates[name] = _tail(changes, self.WINDOW)
+            recent = max(float(c.max()) for c in changes[-2:])
+            if (
+                len(changes) >= 2
+                and recent <= noise
+                and (noise <= self.NOISE_MARGIN * tol or at_floor())
+            ):
+                estimates[name] = min(estimates[name], recent)
+        self.estimates = estimates
+        return estimates["value"] <= a.value and estimates["gradient"] <= a.gradient
+
+
+def _tail(changes: list[torch.Tensor], window: int) -> float:
+    """The largest over the batch of d_k q / (1 - q): d_k the last change (B,), q the
+    largest ratio of successive changes among the last ``window`` changes; infinite while
+    fewer are known or where q >= 1."""
+    if len(changes) < window:
+        return math.inf
+    d = changes[-1]
+    ratios = [changes[k] / changes[k - 1] for k in range(1, len(changes))]
+    q = torch.stack(ratios).amax(0)
+    q = torch.where(d == 0, torch.zeros_like(q), q)  # no change left: converged
+    tail = torch.where(q < 1, d * q / (1 - q).clamp_min(1e-300), torch.full_like(d, math.inf))
+    return float(tail.max())
 
 
 def rounding_floor(eps: float, *potentials: torch.Tensor) -> float:

@@ -38,7 +38,8 @@ class DenseKernel:
     ``to_kernel_order`` / ``to_caller_order`` for potentials; ``refresh`` (adapt to the
     current potentials, every ``refresh_every`` iterations at the final eps);
     ``coarse_problem`` (a problem to solve first, or None) and ``extrapolate``; ``finish``;
-    and ``differentiable_softmin`` for the gradient's one reduction. ``symmetric``: x
+    ``differentiable_softmin`` for the gradient's one reduction, and ``softmin_gradient``
+    for the accuracy checks. ``symmetric``: x
     against itself (y and b are x and a).
     """
 
@@ -81,6 +82,16 @@ class DenseKernel:
     def differentiable_softmin(self, x, y, b, g, eps: float) -> torch.Tensor:
         """lambda-free softmin of log b + g / eps, differentiable in x, y and b, (B, N)."""
         return form_softmin(self.p, eps, x, y, b.log(), g)
+
+    def softmin_gradient(self, eps: float, g: torch.Tensor, s: torch.Tensor, w: torch.Tensor):
+        """The gradient of ``sum_i w_i s_i`` with s = ``softmin_xy(eps, g)`` with respect to
+        the points: ``(x,)`` for a cloud against itself, else ``(x, y)``; for
+        :class:`~otreg.ot.problem.Accuracy`'s checks."""
+        x = self.x.detach().requires_grad_(True)
+        y = x if self.symmetric else self.y.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = form_softmin(self.p, eps, x, y, self._b_log, g)
+            return torch.autograd.grad(out, (x,) if self.symmetric else (x, y), w)
 
 
 def make_kernel(p: Problem, x, a, y=None, b=None):

@@ -24,7 +24,7 @@ from .large_blur import closed_form
 from .multiscale import TruncatedKernel
 from .problem import Problem
 
-__all__ = ["solve", "Solution", "residual", "closed_form_solution", "pair_step"]
+__all__ = ["solve", "Solution", "residual", "semi_dual", "closed_form_solution", "pair_step"]
 
 
 def residual(
@@ -39,6 +39,45 @@ def residual(
     gap = w * (torch.exp((pot - smin) / eps) - target).abs()
     err = torch.where(w > 0, gap, 0.0).sum(1)  # no mass: no condition (and no 0 * inf)
     return err / w.sum(1)
+
+
+def semi_dual(p: Problem, a, b, s, g) -> torch.Tensor:
+    """The dual objective at g and at the f it determines, f = lambda s with s the softmin
+    of log b + g / eps over the other cloud: (B,). Balanced: <a, f> + <b, g> (the
+    entropic term vanishes there)."""
+    eps = p.eps
+    f = p.damping(eps) * s
+    mass = (a * torch.exp((f - s) / eps)).sum(1)  # <a x b, exp((f + g - C)/eps)>
+    if p.rho is None:
+        value = (a * f).sum(1) + (b * g).sum(1)
+    else:
+        value = p.rho * (
+            (a * -torch.expm1(-f / p.rho)).sum(1) + (b * -torch.expm1(-g / p.rho)).sum(1)
+        )
+    return value - eps * (mass - a.sum(1) * b.sum(1))
+
+
+def _probe(p: Problem, kernel):
+    """For :class:`~otreg.ot.problem.Accuracy`: g -> (the value (B,), its gradient with
+    respect to the points (B, K)) as the caller will get them from the potential g."""
+
+    def probe(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = kernel.softmin_xy(p.eps, g)
+        with torch.enable_grad():
+            leaf = s.detach().requires_grad_(True)
+            value = semi_dual(p, kernel.a, kernel.b, leaf, g)
+            (w,) = torch.autograd.grad(value.sum(), leaf)  # d value / d s, elementwise
+        grads = kernel.softmin_gradient(p.eps, g, s, w)
+        B = value.shape[0]  # the multiscale kernel's gradients are unbatched (N, D)
+        return value.detach(), torch.cat([t.reshape(B, -1) for t in grads], 1)
+
+    return probe
+
+
+def _rule(p: Problem, kernel) -> StoppingRule:
+    """The stopping rule of the final updates (an Accuracy compares values on the scale
+    eps times the total mass)."""
+    return StoppingRule(p.tol, value_floor=p.eps * float(kernel.a.sum(1).max()))
 
 
 @dataclass
@@ -116,7 +155,8 @@ def _final_pair(p: Problem, kernel, f, g, n_iter: int):
     eps, lam = p.eps, p.damping(p.eps)
     anderson = Anderson(kernel.b, eps) if p.relaxation == "anderson" else None
     relax = Relaxation("auto" if anderson else p.relaxation)
-    rule = StoppingRule(p.tol)
+    rule = _rule(p, kernel)
+    probe = _probe(p, kernel) if rule.accuracy is not None else None
     first = n_iter
     while n_iter < p.max_iter:
         if n_iter > first and (n_iter - first) % kernel.refresh_every == 0:
@@ -129,7 +169,11 @@ def _final_pair(p: Problem, kernel, f, g, n_iter: int):
         err = float(residual(p, eps, kernel.b, g, sg).max())
         update = lam * sg if w == 1 else torch.lerp(g, lam * sg, w)
         n_iter += 1
-        if rule.stop(err, lambda f=f, g=update: rounding_floor(eps, f, g)):
+        if rule.stop(
+            err,
+            lambda f=f, g=update: rounding_floor(eps, f, g),
+            probe and (lambda g=update: probe(g)),
+        ):
             g = update
             break
         if mixing:
@@ -154,7 +198,8 @@ def _acceleration(p: Problem, anderson: Anderson | None, relax: Relaxation) -> s
 def _final_symmetric(p: Problem, kernel, f, g, n_iter: int):
     """Averaged updates of the symmetric potential f = g at the final eps."""
     eps, lam = p.eps, p.damping(p.eps)
-    rule = StoppingRule(p.tol)
+    rule = _rule(p, kernel)
+    probe = _probe(p, kernel) if rule.accuracy is not None else None
     first = n_iter
     while n_iter < p.max_iter:
         if n_iter > first and (n_iter - first) % kernel.refresh_every == 0:
@@ -163,7 +208,7 @@ def _final_symmetric(p: Problem, kernel, f, g, n_iter: int):
         err = float(residual(p, eps, kernel.a, f, sf).max())
         f = (f + lam * sf) / 2
         n_iter += 1
-        if rule.stop(err, lambda f=f: rounding_floor(eps, f)):
+        if rule.stop(err, lambda f=f: rounding_floor(eps, f), probe and (lambda f=f: probe(f))):
             break
     return f, f, n_iter, rule, "averaged"
 

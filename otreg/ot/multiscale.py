@@ -314,6 +314,16 @@ class TruncatedKernel:
         h = b[0, oy].log() + g[0, oy] / eps
         return self.kernels.xy.softmin(x[0, ox], y[0, oy], h, eps)[self._unsort_x][None]
 
+    def softmin_gradient(self, eps: float, g: torch.Tensor, s: torch.Tensor, w: torch.Tensor):
+        """The gradient of ``sum_i w_i s_i``, s = ``softmin_xy(eps, g)`` (1, N), with respect
+        to the sorted points: ``(x,)`` or ``(x, y)`` (hand-written, on the current pattern)."""
+        h = self._b_log + g[0] / eps
+        xy = self.kernels.xy
+        gx, gy, _ = xy.gradients(
+            self.cx.points, self.cy.points, h, eps, s[0], w[0], (True, True, False)
+        )
+        return (gx + gy,) if self.symmetric else (gx, gy)
+
     def to_kernel_order(self, f, g):
         return f[:, self.cx.order], g[:, self.cy.order]
 

@@ -11,7 +11,9 @@ cannot be honoured cannot be written:
   Unroll(strategy, memory)``: the unrolled loop's checkpointing strategy exists only inside
   :class:`Unroll`;
 - ``multiscale="auto" | True | False | Multiscale(truncate, cluster_scale, auto)``: the
-  truncation settings exist only inside :class:`Multiscale`.
+  truncation settings exist only inside :class:`Multiscale`;
+- ``tol=1e-3 | Accuracy(value, gradient, every)``: a number bounds the marginal error; an
+  :class:`Accuracy` states what the caller uses instead, the value and its gradient.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "Implicit",
     "Unroll",
     "Multiscale",
+    "Accuracy",
     "Problem",
     "FORMS",
     "BACKWARDS",
@@ -146,6 +149,55 @@ class Multiscale:
 
 
 @dataclass(frozen=True)
+class Accuracy:
+    """``tol=Accuracy(...)``: stop the updates at the final eps once the OT value and its
+    gradient are accurate enough, rather than on the marginal error.
+
+    Every ``every`` iterations the loop evaluates, at its current potential g, what the
+    caller will get: the dual value V and the envelope gradient G (with respect to both
+    clouds, one differentiable reduction). With d_k the relative change of G between two
+    checks and q the larger of the last two ratios d_k / d_(k-1) (the contraction per
+    check), the error left is estimated by the geometric tail
+
+    .. math::
+
+        e_k = d_k \\, q / (1 - q),
+
+    exact for a loop that converges linearly at a steady rate (plain or over-relaxed
+    Sinkhorn near its fixed point), and the same for V. The loop stops when both estimates
+    are below the tolerances (at the third check at the earliest). It is an estimate, not a
+    bound: the tests check it against converged float64 solutions, with which the errors
+    agreed within a factor of 3. Each check costs about two reductions; the stall,
+    divergence and ``max_iter`` rules still apply, and the marginal error is still reported.
+
+    Args:
+        value: relative error of the OT value (relative to the larger of its size and
+            eps times the total mass: a value near 0 is compared on the entropic scale).
+        gradient: relative error of the gradient (its L2 norm over both clouds, relative
+            to the gradient's norm) of each OT term. A Sinkhorn divergence subtracts two
+            symmetric terms from the cross one: where they nearly cancel (clouds almost
+            equal) its own gradient's relative error is larger.
+        every: iterations between checks.
+
+    Example:
+        >>> import torch, otreg
+        >>> x, y = torch.rand(300, 3), torch.rand(300, 3)
+        >>> res = otreg.sinkhorn(x, y, blur=0.05, tol=otreg.Accuracy(gradient=1e-3))
+        >>> res.converged, res.estimated_error["gradient"] < 1e-3
+        (True, True)
+    """
+
+    value: float = 1e-4
+    gradient: float = 1e-3
+    every: int = 10
+
+    def __post_init__(self) -> None:
+        check_positive("Accuracy", "value", self.value)
+        check_positive("Accuracy", "gradient", self.gradient)
+        check_int("Accuracy", "every", self.every, 1)
+
+
+@dataclass(frozen=True)
 class SinkhornOptions:
     """The options of a Sinkhorn solve, with their defaults (see :func:`otreg.sinkhorn`
     for each one's meaning). Frozen: derive variants with :meth:`replace`.
@@ -166,7 +218,7 @@ class SinkhornOptions:
     cost: str = "sqeuclidean"
     form: str = "log"
     backend: str = "auto"
-    tol: float = 1e-3
+    tol: float | Accuracy = 1e-3
     max_iter: int = 1000
     relaxation: float | str = "anderson"
     backward: str | Implicit | Unroll = "envelope"
@@ -224,7 +276,14 @@ def _checked(caller: str, options: SinkhornOptions | dict) -> dict:
     v["cost"] = cost.name
     check_choice(caller, "form", v["form"], FORMS)
     check_choice(caller, "backend", v["backend"], reductions.BACKENDS)
-    v["tol"] = check_positive(caller, "tol", v["tol"], allow_zero=True)
+    if not isinstance(v["tol"], Accuracy):
+        try:
+            v["tol"] = check_positive(caller, "tol", v["tol"], allow_zero=True)
+        except TypeError:
+            raise TypeError(
+                f"{caller}: tol must be a number (a bound on the marginal error) or an "
+                f"otreg.Accuracy (the value's and the gradient's), got {type(v['tol']).__name__}"
+            ) from None
     v["max_iter"] = check_int(caller, "max_iter", v["max_iter"], 1)
     w = v["relaxation"]
     if w not in RELAXATIONS and (not _number(w) or not 1 <= w < 2):
@@ -291,7 +350,7 @@ class Problem:
     schedule: list[float]
     form: str
     backend: str
-    tol: float
+    tol: float | Accuracy
     max_iter: int
     relaxation: float | str
     multiscale: Multiscale | None  # resolved: None when every pair is summed

@@ -48,12 +48,13 @@ from .._checks import ConvergenceWarning
 from .convergence import StoppingRule
 from .kernels import DenseKernel
 from .large_blur import check_range, closed_form_applies, precise_value
-from .loop import Solution, closed_form_solution, pair_step, solve
+from .loop import Solution, closed_form_solution, pair_step, semi_dual, solve
 from .multiscale import TruncatedKernel
 from .plan import TransportPlan
 from .problem import (
     _UNSET,
     RELAXATIONS,
+    Accuracy,
     Implicit,
     Multiscale,
     Problem,
@@ -99,6 +100,9 @@ class SinkhornResult:
         form: ``"log"`` or ``"scaling"``.
         plan: the lazy :class:`~otreg.ot.plan.TransportPlan`.
         options: the :class:`~otreg.ot.problem.SinkhornOptions` of the solve.
+        estimated_error: with ``tol=Accuracy(...)``, the estimated relative errors of the
+            value and the gradient at the last check, ``{"value": ..., "gradient": ...}``
+            (of OT(a, b) for a divergence); None otherwise.
         acceleration: what sped up the updates at the final eps: ``"anderson"`` (with
             the number of safeguard resets if any), ``"anderson, then over-relaxation
             after N resets"`` (the mixing failed and the loop fell back), ``"over-relaxation
@@ -124,6 +128,7 @@ class SinkhornResult:
     plan: TransportPlan = field(repr=False)
     options: SinkhornOptions | None = field(default=None, repr=False)
     acceleration: str = "none"
+    estimated_error: dict[str, float] | None = None
 
 
 def dual_value(p: Problem, x, y, a, b, g, kernel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,17 +148,9 @@ def dual_value(p: Problem, x, y, a, b, g, kernel) -> tuple[torch.Tensor, torch.T
         )
         value, f = dual_value(p, *(t.double() for t in (x, y, a, b, g)), wide)
         return value.to(x.dtype), f.to(x.dtype)
-    eps = p.eps
-    s = kernel.differentiable_softmin(x, y, b.detach(), g, eps)  # (B, N)
-    f = p.damping(eps) * s
-    mass = (a * torch.exp((f - s) / eps)).sum(1)  # <a x b, exp((f + g - C)/eps)>
-    if p.rho is None:
-        value = (a * f).sum(1) + (b * g).sum(1)
-    else:
-        value = p.rho * (
-            (a * -torch.expm1(-f / p.rho)).sum(1) + (b * -torch.expm1(-g / p.rho)).sum(1)
-        )
-    value = value - eps * (mass - a.sum(1) * b.sum(1))
+    s = kernel.differentiable_softmin(x, y, b.detach(), g, p.eps)  # (B, N)
+    f = p.damping(p.eps) * s
+    value = semi_dual(p, a, b, s, g)
     if b.requires_grad:
         path = weight_path(p, f.detach(), g, kernel, b.detach())
         value = value + (path * (b - b.detach())).sum(1)
@@ -183,11 +180,22 @@ def report_convergence(caller: str, what: str, p: Problem, n_iter: int, rule: St
     """Whether ``tol`` was reached; if not, a ConvergenceWarning that says why (none for
     ``tol=0``: a fixed iteration count was asked for)."""
     err = rule.error
-    if err < p.tol:
+    if rule.converged or (rule.accuracy is None and err < p.tol):
         return True
     if p.tol == 0:
         return False
     head = f"{caller}: {what} stopped after {n_iter} iterations with marginal error {err:.3g}"
+    if rule.accuracy is not None and rule.reason == "max_iter":
+        est = rule.estimates or {"value": math.inf, "gradient": math.inf}
+        warnings.warn(
+            f"{caller}: {what} stopped after {n_iter} iterations with estimated errors "
+            f"{est['value']:.2g} (value) and {est['gradient']:.2g} (gradient), above "
+            f"{p.tol}: raise max_iter, or relax the accuracy (a larger blur converges "
+            "faster)",
+            ConvergenceWarning,
+            stacklevel=3,
+        )
+        return False
     if math.isnan(err) and rule.reason != "diverged":
         head = f"{caller}: {what} stopped after {n_iter} iterations"
         hint = (
@@ -273,7 +281,7 @@ def sinkhorn(
     cost: str = "sqeuclidean",
     form: str = "log",
     backend: str = "auto",
-    tol: float = 1e-3,
+    tol: float | Accuracy = 1e-3,
     max_iter: int = 1000,
     relaxation: float | str = "anderson",
     backward: str | Implicit | Unroll = "envelope",
@@ -307,7 +315,9 @@ def sinkhorn(
         backend: ``"auto"``, ``"keops"``, ``"tensorized"`` or ``"blocked"`` (see
             :mod:`otreg.reductions`).
         tol: stop when the relative L1 marginal error at the final eps is < tol (tol=0 runs
-            exactly max_iter iterations).
+            exactly max_iter iterations); or :class:`~otreg.ot.problem.Accuracy`
+            ``(value, gradient)``: when the value's and the gradient's estimated relative
+            errors are below these (``result.estimated_error`` gives them).
         max_iter: the most iterations in all, the eps-scaling ones included.
         relaxation: how the updates at the final eps are accelerated: the same fixed
             point, reached in far fewer iterations when plain updates crawl (balanced OT at
@@ -332,7 +342,7 @@ def sinkhorn(
             (:mod:`otreg.ot.multiscale`): the eps-scaling starts on grid clusters, then each
             reduction sums only over the pairs of clusters that can matter. ``"auto"``
             (default) turns it on for one problem (no batch) in 1 to 3 dimensions with the
-            squared Euclidean cost, the log form, the envelope backward, N * M >= 1e8 and a
+            squared Euclidean cost, the log form, the envelope backward, N * M >= 4e6 and a
             blur below half the cluster scale; ``True`` or
             :class:`~otreg.ot.problem.Multiscale` ``(truncate, cluster_scale)`` requires it
             (``ValueError`` naming what does not fit), ``False`` sums over every pair.
@@ -443,4 +453,5 @@ def make_result(p: Problem, params, f, g, value, sol: Solution, converged: bool)
         plan=plan,
         options=p.options,
         acceleration=sol.acceleration,
+        estimated_error=sol.rule.estimates,
     )
