@@ -1,4 +1,4 @@
-"""``otreg.info()``: versions, working backends and the KeOps cache folder."""
+"""``otreg.info()``: versions, working backends and the compiled code's cache folders."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ def info(check_keops: bool = True, file=None) -> dict:
     ok, reason = status["keops"]
     if ok:
         report["keops cache"] = status["keops build folder"]
+    report["compiled loops cache"] = status["fused cache folder"]
     backends = {"tensorized": "ok", "blocked": "ok"}
     if not ok:
         backends["keops"] = f"unavailable: {reason}"

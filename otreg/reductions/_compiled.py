@@ -16,12 +16,12 @@ times with the gradient; float64 2.2 to 2.9 times forward, 2.1 to 2.6 with the g
 (docs/performance.md).
 
 Compiling takes about 5 to 10 s a formula the first time (inductor caches its code on disk,
-so a later process takes about 1 s), once per dtype and sizes (a dynamic column count ran
-1.7 times slower). So a reduction goes fused only once the blocked path has spent
-``TIER_UP_SECONDS`` on it (that kind, direction, dtype and sizes) in this process, as a JIT
-compiler tiers up hot code: a one-off gradient never pays a compile, a Sinkhorn loop or an
-optimisation does once; at most ``MAX_SHAPES`` reductions a process. 1 / eps is a tensor,
-so a new eps reuses the code.
+in :func:`cache_folder`, so a later process takes about 1 s), once per dtype and sizes (a
+dynamic column count ran 1.7 times slower). So a reduction goes fused only once the blocked
+path has spent ``TIER_UP_SECONDS`` on it (that kind, direction, dtype and sizes) in this
+process, as a JIT compiler tiers up hot code: a one-off gradient never pays a compile, a
+Sinkhorn loop or an optimisation does once; at most ``MAX_SHAPES`` reductions a process.
+1 / eps is a tensor, so a new eps reuses the code.
 
 Used for the squared Euclidean cost in float32 and float64 on the CPU, from ``MIN_PAIRS``
 pairs a call (:func:`otreg.reductions._run` decides). If compiling fails (no C++ compiler,
@@ -31,6 +31,7 @@ turns it off. A second derivative (``create_graph=True``) goes through the block
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
@@ -49,6 +50,7 @@ __all__ = [
     "spent",
     "tiered",
     "failure",
+    "cache_folder",
 ]
 
 #: calls with fewer pairs B * N * M stay on the blocked path (per-chunk overheads)
@@ -76,12 +78,14 @@ def _sq(x, y, inv_eps):
     return ((x[:, None, :] - y[None, :, :]) ** 2).sum(-1) * (inv_eps / 2)
 
 
-def _lse_rows(x, y, h, inv_eps):
-    """log sum_j exp(h_j - |x_i - y_j|^2 / (2 eps)) -> (R,)."""
+def _lse_rows(x, y, h, floor, inv_eps):
+    """log sum_j exp(h_j - |x_i - y_j|^2 / (2 eps)) -> (R,); terms below exp(floor) times
+    the row's largest are clamped there (an exp that underflows runs many times slower)."""
     s = h[None, :] - _sq(x, y, inv_eps)
     m = s.amax(1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return (m + torch.log(torch.exp(s - m).sum(1, keepdim=True))).squeeze(1)
+    z = torch.exp(torch.clamp(s - m, min=floor))
+    return (m + torch.log(z.sum(1, keepdim=True))).squeeze(1)
 
 
 def _kp_rows(x, y, v, floor, inv_eps):
@@ -137,7 +141,27 @@ _FORMULAS = {
 }
 
 
+#: TORCHINDUCTOR_CACHE_DIR as it was when otreg was imported (None: not set; importing
+#: torch._dynamo later sets it to inductor's default, which :func:`_compile` then replaces)
+_USER_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def cache_folder() -> str:
+    """Where inductor keeps the compiled code between processes: ``TORCHINDUCTOR_CACHE_DIR``
+    if it was set when otreg was imported, else ``$XDG_CACHE_HOME/otreg/torchinductor``
+    (``~/.cache/otreg/torchinductor``), set at the first compile. Inductor's own default is
+    under the system's temporary folder, which a reboot or a cluster job's private /tmp
+    empties: each batch job would then compile every formula again (5 to 10 s each)."""
+    if _USER_CACHE is not None:
+        return _USER_CACHE
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "otreg", "torchinductor")
+
+
 def _compile(fn):
+    # inductor reads the variable at each compile (torch._dynamo's import sets it to its
+    # default if unset: otreg's folder replaces that one, never a folder the user chose)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_folder()
     return torch.compile(fn, dynamic=False)
 
 
@@ -192,7 +216,8 @@ def _forward(kind, x, y, rest, eps):
     outs = []
     for b in range(x.shape[0]):
         if kind == "softmin":
-            outs.append(_sweep("_lse_rows", [x[b]], [y[b], rest[0][b]], inv_eps) * -eps)
+            floor = _dense.product_floor(x.dtype)  # as the blocked forward clamps
+            outs.append(_sweep("_lse_rows", [x[b]], [y[b], rest[0][b]], floor, inv_eps) * -eps)
         else:  # clamped where the blocked forward clamps (a product is not normalised)
             outs.append(
                 _sweep("_kp_rows", [x[b]], [y[b], rest[0][b]], _dense.exp_floor(x.dtype), inv_eps)

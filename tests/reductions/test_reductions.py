@@ -347,3 +347,57 @@ def test_compiling_a_fused_loop_raises_no_deprecation_warning(fused_now, monkeyp
         out = call("softmin", "blocked", x, y, h, v, 0.01, SQ)
     assert fused_now.failure() is None and "_lse_rows" in fused_now._kernels
     torch.testing.assert_close(out, naive("softmin", x, y, h, v, 0.01, SQ), rtol=1e-5, atol=1e-5)
+
+
+FRESH_PROCESS = """
+import json, time, torch
+from otreg import reductions
+from otreg.costs import get_cost
+from otreg.reductions import _compiled
+import torch._dynamo  # (as torch.optim does: it sets TORCHINDUCTOR_CACHE_DIR to /tmp's)
+from torch._dynamo.utils import counters
+_compiled.MIN_PAIRS, _compiled.TIER_UP_SECONDS = 0, 0.0
+g = torch.Generator().manual_seed(0)
+x, y = torch.rand(1, 300, 3, generator=g), torch.rand(1, 200, 3, generator=g)
+start = time.perf_counter()
+reductions.softmin(x, y, torch.zeros(1, 200), 0.01, get_cost("sqeuclidean"), "blocked")
+import os
+print(json.dumps({
+    "env": os.environ["TORCHINDUCTOR_CACHE_DIR"],
+    "seconds": time.perf_counter() - start,
+    "hits": counters["inductor"]["fxgraph_cache_hit"],
+    "misses": counters["inductor"]["fxgraph_cache_miss"],
+    "failure": _compiled.failure(),
+    "folder": _compiled.cache_folder(),
+}))
+"""
+
+
+def _fresh(env):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_compiled_loops_are_cached_on_disk_for_the_next_process(tmp_path):
+    # a fresh process compiles the fused softmin into ~/.cache/otreg/torchinductor (not the
+    # temporary folder, which reboots and cluster jobs empty); the next process loads it
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    first, second = _fresh(env), _fresh(env)
+    folder = tmp_path / "otreg" / "torchinductor"
+    assert first["failure"] is None and first["folder"] == first["env"] == str(folder)
+    assert first["misses"] >= 1 and any(folder.iterdir())
+    assert second["misses"] == 0 and second["hits"] >= 1
+    # a folder the user chose is kept
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+    assert _fresh(env)["folder"] == str(tmp_path / "mine")
+    assert any((tmp_path / "mine").iterdir())
