@@ -86,8 +86,8 @@ def status() -> dict:
 
     Example:
         >>> from otreg.reductions import status
-        >>> sorted(status())[:2]
-        ['fused', 'fused min pairs']
+        >>> "keops" in status() and "fused cache folder" in status()
+        True
     """
     return {
         "keops": _keops.status(),

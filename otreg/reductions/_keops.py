@@ -7,6 +7,9 @@ parameter, so a new eps does not recompile.
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import torch
 
 from ..costs import Cost
@@ -48,8 +51,11 @@ def status() -> tuple[bool, str]:
     if _failure is not None:
         return False, _failure
     try:
-        import pykeops  # noqa: F401
-        from pykeops.torch import LazyTensor  # noqa: F401
+        # pykeops prints "CUDA libraries not found ... CPU only" on a CPU machine at its
+        # first import; otreg.info() says which device is used, so the line is kept quiet
+        with contextlib.redirect_stdout(io.StringIO()):
+            import pykeops  # noqa: F401
+            from pykeops.torch import LazyTensor  # noqa: F401
     except Exception as err:  # ImportError, or pykeops' own errors at import
         return False, f"pykeops cannot be imported ({type(err).__name__}: {err})"
     return True, "ok"
