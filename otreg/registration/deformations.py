@@ -31,6 +31,8 @@ from torch.nn.utils import parametrize
 
 from .._checks import check_choice, check_int
 from ..loops import iterate
+from ..loops.budget import parse_bytes
+from ..loops.iterate import STRATEGIES
 from .kernels import GaussianKernel
 
 __all__ = [
@@ -195,7 +197,10 @@ class LDDMM(nn.Module):
         kernel_weights: weight of each width (default 1 each).
         n_steps: time steps from t = 0 to 1.
         integrator: ``"euler"``, ``"rk4"`` or ``"leapfrog"``.
-        strategy, memory: how the time loop is differentiated (:func:`otreg.loops.iterate`).
+        strategy, memory: how the time loop is differentiated (:func:`otreg.loops.iterate`):
+            ``memory`` (bytes or ``"500MB"``) bounds the measured peak growth of shooting
+            forward and backward; with it, ``strategy`` defaults to ``"checkpoint"``
+            (snapshots fitted to the budget), without it to ``"store"``.
         backend: reduction backend.
 
     Example:
@@ -216,7 +221,7 @@ class LDDMM(nn.Module):
         kernel_weights: Sequence[float] | None = None,
         n_steps: int = 10,
         integrator: str = "rk4",
-        strategy: str = "store",
+        strategy: str | None = None,
         memory: int | str | None = None,
         backend: str = "auto",
     ) -> None:
@@ -231,7 +236,12 @@ class LDDMM(nn.Module):
         self.kernel = GaussianKernel(sigma, kernel_weights, backend, caller)
         self.n_steps = check_int(caller, "n_steps", n_steps, 1)
         self.integrator = check_choice(caller, "integrator", integrator, INTEGRATORS)
-        self.strategy, self.memory = strategy, memory
+        if strategy is None:
+            strategy = "store" if memory is None else "checkpoint"
+        self.strategy = check_choice(caller, "strategy", strategy, STRATEGIES)
+        self.memory = memory
+        if memory is not None:
+            parse_bytes(caller, memory)
         self.register_buffer("control_points", q.clone())
         self.momenta = nn.Parameter(torch.zeros_like(q))
 
@@ -286,17 +296,14 @@ class LDDMM(nn.Module):
             raise ValueError(
                 f"LDDMM: points are {x0.shape[1]}-D but the control points {q0.shape[1]}-D"
             )
-        kwargs = {}
-        if self.strategy == "checkpoint":
-            kwargs = {"memory": self.memory}
         return iterate(
             self._step,
             (q0, self.momenta, x0),
             self.n_steps,
             (self.momenta,),
             strategy=self.strategy,
+            memory=self.memory,
             report=report,
-            **kwargs,
         )
 
     def forward(self, points: torch.Tensor) -> torch.Tensor:

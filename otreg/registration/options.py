@@ -48,7 +48,10 @@ class LDDMMOptions:
             with leapfrog and 52 s with RK4, 6 steps each, to the same distances (1.04 mm)
             and Jacobians (0.67 to 1.36).
         regularization: weight of the deformation energy in the objective (>= 0).
-        strategy, memory: differentiation of the shooting loop (:func:`otreg.loops.iterate`).
+        strategy, memory: differentiation of the shooting loop (:func:`otreg.loops.iterate`):
+            ``memory="2GB"`` bounds the measured peak growth of shooting forward and
+            backward; with it, ``strategy`` defaults to ``"checkpoint"``, without it to
+            ``"store"``.
 
     Example:
         >>> import otreg
@@ -62,7 +65,7 @@ class LDDMMOptions:
     n_steps: int = 6
     integrator: str = "leapfrog"
     regularization: float = 1e-4
-    strategy: str = "store"
+    strategy: str | None = None
     memory: int | str | None = None
 
     def __post_init__(self) -> None:
@@ -83,6 +86,8 @@ class LDDMMOptions:
             "regularization",
             check_positive(caller, "regularization", self.regularization, allow_zero=True),
         )
+        if self.strategy is None:
+            _set(self, "strategy", "store" if self.memory is None else "checkpoint")
         check_choice(caller, "strategy", self.strategy, STRATEGIES)
         if self.memory is not None:
             parse_bytes(caller, self.memory)

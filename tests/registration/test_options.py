@@ -28,9 +28,11 @@ def test_documented_defaults():
         n_steps=6,
         integrator="leapfrog",
         regularization=1e-4,
-        strategy="store",
+        strategy=None,  # "store", or "checkpoint" when a memory budget is given
         memory=None,
     )
+    assert LDDMMOptions().strategy == "store"
+    assert LDDMMOptions(memory="1GB").strategy == "checkpoint"
     assert defaults(PrealignOptions) == dict(kind="rigid", n_iter=8, blur=None, max_points=500)
     assert defaults(LBFGSOptions) == dict(max_iter=15, tol=1e-5, history_size=20, precondition=True)
     assert MODELS == ("lddmm", "rigid", "similarity", "affine")
