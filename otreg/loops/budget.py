@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .._checks import check_int
-from .memory import measure_peak
+from .memory import measure_peak, resident_bytes
 from .tape import Checkpointed, Reversible, Step
 
 __all__ = [
@@ -23,8 +23,23 @@ __all__ = [
     "probe_peak",
     "working_bytes",
     "snapshot_count",
+    "charge_one_offs_to_budgets",
     "PROBE_STEPS",
 ]
+
+#: contexts entered while a budget's planner first runs a short loop, so that one-off costs
+#: (compiling the loop's reductions) are paid there, measured and charged to the budget
+_ONE_OFF_CONTEXTS: list = []
+
+
+def charge_one_offs_to_budgets(context) -> None:
+    """Register ``context`` (a callable returning a context manager) to be entered while a
+    budget's planner first runs the loop: what it makes happen early (e.g. otreg's
+    reductions compiling at their first call, :func:`otreg.reductions._compiled.compile_now`)
+    then happens before the loop, and the memory it keeps is charged to the budget."""
+    if context not in _ONE_OFF_CONTEXTS:
+        _ONE_OFF_CONTEXTS.append(context)
+
 
 _UNITS = {
     "": 1,
@@ -88,35 +103,64 @@ def check_budget(
     the CPU) that plus every step's saved tensors, measured per step on short loops."""
     budget = parse_bytes(caller, memory)
     if stores_on_host(strategy, state):
-        two = probe_peak(run, state, params, "store", 2, None)
-        four = probe_peak(run, state, params, "store", 4, None)
+        two = probe_peak(run, state, params, "store", 2, None, report)
+        four = probe_peak(run, state, params, "store", 4, None, report)
         per_step = max(0, four - two) / 2
         need = int(max(two - 2 * per_step, 0) + n * per_step)
         report.update(working_bytes=int(two - 2 * per_step), step_bytes=int(per_step))
         fits = "strategy='checkpoint' holds it within a budget"
         detail = f"every step's saved tensors, {per_step / 1e6:,.1f} MB a step, for {n} steps"
     else:
-        need = probe_peak(run, state, params, strategy, PROBE_STEPS, inverse)
+        need = probe_peak(run, state, params, strategy, PROBE_STEPS, inverse, report)
         report.update(working_bytes=need)
         fits = "no strategy needs less than one taped step"
         detail = "one taped step forward and backward (the loop's length does not matter)"
+    need = charged(need, report)
     report["needed_bytes"] = need
     if budget < need:
         raise ValueError(
             f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what "
             f"strategy={strategy!r} needs for this loop: {need / 1e6:,.1f} MB ({detail}, "
-            f"measured); raise memory ({fits})"
+            f"measured{one_off_note(report)}); raise memory ({fits})"
         )
 
 
+def charged(need: int, report: dict) -> int:
+    """What a loop needing ``need`` bytes costs this call: plus what its first run kept
+    (``one_off_bytes``), and at least that first run's own peak."""
+    return max(need + report.get("one_off_bytes", 0), report.get("first_probe_bytes", 0))
+
+
+def one_off_note(report: dict) -> str:
+    """The one-off part of a need, for error messages."""
+    one_off = report.get("one_off_bytes", 0)
+    if one_off < 1e6:
+        return ""
+    return (
+        f"; {one_off / 1e6:,.1f} MB of it stays with this process after the loop's first "
+        "run, which a later call does not pay again: the allocator's pools, and torch's "
+        "compiler and code where the loop's reductions compile "
+        "(otreg.reductions.COMPILED = False keeps them uncompiled)"
+    )
+
+
 def probe_peak(
-    run: Step, state: tuple, params: tuple, strategy: str, steps: int, inverse=None
+    run: Step,
+    state: tuple,
+    params: tuple,
+    strategy: str,
+    steps: int,
+    inverse=None,
+    report: dict | None = None,
 ) -> int:
     """The measured peak (bytes) of ``steps`` steps of the loop run with ``strategy``,
     forward and backward, from a detached copy of its input; ``checkpoint`` stores nothing
     but that input (``PROBE_SNAPSHOTS`` slots). Once per step function, shapes, strategy and
     length (64 kept); at least the output and its gradient (a small step may reuse resident
-    memory and read 0; without a reading, off Linux, that is all there is)."""
+    memory and read 0; without a reading, off Linux, that is all there is). The first run
+    is unmeasured for the peak but pays the one-offs (under the contexts registered with
+    :func:`charge_one_offs_to_budgets`); what it kept resident goes to
+    ``report["one_off_bytes"]`` and its own peak to ``report["first_probe_bytes"]``."""
     step = getattr(run.step, "__func__", run.step)  # a bound method: its function
     params_sig = tuple((p.shape, p.dtype, p.device) for p in params)
     key = (step, tuple(run.signature), params_sig, strategy, steps)
@@ -146,12 +190,23 @@ def probe_peak(
                     outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True
                 )
 
+        device = state[0].device
         with torch.random.fork_rng(devices=run.devices):  # the loop's draws stay its own
-            probe()  # first calls' one-off allocations, unmeasured
-            _, _, peak = measure_peak(probe, state[0].device)
+            before = resident_bytes(device)
+            with contextlib.ExitStack() as stack:
+                for context in _ONE_OFF_CONTEXTS:
+                    stack.enter_context(context())
+                _, _, first = measure_peak(probe, device)  # first calls' one-offs
+            kept = resident_bytes(device)
+            _, _, peak = measure_peak(probe, device)
         if len(_PEAKS) >= 64:
             _PEAKS.clear()
         _PEAKS[key] = max(peak or 0, 2 * state_bytes(state))
+        if report is not None and before is not None and kept is not None:
+            # what the first run kept (a compiler, compiled code, allocator pools) is gone
+            # from the budget for this call; a later call starts above it and pays nothing
+            report["one_off_bytes"] = report.get("one_off_bytes", 0) + max(0, kept - before)
+            report["first_probe_bytes"] = max(report.get("first_probe_bytes", 0), first or 0)
     return _PEAKS[key]
 
 
@@ -161,21 +216,28 @@ _PEAKS: dict = {}
 PROBE_STEPS, PROBE_SNAPSHOTS = 4, 2
 
 
-def working_bytes(run: Step, state: tuple, params: tuple) -> int:
+def working_bytes(run: Step, state: tuple, params: tuple, report: dict | None = None) -> int:
     """What checkpointing the loop needs besides its snapshots (a step's temporaries, a
     taped step's saved tensors and gradients, the state being advanced, the gradient flowing
     back, the output): the peak of a ``PROBE_STEPS``-step checkpointed loop that stores
     only its input, less the probe's own snapshots."""
     size = state_bytes(state)
-    peak = probe_peak(run, state, params, "checkpoint", PROBE_STEPS)
+    peak = probe_peak(run, state, params, "checkpoint", PROBE_STEPS, None, report)
     return max(peak - (PROBE_SNAPSHOTS - 1) * size, 2 * size)
 
 
 def snapshot_count(
-    caller: str, n: int, state: tuple, memory, snapshots, working: int | None
+    caller: str,
+    n: int,
+    state: tuple,
+    memory,
+    snapshots,
+    working: int | None,
+    report: dict | None = None,
 ) -> int:
     """The number of stored states: ``snapshots``, or from the ``memory`` budget and the
-    measured ``working`` cost (given with ``memory``), or sqrt(n)."""
+    measured ``working`` cost (given with ``memory``; with the one-offs in ``report``
+    charged, :func:`charged`), or sqrt(n)."""
     if memory is not None and snapshots is not None:
         raise ValueError(f"{caller}: give memory or snapshots, not both")
     if snapshots is not None:
@@ -183,11 +245,13 @@ def snapshot_count(
     if memory is None:
         return max(1, math.ceil(math.sqrt(n)))
     budget, size = parse_bytes(caller, memory), max(1, state_bytes(state))
+    report = {} if report is None else report
+    working = charged(working, report)
     if budget < working:
         raise ValueError(
             f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what checkpointing this "
             f"loop needs: {working / 1e6:,.1f} MB (measured on a {PROBE_STEPS}-step loop that "
-            f"stores only its input; a state is {size / 1e6:,.1f} MB); raise memory, or use "
-            "strategy='store'"
+            f"stores only its input; a state is {size / 1e6:,.1f} MB{one_off_note(report)}); "
+            "raise memory, or use strategy='store'"
         )
     return 1 + (budget - working) // size  # the input, and what the rest of the budget holds

@@ -148,9 +148,9 @@ def iterate(
     working = None
     if memory is not None and snapshots is None:
         limit_heap_retention()
-        working = working_bytes(run, state, param_t)
+        working = working_bytes(run, state, param_t, report)
         report["working_bytes"] = working
-    s = snapshot_count(caller, n, state, memory, snapshots, working)
+    s = snapshot_count(caller, n, state, memory, snapshots, working, report)
     report["snapshots"] = s
     if s >= n:  # every state fits: checkpointing would recompute nothing
         report.update(recomputations=0)

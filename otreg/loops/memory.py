@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["measure_peak", "limit_heap_retention", "MMAP_THRESHOLD"]
+__all__ = ["measure_peak", "resident_bytes", "limit_heap_retention", "MMAP_THRESHOLD"]
 
 #: blocks from this size are mmapped (and returned to the system when freed)
 MMAP_THRESHOLD = 1 << 20
@@ -68,6 +68,28 @@ def limit_heap_retention() -> bool:
         return False
     _limited = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     return _limited
+
+
+def resident_bytes(device: torch.device) -> int | None:
+    """Memory the process holds now: a GPU's allocated bytes, or on Linux the resident set
+    after freed heap memory is returned to the system (``malloc_trim``); None elsewhere.
+
+    Example:
+        >>> import torch
+        >>> from otreg.loops.memory import resident_bytes
+        >>> held = resident_bytes(torch.device("cpu"))
+        >>> held is None or held > 0
+        True
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+    return _proc_status_bytes("VmRSS")
 
 
 def measure_peak(

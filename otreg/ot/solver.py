@@ -395,6 +395,15 @@ def sinkhorn(
         # solve runs those same updates (accelerated ones would stop earlier, and the
         # replay would then end short of the potentials returned)
         p = dataclasses.replace(p, relaxation=1.0)
+    unroll_budget = (
+        options.backward.memory
+        if isinstance(options.backward, Unroll) and options.backward.memory is not None
+        else None
+    )
+    if unroll_budget is not None:
+        from ..loops.memory import resident_bytes
+
+        held_at_start = resident_bytes(p.x.device)
     with torch.no_grad():
         sol = solve(p, *detached, init=init)
     converged = report_convergence(caller, "the solver", p, sol.n_iter, sol.rule)
@@ -422,16 +431,39 @@ def sinkhorn(
             settings = options.backward if isinstance(options.backward, Unroll) else Unroll()
             with torch.no_grad():
                 warm = solve(dataclasses.replace(p, max_iter=len(p.schedule), tol=0.0), *detached)
+            memory = settings.memory
+            if unroll_budget is not None:
+                memory = loop_share(caller, unroll_budget, held_at_start, p.x.device)
             f, g = iterate(
                 step,
                 (warm.f, warm.g),
                 max(1, sol.n_iter - len(p.schedule)),
                 params,
                 strategy=settings.strategy,
-                memory=settings.memory,
+                memory=memory,
             )
         value, _ = dual_value(p, *params, g, DenseKernel(p, p.x, p.a, p.y, p.b))
     return make_result(p, params, f, g, value, sol, converged)
+
+
+def loop_share(caller: str, memory, held_at_start: int | None, device) -> int:
+    """The part of an unrolled solve's budget left to its differentiated loop: the budget
+    less what the process kept since the call began (its first solve may have loaded
+    torch's compiler and the compiled reductions, about 120 MB once a process)."""
+    from ..loops.budget import parse_bytes
+    from ..loops.memory import resident_bytes
+
+    budget = parse_bytes(caller, memory)
+    held_now = resident_bytes(device)
+    kept = 0 if held_at_start is None or held_now is None else max(0, held_now - held_at_start)
+    if kept >= budget:
+        raise ValueError(
+            f"{caller}: memory budget {budget / 1e6:,.1f} MB is spent before the unrolled loop: "
+            f"the solve before it kept {kept / 1e6:,.1f} MB (torch's compiler and the compiled "
+            "reductions, once a process, a later call does not pay it); raise memory, or set "
+            "otreg.reductions.COMPILED = False to keep the reductions uncompiled"
+        )
+    return budget - kept
 
 
 def make_result(p: Problem, params, f, g, value, sol: Solution, converged: bool):

@@ -31,6 +31,7 @@ turns it off. A second derivative (``create_graph=True``) goes through the block
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -51,6 +52,7 @@ __all__ = [
     "tiered",
     "failure",
     "cache_folder",
+    "compile_now",
 ]
 
 #: calls with fewer pairs B * N * M stay on the blocked path (per-chunk overheads)
@@ -70,6 +72,22 @@ _failure: str | None = None
 _kernels: dict = {}
 _seconds: dict = {}
 _fused: set = set()
+_now = 0  # > 0 inside compile_now(): reductions go fused without waiting
+
+
+@contextlib.contextmanager
+def compile_now():
+    """Within this context, a reduction that can run fused compiles at its first call
+    instead of after ``TIER_UP_SECONDS``: a memory budget's planner runs its first short
+    loop in it (:func:`otreg.loops.budget.probe_peak`), so loading torch's compiler (about
+    120 MB, once a process) and compiling happen there, where they are measured and
+    charged to the budget, rather than in the middle of the loop."""
+    global _now
+    _now += 1
+    try:
+        yield
+    finally:
+        _now -= 1
 
 
 # ----------------------------------------------------------------- formulas (one chunk)
@@ -300,7 +318,7 @@ def ready(key: tuple) -> bool:
         return _failure is None
     if (
         _failure is not None
-        or _seconds.get(key, 0.0) < TIER_UP_SECONDS
+        or (_seconds.get(key, 0.0) < TIER_UP_SECONDS and not _now)
         or len(_fused) >= MAX_SHAPES
     ):
         return False

@@ -81,13 +81,14 @@ def test_a_budget_below_one_step_names_the_minimum():
 
 
 def test_reversible_within_its_budget_and_below_it_names_the_minimum():
-    out = run_budget("100MB", strategy="reversible")
-    assert out["peak_mb"] <= 1.25 * 100 + 30, out
+    out = run_budget("200MB", strategy="reversible")
+    assert out["peak_mb"] <= 1.25 * 200 + 30, out
     assert out["grad"] == pytest.approx(out["oracle"], rel=1e-9), out
     message = run_budget("20MB", strategy="reversible")["error"]
     assert "below what strategy='reversible' needs for this loop" in message
     need = float(message.split("needs for this loop: ")[1].split(" MB")[0].replace(",", ""))
-    assert 20 < need < 100  # one taped step of an 8 MB state, whatever the length
+    # one taped step of an 8 MB state, whatever the length, and what its first run keeps
+    assert 20 < need < 200
 
 
 @pytest.mark.parametrize("strategy", ["store", "offload"])
@@ -115,7 +116,10 @@ blur = math.sqrt(0.125)  # the seed problem: eps = 0.125, scaling form, a fixed 
 kw = dict(blur=blur, diameter=blur, form="scaling", tol=0.0, max_iter=iters)
 warnings.simplefilter("ignore")  # a fixed count never "converges"
 unroll = otreg.Unroll("checkpoint", memory="100MB")
-otreg.sinkhorn(x[:50].clone().requires_grad_(), y[:50], backward=unroll, **kw)
+# a first, short call of the same size: torch's compiler and the compiled reductions (about
+# 120 MB, once a process) are loaded there; a first call under a 100 MB budget refuses
+xx = x.clone().requires_grad_(True)
+torch.autograd.grad(otreg.sinkhorn(xx, y, backward="unroll", **dict(kw, max_iter=20)).cost, xx)
 def run():
     xx = x.clone().requires_grad_(True)
     return torch.autograd.grad(otreg.sinkhorn(xx, y, backward=unroll, **kw).cost, xx)[0]
@@ -138,3 +142,77 @@ def test_seed_problem_unrolled_within_100mb():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["peak_mb"] <= 1.25 * 100 + 30, out
     assert out["rel"] < 1e-6, out
+
+
+FIRST_CALL = """
+import math, sys, warnings, torch, otreg
+import otreg.reductions._compiled as compiled
+from otreg.datasets import circles
+compiled.TIER_UP_SECONDS = 0.0  # the solve compiles its reductions at once
+x, y = circles(4_000, dtype=torch.float64)  # 1.6e7 pairs a kernel sum: compiled ones
+blur = math.sqrt(0.125)
+kw = dict(blur=blur, diameter=blur, form="scaling", tol=0.0, max_iter=30)
+warnings.simplefilter("ignore")
+xx = x.clone().requires_grad_(True)
+try:
+    otreg.sinkhorn(xx, y, backward=otreg.Unroll("checkpoint", memory=sys.argv[1]), **kw)
+except ValueError as err:
+    print(err)
+else:
+    print("ran")
+"""
+
+
+def test_a_first_call_whose_solve_spends_the_budget_refuses_with_the_reason():
+    # loading torch's compiler (about 120 MB) in the solve before the unrolled loop is
+    # charged to the budget: under 50 MB the call refuses and names what was kept and how
+    # to avoid it; under 1 GB it runs
+    def first_call(memory):
+        done = subprocess.run(
+            [sys.executable, "-c", FIRST_CALL, memory], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    message = first_call("50MB")
+    assert "memory budget 50.0 MB is spent before the unrolled loop" in message
+    assert "otreg.reductions.COMPILED = False" in message
+    assert first_call("1GB") == "ran"
+
+
+LDDMM = """
+import json, sys, torch
+from otreg.registration import LDDMM
+from otreg.loops.memory import measure_peak
+memory = None if sys.argv[1] == "store" else sys.argv[1]
+g = torch.Generator().manual_seed(0)
+q = torch.rand(200, 3, generator=g, dtype=torch.float64) * 40  # control points, mm
+x = torch.rand(100_000, 3, generator=g, dtype=torch.float64) * 40  # a 2.4 MB state
+p = torch.randn(200, 3, generator=g, dtype=torch.float64)
+def shoot_within(memory):
+    phi = LDDMM(q, sigma=10.0, n_steps=40, integrator="euler", memory=memory).double()
+    with torch.no_grad():
+        phi.momenta.copy_(p)
+    return torch.autograd.grad((phi(x) ** 2).sum(), phi.momenta)[0]
+if memory is not None:  # a first call: the compiler and allocator pools, once a process
+    shoot_within("1GB")
+grad, seconds, peak = measure_peak(lambda: shoot_within(memory), torch.device("cpu"))
+print(json.dumps({"peak_mb": peak / 1e6, "grad": grad.flatten().tolist()}))
+"""
+
+
+def test_lddmm_shooting_within_its_budget():
+    # LDDMM(memory=) checkpoints the geodesic shooting within the budget (strategy defaults
+    # to checkpoint with a budget), with store's gradient; store peaks far above it
+    def shoot(memory):
+        done = subprocess.run(
+            [sys.executable, "-c", LDDMM, memory], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    # measured: store 809 MB; 60 MB peaked at 61 (30 MB is below the 59 MB it needs)
+    store, budgeted = shoot("store"), shoot("100MB")
+    assert budgeted["peak_mb"] <= 1.25 * 100 + 30, budgeted["peak_mb"]
+    assert store["peak_mb"] > 400, store["peak_mb"]
+    assert budgeted["grad"] == pytest.approx(store["grad"], rel=1e-12, abs=1e-12)
