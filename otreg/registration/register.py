@@ -159,7 +159,9 @@ def _resolve(caller: str, model, prealign, optimizer, sinkhorn, deprecated: dict
         )
         changes[holder][name] = value
     if changes["model"]:
-        lddmm = dataclasses.replace(lddmm, **changes["model"])
+        # the strategy follows the budget as in LDDMMOptions(memory=...), unless given too
+        strategy = changes["model"].get("strategy")
+        lddmm = dataclasses.replace(lddmm, **{**changes["model"], "strategy": strategy})
     if optimizer is None:
         optimizer = LBFGSOptions(**changes["optimizer"])
     elif not isinstance(optimizer, LBFGSOptions):

@@ -211,8 +211,8 @@ def test_lddmm_shooting_within_its_budget():
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    # measured: store 809 MB; 60 MB peaked at 61 (30 MB is below the 59 MB it needs)
+    # measured: store 383 to 809 MB; 60 MB peaked at 61 (30 MB is below the 59 it needs)
     store, budgeted = shoot("store"), shoot("100MB")
     assert budgeted["peak_mb"] <= 1.25 * 100 + 30, budgeted["peak_mb"]
-    assert store["peak_mb"] > 400, store["peak_mb"]
+    assert store["peak_mb"] > 2 * budgeted["peak_mb"], (store["peak_mb"], budgeted["peak_mb"])
     assert budgeted["grad"] == pytest.approx(store["grad"], rel=1e-12, abs=1e-12)
