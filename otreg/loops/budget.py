@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._checks import check_int
+from .._checks import check_choice, check_int
 from .memory import measure_peak, resident_bytes
 from .tape import Checkpointed, Reversible, Step
 
@@ -23,6 +23,7 @@ __all__ = [
     "probe_peak",
     "working_bytes",
     "snapshot_count",
+    "resolve_strategy",
     "charge_one_offs_to_budgets",
     "ONE_OFF_ALLOWANCE",
     "PROBE_STEPS",
@@ -82,6 +83,19 @@ def parse_bytes(caller: str, memory: int | str) -> int:
     if value <= 0:
         raise ValueError(f"{caller}: memory is {memory!r}; it must be positive")
     return value
+
+
+def resolve_strategy(caller: str, strategy: str | None, memory) -> str:
+    """``strategy`` checked, or when None the one a budget implies: ``"checkpoint"`` (it
+    fits itself to ``memory``) with one, ``"store"`` without; ``memory`` checked too."""
+    from .iterate import STRATEGIES
+
+    if strategy is None:
+        strategy = "store" if memory is None else "checkpoint"
+    check_choice(caller, "strategy", strategy, STRATEGIES)
+    if memory is not None:
+        parse_bytes(caller, memory)
+    return strategy
 
 
 def state_bytes(state: Sequence[torch.Tensor]) -> int:
@@ -146,7 +160,8 @@ def check_first_run(caller: str, budget: int, report: dict) -> None:
     if report.get("one_off_bytes", 0) and first > budget:
         raise ValueError(
             f"{caller}: memory budget {budget / 1e6:,.1f} MB is below the peak of this loop's "
-            f"first short run, {first / 1e6:,.1f} MB past the 30 MB allowed for one-offs "
+            f"first short run, {first / 1e6:,.1f} MB past the "
+            f"{ONE_OFF_ALLOWANCE / 1e6:,.0f} MB allowed for one-offs "
             "(torch's compiler loads there, once a process; otreg.reductions.COMPILED = False "
             "keeps the reductions uncompiled); raise memory"
         )
@@ -178,8 +193,8 @@ def probe_peak(
     but that input (``PROBE_SNAPSHOTS`` slots). Once per step function, shapes, strategy and
     length (64 kept); at least the output and its gradient (a small step may reuse resident
     memory and read 0; without a reading, off Linux, that is all there is). The first run
-    is unmeasured for the peak but pays the one-offs (under the contexts registered with
-    :func:`charge_one_offs_to_budgets`); what it kept resident goes to
+    pays the one-offs (under the contexts registered with :func:`charge_one_offs_to_budgets`)
+    and the second is the measure; what the first kept resident when it compiled goes to
     ``report["one_off_bytes"]`` and its own peak to ``report["first_probe_bytes"]``."""
     step = getattr(run.step, "__func__", run.step)  # a bound method: its function
     params_sig = tuple((p.shape, p.dtype, p.device) for p in params)

@@ -113,15 +113,12 @@ def measure_peak(
         out = fn()
         torch.cuda.synchronize(device)
         return out, time.perf_counter() - start, torch.cuda.max_memory_allocated(device) - base
-    if sys.platform.startswith("linux"):
-        libc = _libc()
+    base = resident_bytes(device)  # freed heap returned first
+    if base is not None:
         try:
-            if libc is not None:
-                libc.malloc_trim(0)
-            Path("/proc/self/clear_refs").write_text("5")
+            Path("/proc/self/clear_refs").write_text("5")  # the peak restarts from here
         except OSError:
             pass
-    base = _proc_status_bytes("VmRSS")
     start = time.perf_counter()
     out = fn()
     seconds = time.perf_counter() - start

@@ -395,12 +395,8 @@ def sinkhorn(
         # solve runs those same updates (accelerated ones would stop earlier, and the
         # replay would then end short of the potentials returned)
         p = dataclasses.replace(p, relaxation=1.0)
-    unroll_budget = (
-        options.backward.memory
-        if isinstance(options.backward, Unroll) and options.backward.memory is not None
-        else None
-    )
-    if unroll_budget is not None:
+    held_at_start = None  # for an unrolled loop's budget: what the process held before
+    if isinstance(options.backward, Unroll) and options.backward.memory is not None:
         from ..loops.memory import resident_bytes
 
         held_at_start = resident_bytes(p.x.device)
@@ -432,8 +428,8 @@ def sinkhorn(
             with torch.no_grad():
                 warm = solve(dataclasses.replace(p, max_iter=len(p.schedule), tol=0.0), *detached)
             memory = settings.memory
-            if unroll_budget is not None:
-                memory = loop_share(caller, unroll_budget, held_at_start, p.x.device)
+            if memory is not None:
+                memory = loop_share(caller, memory, held_at_start, p.x.device)
             f, g = iterate(
                 step,
                 (warm.f, warm.g),
@@ -461,10 +457,10 @@ def loop_share(caller: str, memory, held_at_start: int | None, device) -> int:
     if kept >= budget:
         raise ValueError(
             f"{caller}: memory budget {budget / 1e6:,.1f} MB is spent before the unrolled loop: "
-            f"the solve before it kept {kept / 1e6:,.1f} MB more than the 30 MB allowed for "
-            "one-offs (torch's compiler and the compiled "
-            "reductions, once a process, a later call does not pay it); raise memory, or set "
-            "otreg.reductions.COMPILED = False to keep the reductions uncompiled"
+            f"the solve before it kept {kept / 1e6:,.1f} MB more than the "
+            f"{ONE_OFF_ALLOWANCE / 1e6:,.0f} MB allowed for one-offs (torch's compiler and the "
+            "compiled reductions, once a process, a later call does not pay it); raise memory, "
+            "or set otreg.reductions.COMPILED = False to keep the reductions uncompiled"
         )
     return budget - kept
 

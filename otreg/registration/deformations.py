@@ -31,8 +31,7 @@ from torch.nn.utils import parametrize
 
 from .._checks import check_choice, check_int
 from ..loops import iterate
-from ..loops.budget import parse_bytes
-from ..loops.iterate import STRATEGIES
+from ..loops.budget import resolve_strategy
 from .kernels import GaussianKernel
 
 __all__ = [
@@ -236,12 +235,7 @@ class LDDMM(nn.Module):
         self.kernel = GaussianKernel(sigma, kernel_weights, backend, caller)
         self.n_steps = check_int(caller, "n_steps", n_steps, 1)
         self.integrator = check_choice(caller, "integrator", integrator, INTEGRATORS)
-        if strategy is None:
-            strategy = "store" if memory is None else "checkpoint"
-        self.strategy = check_choice(caller, "strategy", strategy, STRATEGIES)
-        self.memory = memory
-        if memory is not None:
-            parse_bytes(caller, memory)
+        self.strategy, self.memory = resolve_strategy(caller, strategy, memory), memory
         self.register_buffer("control_points", q.clone())
         self.momenta = nn.Parameter(torch.zeros_like(q))
 

@@ -69,8 +69,7 @@ class LDDMMOptions:
     memory: int | str | None = None
 
     def __post_init__(self) -> None:
-        from ..loops.budget import parse_bytes
-        from ..loops.iterate import STRATEGIES
+        from ..loops.budget import resolve_strategy
 
         caller = "LDDMMOptions"
         if self.sigma is not None:
@@ -86,11 +85,7 @@ class LDDMMOptions:
             "regularization",
             check_positive(caller, "regularization", self.regularization, allow_zero=True),
         )
-        if self.strategy is None:
-            _set(self, "strategy", "store" if self.memory is None else "checkpoint")
-        check_choice(caller, "strategy", self.strategy, STRATEGIES)
-        if self.memory is not None:
-            parse_bytes(caller, self.memory)
+        _set(self, "strategy", resolve_strategy(caller, self.strategy, self.memory))
 
 
 @dataclass(frozen=True)
