@@ -85,11 +85,12 @@ def parse_bytes(caller: str, memory: int | str) -> int:
     return value
 
 
+STRATEGIES = ("store", "checkpoint", "reversible", "offload")
+
+
 def resolve_strategy(caller: str, strategy: str | None, memory) -> str:
     """``strategy`` checked, or when None the one a budget implies: ``"checkpoint"`` (it
     fits itself to ``memory``) with one, ``"store"`` without; ``memory`` checked too."""
-    from .iterate import STRATEGIES
-
     if strategy is None:
         strategy = "store" if memory is None else "checkpoint"
     check_choice(caller, "strategy", strategy, STRATEGIES)

@@ -33,13 +33,19 @@ import torch
 from torch import nn
 
 from .._checks import check_choice, check_int
-from .budget import check_budget, parse_bytes, snapshot_count, state_bytes, working_bytes
+from .budget import (
+    STRATEGIES,
+    check_budget,
+    parse_bytes,
+    snapshot_count,
+    state_bytes,
+    working_bytes,
+)
 from .memory import limit_heap_retention
 from .tape import Checkpointed, Reversible, Step, as_tuple
 
 __all__ = ["iterate", "STRATEGIES", "parse_bytes", "state_bytes"]
 
-STRATEGIES = ("store", "checkpoint", "reversible", "offload")
 
 State = torch.Tensor | tuple[torch.Tensor, ...]
 
