@@ -50,6 +50,15 @@ class _Blocks:
         self.rows = max(1, min(N, block_elements // max(1, B * M)))
         self.buf = x.new_empty(B, self.rows, M)
         self.buf_c = x.new_empty(B, self.rows, M) if cost.p == 1 else None
+        self._buf_w: torch.Tensor | None = None
+
+    def second(self, n: int) -> torch.Tensor:
+        """A second block buffer (for the backward's products), made once: a fresh large
+        tensor every block would be mapped and faulted in again each time (with glibc's
+        mmap threshold fixed low, as under a memory budget)."""
+        if self._buf_w is None:
+            self._buf_w = torch.empty_like(self.buf)
+        return self._buf_w[:, :n]
 
     def slices(self):
         N = self.x.shape[1]
@@ -120,7 +129,7 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
             Gs, scale = _dense.scaled(G)
             if gv is not None:
                 gv.add_(torch.bmm(K.transpose(1, 2), Gs), alpha=float(scale))
-            W = K.mul_(torch.bmm(Gs, vs.transpose(1, 2)))
+            W = K.mul_(torch.bmm(Gs, vs.transpose(1, 2), out=blocks.second(K.shape[1])))
             scale = scale * v_scale * (-1.0 / eps)
         elif kind == "softmin":  # W = P G = z (G / total), scaled to stay normal
             z, _, total = _softmax_(s)
@@ -133,7 +142,7 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
             P.div_(total)
             if gv is not None:
                 gv.baddbmm_(P.transpose(1, 2), G)
-            GV = torch.bmm(G, v.transpose(1, 2))
+            GV = torch.bmm(G, v.transpose(1, 2), out=blocks.second(P.shape[1]))
             S = GV.sub_((G * out[:, sl]).sum(-1, keepdim=True)).mul_(P)
             if gh is not None:
                 gh.add_(S.sum(1))
