@@ -25,6 +25,8 @@ __all__ = [
     "snapshot_count",
     "resolve_strategy",
     "charge_one_offs_to_budgets",
+    "fit_one_offs_to_budgets",
+    "within_budget",
     "ONE_OFF_ALLOWANCE",
     "PROBE_STEPS",
 ]
@@ -42,6 +44,58 @@ def charge_one_offs_to_budgets(context) -> None:
     appends a line to its list, the memory the first run kept is charged to the budget."""
     if context not in _ONE_OFF_CONTEXTS:
         _ONE_OFF_CONTEXTS.append(context)
+
+
+#: contexts entered, with the budget in bytes, around the whole of every call given one
+_BUDGET_CONTEXTS: list = []
+
+
+def fit_one_offs_to_budgets(context) -> None:
+    """Register ``context`` (a callable taking a budget in bytes and returning a context
+    manager) to be entered around the whole of every call given a memory budget
+    (:func:`~otreg.loops.iterate` with ``memory=``, an unrolled Sinkhorn solve with one):
+    there a one-off that the budget could not hold is avoided (otreg's reductions stay
+    uncompiled when loading torch's compiler would take too much of it,
+    :func:`otreg.reductions._compiled.fit_to_budget`)."""
+    if context not in _BUDGET_CONTEXTS:
+        _BUDGET_CONTEXTS.append(context)
+
+
+#: the budgeted calls in progress, outermost first: (caller, bytes, resident at its start)
+_OPEN: list = []
+
+
+@contextlib.contextmanager
+def within_budget(caller: str, memory, device: torch.device):
+    """Around a call given ``memory`` (nothing when it is None): yields the budget in
+    bytes, entering the :func:`fit_one_offs_to_budgets` contexts. A budget counts from the
+    start of the outermost budgeted call in progress: a loop inside a budgeted call (the
+    unrolled loop of a Sinkhorn solve) gets that call's budget less what the process kept
+    since it began (its solve may have loaded torch's compiler, once a process) beyond
+    ``ONE_OFF_ALLOWANCE``, and raises ``ValueError`` when nothing is left."""
+    if memory is None:
+        yield None
+        return
+    budget = parse_bytes(caller, memory)
+    if _OPEN:
+        outer, _, start = _OPEN[0]
+        now = resident_bytes(device)
+        kept = 0 if start is None or now is None else max(0, now - start - ONE_OFF_ALLOWANCE)
+        if kept >= budget:
+            raise ValueError(
+                f"{outer}: memory budget {budget / 1e6:,.1f} MB is spent before its loop: the "
+                f"call kept {kept / 1e6:,.1f} MB more than the {ONE_OFF_ALLOWANCE / 1e6:,.0f} MB "
+                "allowed for one-offs before it (torch's compiler and the compiled reductions, "
+                "once a process: a later call does not pay it); raise memory, or set "
+                "otreg.reductions.COMPILED = False to keep the reductions uncompiled"
+            )
+        budget -= kept
+    with contextlib.ExitStack() as stack:
+        _OPEN.append((caller, budget, resident_bytes(device) if not _OPEN else None))
+        stack.callback(_OPEN.pop)
+        for context in _BUDGET_CONTEXTS:
+            stack.enter_context(context(budget))
+        yield budget
 
 
 _UNITS = {

@@ -39,6 +39,7 @@ from .budget import (
     parse_bytes,
     snapshot_count,
     state_bytes,
+    within_budget,
     working_bytes,
 )
 from .memory import limit_heap_retention
@@ -127,6 +128,17 @@ def iterate(
         raise ValueError(
             f"{caller}: snapshots applies to strategy='checkpoint' only, not {strategy!r}"
         )
+    # the budget in bytes: what an enclosing budgeted call left of it, one-offs it cannot
+    # hold avoided (otreg.loops.budget.within_budget)
+    with within_budget(caller, memory, state[0].device) as memory:
+        return _run_loop(
+            caller, run, state, param_t, n, strategy, memory, snapshots, inverse, report
+        )
+
+
+def _run_loop(caller, run, state, param_t, n, strategy, memory, snapshots, inverse, report):
+    """:func:`iterate` once its arguments are checked."""
+    single = run.single
     if strategy != "checkpoint" and memory is not None:
         limit_heap_retention()
         check_budget(caller, strategy, run, state, param_t, n, memory, inverse, report)

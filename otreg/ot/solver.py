@@ -45,6 +45,7 @@ import torch
 
 from .. import reductions
 from .._checks import ConvergenceWarning
+from ..loops.budget import within_budget
 from .convergence import StoppingRule
 from .kernels import DenseKernel
 from .large_blur import check_range, closed_form_applies, precise_value
@@ -385,6 +386,15 @@ def sinkhorn(
     p = Problem.build(caller, x, y, a, b, options)
     init = check_init(caller, init, p)
     check_range(caller, p)
+    budget = options.backward.memory if isinstance(options.backward, Unroll) else None
+    # the budget counts from here: what the solve keeps is taken off its loop's share
+    with within_budget(caller, budget, p.x.device):
+        return solve_and_differentiate(caller, p, options, init)
+
+
+def solve_and_differentiate(caller: str, p: Problem, options, init) -> SinkhornResult:
+    """:func:`sinkhorn` once its problem is built: the solve, and the potentials made
+    differentiable as ``options.backward`` says."""
     if options.backward_kind == "envelope" and closed_form_applies(p):
         value, sol = closed_form_solution(p, debias=False)
         params = tuple(t.detach() for t in (p.x, p.y, p.a, p.b))
@@ -395,11 +405,6 @@ def sinkhorn(
         # solve runs those same updates (accelerated ones would stop earlier, and the
         # replay would then end short of the potentials returned)
         p = dataclasses.replace(p, relaxation=1.0)
-    held_at_start = None  # for an unrolled loop's budget: what the process held before
-    if isinstance(options.backward, Unroll) and options.backward.memory is not None:
-        from ..loops.memory import resident_bytes
-
-        held_at_start = resident_bytes(p.x.device)
     with torch.no_grad():
         sol = solve(p, *detached, init=init)
     converged = report_convergence(caller, "the solver", p, sol.n_iter, sol.rule)
@@ -427,42 +432,16 @@ def sinkhorn(
             settings = options.backward if isinstance(options.backward, Unroll) else Unroll()
             with torch.no_grad():
                 warm = solve(dataclasses.replace(p, max_iter=len(p.schedule), tol=0.0), *detached)
-            memory = settings.memory
-            if memory is not None:
-                memory = loop_share(caller, memory, held_at_start, p.x.device)
             f, g = iterate(
                 step,
                 (warm.f, warm.g),
                 max(1, sol.n_iter - len(p.schedule)),
                 params,
                 strategy=settings.strategy,
-                memory=memory,
+                memory=settings.memory,
             )
         value, _ = dual_value(p, *params, g, DenseKernel(p, p.x, p.a, p.y, p.b))
     return make_result(p, params, f, g, value, sol, converged)
-
-
-def loop_share(caller: str, memory, held_at_start: int | None, device) -> int:
-    """The part of an unrolled solve's budget left to its differentiated loop: the budget
-    less what the process kept since the call began (its first solve may have loaded
-    torch's compiler and the compiled reductions, about 120 MB once a process) beyond the
-    bound's stated constant (:data:`otreg.loops.budget.ONE_OFF_ALLOWANCE`)."""
-    from ..loops.budget import ONE_OFF_ALLOWANCE, parse_bytes
-    from ..loops.memory import resident_bytes
-
-    budget = parse_bytes(caller, memory)
-    held_now = resident_bytes(device)
-    kept = 0 if held_at_start is None or held_now is None else held_now - held_at_start
-    kept = max(0, kept - ONE_OFF_ALLOWANCE)  # the bound's stated constant
-    if kept >= budget:
-        raise ValueError(
-            f"{caller}: memory budget {budget / 1e6:,.1f} MB is spent before the unrolled loop: "
-            f"the solve before it kept {kept / 1e6:,.1f} MB more than the "
-            f"{ONE_OFF_ALLOWANCE / 1e6:,.0f} MB allowed for one-offs (torch's compiler and the "
-            "compiled reductions, once a process, a later call does not pay it); raise memory, "
-            "or set otreg.reductions.COMPILED = False to keep the reductions uncompiled"
-        )
-    return budget - kept
 
 
 def make_result(p: Problem, params, f, g, value, sol: Solution, converged: bool):

@@ -39,13 +39,15 @@ import warnings
 import torch
 
 from ..costs import Cost
-from ..loops.budget import charge_one_offs_to_budgets
+from ..loops.budget import charge_one_offs_to_budgets, fit_one_offs_to_budgets
 from . import _compiled, _dense, _keops
 from ._blocked import blocked_reduction
 from ._keops import KeOpsUnavailable
 
-# a budgeted loop's planner compiles the fused reductions it will use before measuring it
+# a budgeted loop's planner compiles the fused reductions it will use before measuring it,
+# and a budget too small for torch's compiler keeps them uncompiled
 charge_one_offs_to_budgets(_compiled.compile_now)
+fit_one_offs_to_budgets(_compiled.fit_to_budget)
 
 __all__ = [
     "BACKENDS",
@@ -104,6 +106,7 @@ def status() -> dict:
         "fused min pairs": _compiled.MIN_PAIRS,
         "fused tier-up seconds": _compiled.TIER_UP_SECONDS,
         "fused cache folder": _compiled.cache_folder(),
+        "kept uncompiled by a memory budget": _compiled.held(),
     }
 
 

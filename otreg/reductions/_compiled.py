@@ -26,13 +26,16 @@ Sinkhorn loop or an optimisation does once; at most ``MAX_SHAPES`` reductions a 
 Used for the squared Euclidean cost in float32 and float64 on the CPU, from ``MIN_PAIRS``
 pairs a call (:func:`otreg.reductions._run` decides). If compiling fails (no C++ compiler,
 say), otreg warns once and keeps the blocked path; ``otreg.reductions.COMPILED = False``
-turns it off. A second derivative (``create_graph=True``) goes through the blocked path.
+turns it off. Under a memory budget too small to hold torch's compiler (about 160 MB once a
+process), the reductions a budgeted call runs stay uncompiled (:func:`fit_to_budget`).
+A second derivative (``create_graph=True``) goes through the blocked path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import warnings
 
@@ -53,6 +56,10 @@ __all__ = [
     "failure",
     "cache_folder",
     "compile_now",
+    "fit_to_budget",
+    "compiler_loaded",
+    "held",
+    "COMPILER_BYTES",
 ]
 
 #: calls with fewer pairs B * N * M stay on the blocked path (per-chunk overheads)
@@ -73,6 +80,40 @@ _kernels: dict = {}
 _seconds: dict = {}
 _fused: set = set()
 _now = 0  # > 0 inside compile_now(): reductions go fused without waiting
+_hold = 0  # > 0 inside fit_to_budget() for a budget too small for the compiler
+_held: set = set()  # reductions kept uncompiled in this process by such a budget
+
+#: what a process keeps once torch's compiler has loaded and compiled a first reduction:
+#: 158 to 159 MB measured (10,000 float64 and 4,000 float32 points, warm disk cache)
+COMPILER_BYTES = 160_000_000
+
+
+def compiler_loaded() -> bool:
+    """Whether torch's compiler (inductor) is loaded in this process already: compiling a
+    reduction then costs a few MB, not ``COMPILER_BYTES``."""
+    return "torch._inductor.compile_fx" in sys.modules
+
+
+@contextlib.contextmanager
+def fit_to_budget(budget: int):
+    """Around a call given a memory budget of ``budget`` bytes (registered with
+    :func:`otreg.loops.budget.fit_one_offs_to_budgets`): when loading torch's compiler would
+    take more than half of it (``budget < 2 * COMPILER_BYTES``, and the compiler is not
+    loaded yet), no reduction compiles inside, and those it runs stay uncompiled for the
+    rest of the process, their gradients and recomputations included (:func:`held`), so
+    that the compiler never loads in the middle of the call or of its backward."""
+    global _hold
+    small = budget < 2 * COMPILER_BYTES and not compiler_loaded()
+    _hold += small
+    try:
+        yield
+    finally:
+        _hold -= small
+
+
+def held() -> int:
+    """How many reductions a small memory budget keeps uncompiled in this process."""
+    return len(_held)
 
 
 @contextlib.contextmanager
@@ -317,11 +358,16 @@ def signature(
 
 def ready(key: tuple) -> bool:
     """Whether the reduction ``key`` (:func:`signature`) runs fused now: the blocked path
-    has spent TIER_UP_SECONDS on it, and fewer than MAX_SHAPES others went fused before."""
+    has spent TIER_UP_SECONDS on it, fewer than MAX_SHAPES others went fused before, and no
+    small memory budget holds it (:func:`fit_to_budget`)."""
     if key in _fused:
         return _failure is None
+    if _hold:  # both directions: the backward runs after the budgeted call has returned
+        other = "backward" if key[1] == "forward" else "forward"
+        _held.update((key, (key[0], other, *key[2:])))
     if (
-        _failure is not None
+        key in _held
+        or _failure is not None
         or (_seconds.get(key, 0.0) < TIER_UP_SECONDS and not _now)
         or len(_fused) >= MAX_SHAPES
     ):
