@@ -37,11 +37,11 @@ _ONE_OFF_CONTEXTS: list = []
 
 
 def charge_one_offs_to_budgets(context) -> None:
-    """Register ``context`` (a callable returning a context manager that yields a list) to
-    be entered while a budget's planner first runs the loop: what it makes happen early
-    (e.g. otreg's reductions compiling at their first call,
-    :func:`otreg.reductions._compiled.compile_now`) then happens before the loop; when it
-    appends a line to its list, the memory the first run kept is charged to the budget."""
+    """Register ``context`` (a callable returning a context manager) to be entered while a
+    budget's planner first runs the loop: what it makes happen early (e.g. otreg's
+    reductions compiling at their first call,
+    :func:`otreg.reductions._compiled.compile_now`) then happens before the loop, and what
+    it keeps is charged to the budget with the rest of what the call kept."""
     if context not in _ONE_OFF_CONTEXTS:
         _ONE_OFF_CONTEXTS.append(context)
 
@@ -61,7 +61,7 @@ def fit_one_offs_to_budgets(context) -> None:
         _BUDGET_CONTEXTS.append(context)
 
 
-#: the budgeted calls in progress, outermost first: (caller, bytes, resident at its start)
+#: the budgeted calls in progress, outermost first: (caller, resident bytes at its start)
 _OPEN: list = []
 
 
@@ -69,33 +69,47 @@ _OPEN: list = []
 def within_budget(caller: str, memory, device: torch.device):
     """Around a call given ``memory`` (nothing when it is None): yields the budget in
     bytes, entering the :func:`fit_one_offs_to_budgets` contexts. A budget counts from the
-    start of the outermost budgeted call in progress: a loop inside a budgeted call (the
-    unrolled loop of a Sinkhorn solve) gets that call's budget less what the process kept
-    since it began (its solve may have loaded torch's compiler, once a process) beyond
-    ``ONE_OFF_ALLOWANCE``, and raises ``ValueError`` when nothing is left."""
+    start of the outermost budgeted call in progress: what the process keeps from there to
+    a loop's start (:func:`kept_since_call`: a solve before an unrolled loop, a first run's
+    one-offs) is charged to the loop past ``ONE_OFF_ALLOWANCE``, and a loop whose call has
+    spent its budget before it raises ``ValueError`` at once."""
     if memory is None:
         yield None
         return
     budget = parse_bytes(caller, memory)
     if _OPEN:
-        outer, _, start = _OPEN[0]
-        now = resident_bytes(device)
-        kept = 0 if start is None or now is None else max(0, now - start - ONE_OFF_ALLOWANCE)
+        kept = kept_since_call(device) - ONE_OFF_ALLOWANCE
         if kept >= budget:
             raise ValueError(
-                f"{outer}: memory budget {budget / 1e6:,.1f} MB is spent before its loop: the "
-                f"call kept {kept / 1e6:,.1f} MB more than the {ONE_OFF_ALLOWANCE / 1e6:,.0f} MB "
-                "allowed for one-offs before it (torch's compiler and the compiled reductions, "
-                "once a process: a later call does not pay it); raise memory, or set "
-                "otreg.reductions.COMPILED = False to keep the reductions uncompiled"
+                f"{_OPEN[0][0]}: memory budget {budget / 1e6:,.1f} MB is spent before its "
+                f"loop: the call kept {kept / 1e6:,.1f} MB more than the "
+                f"{ONE_OFF_ALLOWANCE / 1e6:,.0f} MB allowed for one-offs before it "
+                f"{ONE_OFFS}; raise memory"
             )
-        budget -= kept
     with contextlib.ExitStack() as stack:
-        _OPEN.append((caller, budget, resident_bytes(device) if not _OPEN else None))
-        stack.callback(_OPEN.pop)
+        if not _OPEN:
+            _OPEN.append((caller, resident_bytes(device)))
+            stack.callback(_OPEN.pop)
         for context in _BUDGET_CONTEXTS:
             stack.enter_context(context(budget))
         yield budget
+
+
+def kept_since_call(device: torch.device) -> int:
+    """What the process holds now beyond what it held when the outermost budgeted call in
+    progress began (0 outside one, or where memory cannot be read)."""
+    if not _OPEN or _OPEN[0][1] is None:
+        return 0
+    now = resident_bytes(device)
+    return 0 if now is None else max(0, now - _OPEN[0][1])
+
+
+#: what a call may keep before its loop, for messages
+ONE_OFFS = (
+    "(a process's first call: torch's compiler and the compiled reductions, code and "
+    "allocator pools; a later call does not pay them again; otreg.reductions.COMPILED = False "
+    "keeps the reductions uncompiled)"
+)
 
 
 _UNITS = {
@@ -188,50 +202,46 @@ def check_budget(
         detail = "one taped step forward and backward (the loop's length does not matter)"
     need = charged(need, report)
     report["needed_bytes"] = need
-    check_first_run(caller, budget, report)
     if budget < need:
         raise ValueError(
             f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what "
             f"strategy={strategy!r} needs for this loop: {need / 1e6:,.1f} MB ({detail}, "
             f"measured{one_off_note(report)}); raise memory ({fits})"
         )
+    check_first_run(caller, budget, report)
 
 
-#: what a budget leaves uncharged of the memory a call keeps once a process (the allocator
-#: pools of a first backward, 30 to 45 MB measured): the stated constant of the bound,
-#: measured peak growth <= 1.25 x budget + 30 MB
+#: what a budget leaves uncharged of the memory a call keeps before its loop (the
+#: allocator pools of a first backward, 30 to 45 MB measured): the stated constant of the
+#: bound, measured peak growth <= 1.25 x budget + 30 MB
 ONE_OFF_ALLOWANCE = 30_000_000
 
 
 def charged(need: int, report: dict) -> int:
-    """What a loop needing ``need`` bytes costs this call: plus what its first run kept when
-    it compiled (``one_off_bytes``) beyond ``ONE_OFF_ALLOWANCE``."""
-    return need + max(0, report.get("one_off_bytes", 0) - ONE_OFF_ALLOWANCE)
+    """What a loop needing ``need`` bytes costs this call: plus what the call kept before
+    the loop (``report["kept_bytes"]``, from the start of the outermost budgeted call, the
+    planner's first runs included) beyond ``ONE_OFF_ALLOWANCE``."""
+    return need + max(0, report.get("kept_bytes", 0) - ONE_OFF_ALLOWANCE)
 
 
 def check_first_run(caller: str, budget: int, report: dict) -> None:
-    """Raise when the planner's first run (compiling included) peaked over the bound."""
+    """Raise when the planner's first run peaked over the budget, counted from the start
+    of the call, past ``ONE_OFF_ALLOWANCE``."""
     first = report.get("first_probe_bytes", 0) - ONE_OFF_ALLOWANCE
-    if report.get("one_off_bytes", 0) and first > budget:
+    if first > budget:
         raise ValueError(
             f"{caller}: memory budget {budget / 1e6:,.1f} MB is below the peak of this loop's "
             f"first short run, {first / 1e6:,.1f} MB past the "
-            f"{ONE_OFF_ALLOWANCE / 1e6:,.0f} MB allowed for one-offs "
-            "(torch's compiler loads there, once a process; otreg.reductions.COMPILED = False "
-            "keeps the reductions uncompiled); raise memory"
+            f"{ONE_OFF_ALLOWANCE / 1e6:,.0f} MB allowed for one-offs {ONE_OFFS}; raise memory"
         )
 
 
 def one_off_note(report: dict) -> str:
     """The one-off part of a need, for error messages."""
-    one_off = report.get("one_off_bytes", 0) - ONE_OFF_ALLOWANCE
-    if one_off < 1e6:
+    kept = report.get("kept_bytes", 0) - ONE_OFF_ALLOWANCE
+    if kept < 1e6:
         return ""
-    return (
-        f"; {one_off / 1e6:,.1f} MB of it stays with this process after the loop's first "
-        "run compiled its reductions (torch's compiler and the compiled code), which a later "
-        "call does not pay again; otreg.reductions.COMPILED = False keeps them uncompiled"
-    )
+    return f"; {kept / 1e6:,.1f} MB of it is what the call kept before its loop {ONE_OFFS}"
 
 
 def probe_peak(
@@ -249,8 +259,10 @@ def probe_peak(
     length (64 kept); at least the output and its gradient (a small step may reuse resident
     memory and read 0; without a reading, off Linux, that is all there is). The first run
     pays the one-offs (under the contexts registered with :func:`charge_one_offs_to_budgets`)
-    and the second is the measure; what the first kept resident when it compiled goes to
-    ``report["one_off_bytes"]`` and its own peak to ``report["first_probe_bytes"]``."""
+    and the second is the measure; the first's peak counted from the start of the budgeted
+    call goes to ``report["first_probe_bytes"]``, and what the call holds after the probes
+    beyond its start to ``report["kept_bytes"]`` (:func:`kept_since_call`)."""
+    device = state[0].device
     step = getattr(run.step, "__func__", run.step)  # a bound method: its function
     params_sig = tuple((p.shape, p.dtype, p.device) for p in params)
     key = (step, tuple(run.signature), params_sig, strategy, steps)
@@ -280,24 +292,23 @@ def probe_peak(
                     outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True
                 )
 
-        device = state[0].device
         with torch.random.fork_rng(devices=run.devices):  # the loop's draws stay its own
-            before = resident_bytes(device)
+            start = kept_since_call(device)
             with contextlib.ExitStack() as stack:
-                events = [stack.enter_context(context()) for context in _ONE_OFF_CONTEXTS]
+                for context in _ONE_OFF_CONTEXTS:
+                    stack.enter_context(context())
                 _, _, first = measure_peak(probe, device)  # first calls' one-offs
-            kept = resident_bytes(device) if any(events) else before
             _, _, peak = measure_peak(probe, device)
         if len(_PEAKS) >= 64:
             _PEAKS.clear()
         _PEAKS[key] = max(peak or 0, 2 * state_bytes(state))
-        if report is not None and before is not None and kept is not None:
-            # what a first run that compiled kept (torch's compiler, the compiled code) is
-            # gone from the budget for this call; a later call starts above it and pays
-            # nothing (allocator pools of a first backward, 30 to 45 MB, are the bound's
-            # stated constant, ONE_OFF_ALLOWANCE, and not charged)
-            report["one_off_bytes"] = report.get("one_off_bytes", 0) + max(0, kept - before)
-            report["first_probe_bytes"] = max(report.get("first_probe_bytes", 0), first or 0)
+        if report is not None:  # the first run's peak, counted from the call's start
+            first = start + (first or 0)
+            report["first_probe_bytes"] = max(report.get("first_probe_bytes", 0), first)
+    if report is not None:
+        # what the call kept so far (a first run's one-offs: torch's compiler, code and
+        # allocator pools) is gone from the budget for this loop; a later call pays none
+        report["kept_bytes"] = kept_since_call(device)
     return _PEAKS[key]
 
 
@@ -338,7 +349,6 @@ def snapshot_count(
     budget, size = parse_bytes(caller, memory), max(1, state_bytes(state))
     report = {} if report is None else report
     working = charged(working, report)
-    check_first_run(caller, budget, report)
     if budget < working:
         raise ValueError(
             f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what checkpointing this "
@@ -346,4 +356,5 @@ def snapshot_count(
             f"stores only its input; a state is {size / 1e6:,.1f} MB{one_off_note(report)}); "
             "raise memory, or use strategy='store'"
         )
+    check_first_run(caller, budget, report)
     return 1 + (budget - working) // size  # the input, and what the rest of the budget holds

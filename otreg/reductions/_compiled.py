@@ -121,18 +121,14 @@ def compile_now():
     """Within this context, a reduction that can run fused compiles at its first call
     instead of after ``TIER_UP_SECONDS``: a memory budget's planner runs its first short
     loop in it (:func:`otreg.loops.budget.probe_peak`), so loading torch's compiler (about
-    120 MB, once a process) and compiling happen there, where they are measured and
-    charged to the budget, rather than in the middle of the loop. Yields a list that gets
-    a line when something was compiled."""
+    160 MB, once a process) and compiling happen there, where what they keep is measured
+    and charged to the budget, rather than in the middle of the loop."""
     global _now
     _now += 1
-    before, events = len(_fused), []
     try:
-        yield events
+        yield
     finally:
         _now -= 1
-        if len(_fused) > before:
-            events.append(f"compiled {len(_fused) - before} reduction(s)")
 
 
 # ----------------------------------------------------------------- formulas (one chunk)

@@ -245,25 +245,28 @@ def test_lddmm_shooting_within_its_budget():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resident memory read on Linux")
-def test_a_loop_inside_a_budgeted_call_gets_what_the_call_left():
+def test_a_loop_inside_a_budgeted_call_is_charged_what_the_call_kept():
     # a budget counts from the start of the outermost budgeted call: what the call kept
-    # before its loop (past the 30 MB allowance) is taken off the loop's share, and a
-    # budget spent there raises naming the outer call
+    # before its loop is measured from there (and charged past the 30 MB allowance), and a
+    # budget spent before the loop raises naming the outer call
     import torch
 
-    from otreg.loops.budget import ONE_OFF_ALLOWANCE, within_budget
+    from otreg.loops.budget import charged, kept_since_call, within_budget
 
     cpu = torch.device("cpu")
     with within_budget("outer", "500MB", cpu) as outer:
         assert outer == 500_000_000
         kept = torch.ones(50_000_000)  # 200 MB, touched
         with within_budget("inner", "500MB", cpu) as inner:
-            share = 500e6 - (200e6 - ONE_OFF_ALLOWANCE)
-            assert share - 20e6 < inner < share + 20e6, inner
+            assert inner == 500_000_000
+            held = kept_since_call(cpu)
+            assert 190e6 < held < 220e6, held
+            assert charged(10_000_000, {"kept_bytes": held}) == 10_000_000 + held - 30_000_000
         more = torch.ones(100_000_000)  # 400 MB more: the budget is spent
         with pytest.raises(ValueError, match="outer: memory budget 500.0 MB is spent before"):
             with within_budget("inner", "500MB", cpu):
                 pass
         del kept, more
+    assert kept_since_call(cpu) == 0  # no budgeted call in progress
     with within_budget("alone", None, cpu) as none:
         assert none is None

@@ -178,3 +178,33 @@ def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         y = iterate(step, x0, n, (W,), **args)
         y.sum().backward()
+
+
+def test_snapshots_are_copied_into_rows_of_one_pool_and_rows_are_reused():
+    from otreg.loops.tape import Snapshots
+
+    x0 = (torch.zeros(3), torch.zeros(2, 2))
+    slots = Snapshots(x0, None, rows=2)
+    a = (torch.full((3,), 1.0), torch.full((2, 2), 1.0))
+    slots.store(5, a, None)
+    a[0].add_(10)  # the stored copy does not follow the caller's tensor
+    assert slots[5][0][0].tolist() == [1.0, 1.0, 1.0]
+    assert slots[5][0][0].data_ptr() == slots.pool[0][slots.row_of[5]].data_ptr()
+    slots.store(7, (torch.full((3,), 2.0), torch.full((2, 2), 2.0)), None)
+    slots.store(9, (torch.full((3,), 3.0), torch.full((2, 2), 3.0)), None)  # past the rows
+    assert 9 not in slots.row_of and slots[9][0][0].tolist() == [3.0] * 3
+    row = slots.row_of[5]
+    slots.drop(5)
+    slots.store(11, (torch.full((3,), 4.0), torch.full((2, 2), 4.0)), None)
+    assert slots.row_of[11] == row and slots[7][0][0].tolist() == [2.0] * 3
+    assert slots[0][0] is x0  # the input is kept as given
+
+
+def test_a_step_that_draws_nothing_shares_one_rng_state():
+    from otreg.loops.tape import Step
+
+    run = Step(lambda x: x + 1, (), False, True, (torch.zeros(2),))
+    first = run.rng_state()
+    assert run.rng_state() is first  # nothing drew: the same object, not a copy per call
+    torch.rand(1)
+    assert run.rng_state() is not first
