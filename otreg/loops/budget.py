@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -61,8 +62,16 @@ def fit_one_offs_to_budgets(context) -> None:
         _BUDGET_CONTEXTS.append(context)
 
 
-#: the budgeted calls in progress, outermost first: (caller, resident bytes at its start)
-_OPEN: list = []
+class _Open(threading.local):
+    """The budgeted calls in progress in this thread, outermost first: (caller, resident
+    bytes at its start). Memory is read for the whole process: budgeted calls running in
+    several threads at once see each other's memory."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+
+_OPEN = _Open()
 
 
 @contextlib.contextmanager
@@ -77,19 +86,20 @@ def within_budget(caller: str, memory, device: torch.device):
         yield None
         return
     budget = parse_bytes(caller, memory)
-    if _OPEN:
+    calls = _OPEN.calls
+    if calls:
         kept = kept_since_call(device) - ONE_OFF_ALLOWANCE
         if kept >= budget:
             raise ValueError(
-                f"{_OPEN[0][0]}: memory budget {budget / 1e6:,.1f} MB is spent before its "
+                f"{calls[0][0]}: memory budget {budget / 1e6:,.1f} MB is spent before its "
                 f"loop: the call kept {kept / 1e6:,.1f} MB more than the "
                 f"{ONE_OFF_ALLOWANCE / 1e6:,.0f} MB allowed for one-offs before it "
                 f"{ONE_OFFS}; raise memory"
             )
     with contextlib.ExitStack() as stack:
-        if not _OPEN:
-            _OPEN.append((caller, resident_bytes(device)))
-            stack.callback(_OPEN.pop)
+        if not calls:
+            calls.append((caller, resident_bytes(device)))
+            stack.callback(calls.pop)
         for context in _BUDGET_CONTEXTS:
             stack.enter_context(context(budget))
         yield budget
@@ -98,10 +108,11 @@ def within_budget(caller: str, memory, device: torch.device):
 def kept_since_call(device: torch.device) -> int:
     """What the process holds now beyond what it held when the outermost budgeted call in
     progress began (0 outside one, or where memory cannot be read)."""
-    if not _OPEN or _OPEN[0][1] is None:
+    calls = _OPEN.calls
+    if not calls or calls[0][1] is None:
         return 0
     now = resident_bytes(device)
-    return 0 if now is None else max(0, now - _OPEN[0][1])
+    return 0 if now is None else max(0, now - calls[0][1])
 
 
 #: what a call may keep before its loop, for messages
