@@ -166,10 +166,31 @@ _IMPLEMENTATIONS = {
 }
 
 
+def _check_shapes(kind: str, x, y, rest: tuple) -> None:
+    """x (B, N, D) and y (B, M, D), and each of ``rest`` (B, M) or (B, M, E): else a
+    ValueError naming what was given (a batch axis first, even for one problem)."""
+    names = ("h", "v") if kind == "softmax_average" else ("h",) if kind == "softmin" else ("v",)
+    for name, t in (("x", x), ("y", y), *zip(names, rest)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{kind}: {name} must be a tensor, got {type(t).__name__}")
+    if x.dim() != 3 or y.dim() != 3 or x.shape[0] != y.shape[0] or x.shape[2] != y.shape[2]:
+        raise ValueError(
+            f"{kind}: x and y must be (B, N, D) and (B, M, D) with the same B and D, got "
+            f"{tuple(x.shape)} and {tuple(y.shape)} (one problem: x[None], y[None])"
+        )
+    for name, t in zip(names, rest):
+        if t.dim() not in (2, 3) or tuple(t.shape[:2]) != (y.shape[0], y.shape[1]):
+            raise ValueError(
+                f"{kind}: {name} must be (B, M) or (B, M, E) with y's B = {y.shape[0]} and "
+                f"M = {y.shape[1]}, got {tuple(t.shape)}"
+            )
+
+
 def _run(
     kind: str, backend: str, x: torch.Tensor, y: torch.Tensor, *rest, eps: float, cost: Cost
 ) -> torch.Tensor:
     global _keops_warned
+    _check_shapes(kind, x, y, rest)
     dense_fn, keops_fn = _IMPLEMENTATIONS[kind]
     recorded = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, y, *rest) if isinstance(t, torch.Tensor)

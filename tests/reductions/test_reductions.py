@@ -1,6 +1,7 @@
 """Every backend of every reduction against a naive broadcast reference, with gradients."""
 
 import math
+import re
 import warnings
 
 import pytest
@@ -401,3 +402,22 @@ def test_compiled_loops_are_cached_on_disk_for_the_next_process(tmp_path):
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
     assert _fresh(env)["folder"] == str(tmp_path / "mine")
     assert any((tmp_path / "mine").iterdir())
+
+
+@pytest.mark.parametrize(
+    "x, y, w, needle",
+    [
+        ((5, 3), (4, 3), (4, 1), "x and y must be (B, N, D) and (B, M, D)"),
+        ((1, 5, 3), (1, 4, 2), (1, 4, 1), "with the same B and D, got (1, 5, 3) and (1, 4, 2)"),
+        ((1, 5, 3), (1, 4, 3), (1, 3, 1), "v must be (B, M) or (B, M, E) with y's B = 1"),
+    ],
+)
+def test_a_reduction_names_shapes_it_cannot_take(x, y, w, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        reductions.kernel_product(
+            torch.zeros(x), torch.zeros(y), torch.zeros(w), 0.1, get_cost("sqeuclidean")
+        )
+    with pytest.raises(TypeError, match="softmin: h must be a tensor, got list"):
+        reductions.softmin(
+            torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), [0.0, 0.0], 0.1, get_cost("sqeuclidean")
+        )
