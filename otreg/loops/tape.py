@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from .memory import MMAP_THRESHOLD
 from .schedules import binomial_schedule
 
 
@@ -100,18 +101,23 @@ def add_grads(total: list, grads: tuple) -> None:
 
 # ----------------------------------------------------------------------- checkpoint
 class Snapshots(dict):
-    """Stored states by step index, copied into rows of one preallocated tensor per state
-    tensor (made at the first store, ``rows`` deep): states kept one by one among a step's
-    temporaries fragment the heap (a loop storing 29 MB of 48 KB states held 52 MB
-    resident, 35 MB once trimmed). Step 0, the loop's input, is kept as given."""
+    """Stored states by step index; small CPU states are copied into rows of one
+    preallocated tensor per state tensor (made at the first store, ``rows`` deep): kept one
+    by one among a step's temporaries they fragment the heap (a loop storing 29 MB of 48 KB
+    states held 52 MB resident, 35 MB once trimmed). Step 0, the loop's input, is kept as
+    given."""
 
     def __init__(self, state: tuple, rng, rows: int) -> None:
         super().__init__({0: (state, rng)})
+        # only small CPU states, which glibc serves from its heap: larger ones are mapped
+        # and unmapped whole, where a copy would only add a state to the peak
+        small = all(t.device.type == "cpu" and t.nbytes < MMAP_THRESHOLD for t in state)
+        rows = rows if small else 0
         self.rows, self.pool, self.free = rows, None, list(range(rows - 1, -1, -1))
         self.row_of: dict[int, int] = {}
 
     def store(self, k: int, state: tuple, rng) -> None:
-        if self.pool is None:
+        if self.pool is None and self.rows > 0:
             self.pool = tuple(t.new_empty((self.rows, *t.shape)) for t in state)
         if not self.free:  # more than planned at once: keep the tensors themselves
             self[k] = (state, rng)
@@ -134,7 +140,7 @@ class Checkpointed(torch.autograd.Function):
         state, params = tuple(tensors[:n_state]), tuple(tensors[n_state:])
         actions = binomial_schedule(n, snapshots)
         first_taped = next(k for k, a in enumerate(actions) if a.kind == "taped")
-        slots = Snapshots(state, run.rng_state(), max(1, min(snapshots, n)))
+        slots = Snapshots(state, run.rng_state(), min(snapshots, n) - 1)  # 1: the input
         current, evaluations = state, 0
         for action in actions[:first_taped]:
             if action.kind == "advance":
