@@ -211,7 +211,7 @@ def check_budget(
         report.update(working_bytes=need)
         fits = "no strategy needs less than one taped step"
         detail = "one taped step forward and backward (the loop's length does not matter)"
-    need = charged(need, report)
+    need = charged(need, report, state[0].device)
     report["needed_bytes"] = need
     if budget < need:
         raise ValueError(
@@ -228,11 +228,13 @@ def check_budget(
 ONE_OFF_ALLOWANCE = 30_000_000
 
 
-def charged(need: int, report: dict) -> int:
+def charged(need: int, report: dict, device: torch.device) -> int:
     """What a loop needing ``need`` bytes costs this call: plus what the call kept before
-    the loop (``report["kept_bytes"]``, from the start of the outermost budgeted call, the
-    planner's first runs included) beyond ``ONE_OFF_ALLOWANCE``."""
-    return need + max(0, report.get("kept_bytes", 0) - ONE_OFF_ALLOWANCE)
+    the loop, read now (after the planner's first runs) from the start of the outermost
+    budgeted call (:func:`kept_since_call`, into ``report["kept_bytes"]``), beyond
+    ``ONE_OFF_ALLOWANCE``."""
+    report["kept_bytes"] = kept_since_call(device)
+    return need + max(0, report["kept_bytes"] - ONE_OFF_ALLOWANCE)
 
 
 def check_first_run(caller: str, budget: int, report: dict) -> None:
@@ -271,9 +273,7 @@ def probe_peak(
     memory and read 0; without a reading, off Linux, that is all there is). The first run
     pays the one-offs (under the contexts registered with :func:`charge_one_offs_to_budgets`)
     and the second is the measure; the first's peak counted from the start of the budgeted
-    call goes to ``report["first_probe_bytes"]``, and what the call holds after the probes
-    beyond its start to ``report["kept_bytes"]`` (:func:`kept_since_call`)."""
-    device = state[0].device
+    call goes to ``report["first_probe_bytes"]``."""
     step = getattr(run.step, "__func__", run.step)  # a bound method: its function
     params_sig = tuple((p.shape, p.dtype, p.device) for p in params)
     key = (step, tuple(run.signature), params_sig, strategy, steps)
@@ -303,6 +303,7 @@ def probe_peak(
                     outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True
                 )
 
+        device = state[0].device
         with torch.random.fork_rng(devices=run.devices):  # the loop's draws stay its own
             start = kept_since_call(device)
             with contextlib.ExitStack() as stack:
@@ -316,10 +317,6 @@ def probe_peak(
         if report is not None:  # the first run's peak, counted from the call's start
             first = start + (first or 0)
             report["first_probe_bytes"] = max(report.get("first_probe_bytes", 0), first)
-    if report is not None:
-        # what the call kept so far (a first run's one-offs: torch's compiler, code and
-        # allocator pools) is gone from the budget for this loop; a later call pays none
-        report["kept_bytes"] = kept_since_call(device)
     return _PEAKS[key]
 
 
@@ -359,7 +356,7 @@ def snapshot_count(
         return max(1, math.ceil(math.sqrt(n)))
     budget, size = parse_bytes(caller, memory), max(1, state_bytes(state))
     report = {} if report is None else report
-    working = charged(working, report)
+    working = charged(working, report, state[0].device)
     if budget < working:
         raise ValueError(
             f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what checkpointing this "

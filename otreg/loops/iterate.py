@@ -128,8 +128,8 @@ def iterate(
         raise ValueError(
             f"{caller}: snapshots applies to strategy='checkpoint' only, not {strategy!r}"
         )
-    # the budget in bytes: what an enclosing budgeted call left of it, one-offs it cannot
-    # hold avoided (otreg.loops.budget.within_budget)
+    # the budget in bytes, counted from the start of the outermost budgeted call, one-offs
+    # it cannot hold avoided (otreg.loops.budget.within_budget)
     with within_budget(caller, memory, state[0].device) as memory:
         return _run_loop(
             caller, run, state, param_t, n, strategy, memory, snapshots, inverse, report

@@ -38,6 +38,7 @@ class Step:
         self.step, self.params, self.module, self.single = step, params, module, single
         self.signature = [(t.shape, t.dtype, t.device) for t in like]
         self.devices = sorted({t.device.index for t in like if t.device.type == "cuda"})
+        self._last_rng: tuple | None = None  # what rng_state() returned last
 
     def __call__(self, state: tuple, params: tuple | None = None) -> tuple:
         params = self.params if params is None else params
@@ -61,7 +62,7 @@ class Step:
         nothing drew since (a step that draws nothing then stores no state per snapshot:
         thousands of small tensors kept among a loop's temporaries fragment the heap)."""
         now = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
-        last = getattr(self, "_last_rng", None)
+        last = self._last_rng
         if last is not None and all(
             torch.equal(a, b) for a, b in zip((now[0], *now[1]), (last[0], *last[1]))
         ):

@@ -387,7 +387,7 @@ def sinkhorn(
     init = check_init(caller, init, p)
     check_range(caller, p)
     budget = options.backward.memory if isinstance(options.backward, Unroll) else None
-    # the budget counts from here: what the solve keeps is taken off its loop's share
+    # the budget counts from here: what the solve keeps is charged to its loop
     with within_budget(caller, budget, p.x.device):
         return solve_and_differentiate(caller, p, options, init)
 

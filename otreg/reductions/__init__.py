@@ -193,9 +193,7 @@ def _run(
     global _keops_warned
     _check_shapes(kind, x, y, rest)
     dense_fn, keops_fn = _IMPLEMENTATIONS[kind]
-    recorded = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, y, *rest) if isinstance(t, torch.Tensor)
-    )
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, *rest))
     pairs = x.shape[0] * x.shape[1] * y.shape[1]
     chosen = resolve_backend(backend, pairs, x.device, recorded, x.dtype)
     if chosen == "tensorized":
