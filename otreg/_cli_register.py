@@ -163,7 +163,9 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
             f" ({100 * m['jacobian_negative_fraction']:.1f}% negative)"
         )
     click.echo(
-        f"  time                   {m['seconds']:.1f} s, peak RSS "
+        f"  time                   {m['seconds']:.1f} s (pre-alignment "
+        f"{m['prealign_seconds']:.1f}, fit {m['fit_seconds']:.1f}, metrics "
+        f"{m['metrics_seconds']:.1f}), peak RSS "
         f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
     )
 

@@ -324,6 +324,7 @@ def register(
     history: list[dict] = []
 
     linear = None if pre.kind == "none" else fit_prealign(src, tgt, pre)
+    phases = {"prealign_seconds": time.perf_counter() - start}
     moved_src = src
     if linear is not None:  # the linear map is fitted in float64
         moved_src = src.with_points(linear(src.points.double()).detach().to(dtype))
@@ -355,8 +356,10 @@ def register(
             signal_weight,
         )
         fit_levels(fit, moved_src, tgt, levels_)
+    phases["fit_seconds"] = time.perf_counter() - start - phases["prealign_seconds"]
     with torch.no_grad():
         warped_pts = moved_src.points if deformation is None else deformation(moved_src.points)
+    metrics_start = time.perf_counter()
     warped = source.with_points(warped_pts.to(source.points.dtype))
     inputs = {
         name: None if s.source is None else os.path.abspath(s.source)
@@ -388,5 +391,6 @@ def register(
     result.metrics["sinkhorn_unconverged_evaluations"] = sum(
         1 for h in history if not h.get("sinkhorn_converged", True)
     )
+    result.metrics.update(phases, metrics_seconds=time.perf_counter() - metrics_start)
     result.metrics["seconds"] = time.perf_counter() - start
     return result

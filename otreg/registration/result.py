@@ -32,7 +32,9 @@ class Registration:
         history: one dict per objective evaluation: level, evaluation, loss, energy, data
             terms, seconds.
         metrics: surface distances, varifold distance, Jacobian determinants (and vertex
-            errors when the truth was given).
+            errors when the truth was given); the time of the whole call (``seconds``) and
+            of its parts: ``prealign_seconds``, ``fit_seconds`` (every level),
+            ``metrics_seconds`` (these metrics themselves).
         options: the effective options of the run (the option objects' fields).
         inputs: the files the source and target were read from (``{"source": path or
             None, "target": ...}``, absolute paths); :meth:`save` never writes over them.

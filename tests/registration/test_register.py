@@ -49,6 +49,9 @@ def test_register_small_saves_loads_and_reports(pial_small, tmp_path):
     assert res.metrics["vertex_error_mean_mm"] < before
     assert res.metrics["jacobian_min"] > 0
     assert res.history and res.history[-1]["loss"] <= res.history[0]["loss"]
+    parts = [res.metrics[f"{p}_seconds"] for p in ("prealign", "fit", "metrics")]
+    assert min(parts) > 0 and sum(parts) <= res.metrics["seconds"]
+    assert parts[1] >= res.history[-1]["seconds"] - parts[0] - 1e-6  # the fit holds the levels
     folder = res.save(tmp_path / "out")
     assert {p.name for p in folder.iterdir()} == {
         "warped.vtk",
