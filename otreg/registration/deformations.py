@@ -318,6 +318,60 @@ class LDDMM(nn.Module):
                 out.append(state[2])
         return out
 
+    def _field_and_jacobian(self, q, p, x):
+        """The velocity ``v(x)`` (N, D) of the field of (q, p) and its Jacobian ``Dv(x)``
+        (N, D, D), ``Dv_ab = sum_j k'(x, q_j) p_ja (q_jb - x_b)``: one reduction a width."""
+        D = q.shape[1]
+        c = q.mean(0)
+        qc, xc = q - c, x - c
+        both = torch.cat([p, (p[:, :, None] * qc[:, None, :]).reshape(-1, D * D)], 1)
+        k_both, kd_both = self.kernel.with_derivative(xc, qc, both)
+        jac = kd_both[:, D:].reshape(-1, D, D) - kd_both[:, :D, None] * xc[:, None, :]
+        return k_both[:, :D], jac
+
+    def jacobians(self, points: torch.Tensor) -> torch.Tensor:
+        """The Jacobian matrices ``d phi(x) / dx`` of the deformation at ``points`` (N, D):
+        ``(N, D, D)``, no gradient. Carried along the flow with the points (the tangent
+        map of the same integrator's steps, so it is the Jacobian of the discrete map that
+        :meth:`forward` applies, to rounding): no backward pass, no taped graph, the
+        kernel sums of :meth:`forward` with D * D more values each."""
+        with torch.no_grad():
+            q = self.control_points.to(self.momenta.dtype)
+            p = self.momenta.detach()
+            x = points.detach().to(q.dtype)
+            n, D = x.shape
+            F = torch.eye(D, dtype=q.dtype, device=q.device).expand(n, D, D).clone()
+            h = 1.0 / self.n_steps
+            f, g = self._velocities, self._field_and_jacobian
+            for _ in range(self.n_steps):
+                if self.integrator == "euler":
+                    dq, dp, _ = f(q, p, x[:0])
+                    v, Dv = g(q, p, x)
+                    q, p, x, F = q + h * dq, p + h * dp, x + h * v, F + h * (Dv @ F)
+                elif self.integrator == "leapfrog":
+                    _, dp, _ = f(q, p, x[:0])
+                    p_half = p + h / 2 * dp
+                    dq, _, _ = f(q, p_half, x[:0])
+                    v, Dv = g(q, p_half, x)
+                    q, x, F = q + h * dq, x + h * v, F + h * (Dv @ F)
+                    _, dp, _ = f(q, p_half, x[:0])
+                    p = p_half + h / 2 * dp
+                else:  # rk4: each stage's tangent is Dv at that stage times its F
+                    state, slopes = (q, p, x, F), []
+                    for a in (0.0, h / 2, h / 2, h):
+                        s = state
+                        if slopes:
+                            s = tuple(u + a * d for u, d in zip(state, slopes[-1]))
+                        dq, dp, _ = f(s[0], s[1], x[:0])
+                        v, Dv = g(s[0], s[1], s[2])
+                        slopes.append((dq, dp, v, Dv @ s[3]))
+                    k1, k2, k3, k4 = slopes
+                    q, p, x, F = (
+                        u + h / 6 * (a + 2 * b + 2 * c + d)
+                        for u, a, b, c, d in zip(state, k1, k2, k3, k4)
+                    )
+        return F
+
     def hamiltonian(self, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """H(q, p) = 1/2 sum_ij p_i . k(q_i, q_j) p_j, in mm^2."""
         c = q.detach().mean(0)

@@ -230,7 +230,7 @@ def registration_metrics(
     out = summary(
         warped,
         target,
-        jac=jacobian_determinants(result.apply, source.points),
+        jac=torch.linalg.det(result.jacobians(source.points)),
         truth=truth,
         sigma=varifold_sigma,
         varifold_shapes=(warped.decimate(decimate_above), target.decimate(decimate_above)),

@@ -91,6 +91,22 @@ class Registration:
             x = self.deformation(x)
         return x
 
+    def jacobians(self, points: torch.Tensor) -> torch.Tensor:
+        """The Jacobian matrices of the whole transform at ``points`` (N, 3), float64:
+        ``(N, 3, 3)``, no gradient (the pre-alignment's matrix times the deformation's,
+        :meth:`~otreg.registration.deformations.LDDMM.jacobians`)."""
+        x = torch.as_tensor(points).detach().double()
+        A = None
+        if self.linear is not None:
+            with torch.no_grad():
+                A = self.linear.matrix().detach().double()
+                x = self.linear(x).double()
+        if self.deformation is None:
+            J = torch.eye(3, dtype=x.dtype).expand(x.shape[0], 3, 3)
+        else:
+            J = self.deformation.jacobians(x).double()
+        return J if A is None else J @ A
+
     def save(self, folder: str | Path) -> Path:
         """Write warped.vtk, parameters.npz (no pickle) and registration.json, all or
         nothing: each carries the same run id, which :meth:`load` checks. Refuses

@@ -239,12 +239,12 @@ def test_a_folding_deformation_warns(pial_small, monkeypatch):
     fold)."""
     import otreg
 
-    def folded(transform, points, chunk=50_000):
-        det = torch.ones(points.shape[0], dtype=torch.float64)
-        det[:3] = -0.5
-        return det
+    def folded(self, points):
+        jac = torch.eye(3, dtype=torch.float64).repeat(points.shape[0], 1, 1)
+        jac[:3, 0, 0] = -0.5
+        return jac
 
-    monkeypatch.setattr(metrics, "jacobian_determinants", folded)
+    monkeypatch.setattr(otreg.Registration, "jacobians", folded)
     tgt = pial_small.with_points(pial_small.points + 0.5)
     with pytest.warns(
         otreg.FoldWarning, match=r"<= 0 at 0\.\d+% of the source vertices \(min -0.5\)"

@@ -28,6 +28,24 @@ def test_shooting_conserves_the_hamiltonian(integrator, rtol):
     assert abs(h1 - h0) <= rtol * h0
 
 
+@pytest.mark.parametrize("integrator", ["euler", "leapfrog", "rk4"])
+@pytest.mark.parametrize("path", ["dense", "reductions"])
+def test_jacobians_carried_along_the_flow_equal_autograds(integrator, path, monkeypatch):
+    from otreg.registration import kernels
+
+    if path == "reductions":  # every kernel sum through otreg.reductions
+        monkeypatch.setattr(kernels, "DENSE_MAX_PAIRS", 0)
+    m = model(integrator, n_steps=5, sigma=[15.0, 6.0])
+    g = torch.Generator().manual_seed(3)
+    x = (25 * torch.randn(200, 3, generator=g, dtype=D)).requires_grad_()
+    y = m(x)
+    rows = [torch.autograd.grad(y[:, k].sum(), x, retain_graph=True)[0] for k in range(3)]
+    J = m.jacobians(x)
+    assert J.shape == (200, 3, 3) and not J.requires_grad
+    assert torch.allclose(J, torch.stack(rows, 1), rtol=0, atol=1e-11)
+    assert float((J - torch.eye(3, dtype=D)).abs().max()) > 0.05  # the flow is not ~identity
+
+
 def test_momentum_equation_is_minus_dH_dq():
     m = model()
     q = m.control_points.clone().requires_grad_()

@@ -18,6 +18,7 @@ from otreg.registration import (
     register,
 )
 from otreg.registration.losses import SINKHORN_TERM
+from otreg.registration.metrics import jacobian_determinants
 from otreg.registration.register import _resolve
 
 pytest.importorskip("nilearn")
@@ -48,6 +49,11 @@ def test_register_small_saves_loads_and_reports(pial_small, tmp_path):
     assert isinstance(res, Registration) and res.warped.n_points == pial_small.n_points
     assert res.metrics["vertex_error_mean_mm"] < before
     assert res.metrics["jacobian_min"] > 0
+    x = pial_small.points[:300].double()
+    assert res.linear is not None  # the whole transform: pre-alignment, then the flow
+    det = torch.linalg.det(res.jacobians(x))
+    assert torch.allclose(det, jacobian_determinants(res.apply, x), rtol=1e-10, atol=0)
+    assert res.metrics["jacobian_min"] <= float(det.min()) + 1e-12
     assert res.history and res.history[-1]["loss"] <= res.history[0]["loss"]
     parts = [res.metrics[f"{p}_seconds"] for p in ("prealign", "fit", "metrics")]
     assert min(parts) > 0 and sum(parts) <= res.metrics["seconds"]
