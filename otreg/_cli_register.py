@@ -144,6 +144,10 @@ def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
         f"{m['mean_mm']:.3f} mm after (to the {m.get('distance_to', 'vertices')})"
     )
     click.echo(
+        f"    after, both ways     {m['mean_ab_mm']:.3f} mm source to target, "
+        f"{m['mean_ba_mm']:.3f} mm target to source"
+    )
+    click.echo(
         f"  Hausdorff distance     {m['before_hausdorff_mm']:.2f} mm before, "
         f"{m['hausdorff_mm']:.2f} mm after"
     )

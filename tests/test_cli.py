@@ -87,6 +87,9 @@ def test_demo_registers_two_brain_surfaces_and_writes_everything(pair, tmp_path)
     assert -1 <= m["curvature_correlation"] <= 1
     line = next(t for t in result.output.splitlines() if "mean surface distance" in t)
     assert f"{m['before_mean_mm']:.3f} mm before" in line and f"{m['mean_mm']:.3f} mm after" in line
+    both = next(t for t in result.output.splitlines() if "both ways" in t)
+    assert f"{m['mean_ab_mm']:.3f} mm source to target" in both
+    assert f"{m['mean_ba_mm']:.3f} mm target to source" in both
     if pair == "synthetic":
         assert "vertex error" in result.output and m["vertex_error_mean_mm"] < 2.0
 

@@ -3,7 +3,7 @@ r"""Multiscale Sinkhorn: a coarse-to-fine solver with kernel truncation.
 1. Each cloud is grouped into grid cells of side ``cluster_scale`` (clusters); the clusters'
    centroids, carrying the clusters' masses, form two coarse measures.
 2. The eps-scaling runs on the coarse measures (a small dense problem, itself solved this
-   way if it has over 1e8 pairs of clusters) while the blur is above half the
+   way if it has ``MIN_PAIRS`` pairs of clusters or more) while the blur is above half the
    ``cluster_scale``.
 3. The coarse potentials are extended to the points to first order:
    f(x_i) = f_I + <c_I - T_I, x_i - c_I>, where T_I is the barycentre of the coarse plan's
