@@ -13,7 +13,8 @@ Pairs (mm; inputs shipped in installed wheels, or KeOps' source distribution):
   diffeomorphism and rigid motion (vertex errors against the truth);
 - ``hemispheres``: fsaverage5's left pial onto its mirrored right pial.
 
-otreg runs with its defaults (derived from the target's size) on the full pair. The peer,
+otreg runs with its defaults (derived from the target's size) on the full pair, and on the
+template pairs once more matching mean curvature too (``signal="curvature"``). The peer,
 scikit-shapes 0.3 (``ExtrinsicDeformation`` LDDMM with Euler steps and one kernel of
 otreg's wider width, varifold loss normalised by the target's norm, rigid step first, its
 ``LBFGS``; settings from its examples), runs with otreg on both surfaces decimated to
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from _common import peak_rss_mb, publish, run_worker, table
 
-METHODS = ("otreg", "scikit-shapes")
+METHODS = ("otreg", "otreg, curvature signal", "scikit-shapes")
 PAIRS = ("templates-left", "templates-right", "full-resolution", "hippocampus")
 OPTIONAL_PAIRS = ("synthetic", "hemispheres")
 CACHE = Path.home() / ".cache" / "otreg-benchmarks"
@@ -96,10 +97,10 @@ def data(pair: str, points: int):
     return source, target, truth
 
 
-def run_otreg(source, target, truth) -> tuple[object, dict]:
+def run_otreg(source, target, truth, signal=None) -> tuple[object, dict]:
     from otreg import register
 
-    res = register(source, target, truth=truth, progress=False)
+    res = register(source, target, truth=truth, signal=signal, progress=False)
     m = res.metrics
     return res.warped.points, {
         "jacobian_min": m["jacobian_min"],
@@ -179,7 +180,11 @@ def worker(method: str, pair: str, points: int) -> dict:
 
     source, target, truth = data(pair, points)
     start = time.perf_counter()
-    warped_points, extra = (run_otreg if method == "otreg" else run_skshapes)(source, target, truth)
+    if method == "scikit-shapes":
+        warped_points, extra = run_skshapes(source, target, truth)
+    else:
+        signal = "curvature" if method == "otreg, curvature signal" else None
+        warped_points, extra = run_otreg(source, target, truth, signal)
     seconds = time.perf_counter() - start
     next_seconds = None
     if method == "otreg" and pair == "hippocampus":  # a batch worker's next pair
@@ -225,6 +230,8 @@ def main() -> None:
     rows = []
     for pair in args.pairs:
         runs = [("otreg", 0)]
+        if pair.startswith("templates"):  # folds matched by what is on them too
+            runs.append(("otreg, curvature signal", 0))
         if not args.no_peer and pair != "full-resolution":
             runs += [("otreg", args.small), ("scikit-shapes", args.small)]
         base = None
