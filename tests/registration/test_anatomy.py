@@ -55,7 +55,8 @@ def test_one_call_registers_a_hemisphere_and_a_small_structure(hemisphere_pair):
         res = register(src, tgt, truth=tgt.points, progress=False)
         results[factor] = res
         m = res.metrics
-        assert m["vertex_error_mean_mm"] < 0.3 * m["before_mean_mm"] * 4, m
+        moved = float((tgt.points - src.points).norm(dim=1).mean())  # 6.5 and 1.3 mm
+        assert m["vertex_error_mean_mm"] < 0.05 * moved, m  # measured: 2% and 0.7%
         assert m["mean_mm"] < 0.35 * m["before_mean_mm"], m
         assert m["jacobian_negative_fraction"] == 0.0 and m["jacobian_points"] == src.n_points
         size = defaults.shape_scale(tgt).size_mm
