@@ -225,9 +225,9 @@ def demo(
         try:
             source, target, truth, what = _demo_pair(pair, hemi, surface, points)
         except (ImportError, FileNotFoundError) as err:
-            raise click.ClickException(
-                f"{err}; install the data extra: pip install 'otreg[data,mesh]'"
-            ) from err
+            # otreg's own messages name the command that installs what is missing
+            fix = "" if "pip install" in str(err) else "; pip install 'otreg[data,mesh]'"
+            raise click.ClickException(f"{err}{fix}") from err
         click.echo(f"{what}: {source.n_points:,} and {target.n_points:,} vertices")
         save_shape(source, folder / "source.vtk")
         save_shape(target, folder / "target.vtk")

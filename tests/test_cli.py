@@ -94,6 +94,24 @@ def test_demo_registers_two_brain_surfaces_and_writes_everything(pair, tmp_path)
         assert "vertex error" in result.output and m["vertex_error_mean_mm"] < 2.0
 
 
+def test_demo_without_its_data_names_one_install_command(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_brainspace(name, *args, **kwargs):
+        if name == "brainspace" or name.startswith("brainspace."):
+            raise ImportError("No module named 'brainspace'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_brainspace)
+    out = tmp_path / "demo"
+    result = CliRunner().invoke(main, ["demo", "-o", str(out), "--no-progress"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.count("pip install 'otreg[data]'") == 1, result.output
+    assert not out.exists()  # nothing left behind
+
+
 def test_register_refuses_an_output_folder_that_would_replace_an_input(two_meshes, tmp_path):
     src, tgt = two_meshes
     inside = tmp_path / "warped.vtk"
