@@ -7,6 +7,9 @@ Bad values raise ``ValueError``, wrong types ``TypeError``.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +22,23 @@ __all__ = [
     "check_positive",
     "check_same_device_dtype",
     "check_int",
+    "warn",
 ]
+
+#: frames in these folders are library code: a warning names the first line outside them
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__package__], torch)
+)
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first line outside otreg and torch: the user's
+    call, however deep in otreg the warning was raised (a fixed ``stacklevel`` names a line
+    of otreg whenever the call went through another of its functions)."""
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class ConvergenceWarning(UserWarning):
@@ -69,8 +88,10 @@ def as_points(caller: str, name: str, x: object) -> tuple[torch.Tensor, bool]:
             "(float32 or float64)"
         )
     if x.dim() not in (2, 3):
+        hint = " (a 1-D tensor looks like weights: points come before their weights)"
         raise ValueError(
             f"{caller}: {name} has shape {tuple(x.shape)}; points must be (N, D) or (B, N, D)"
+            + (hint if x.dim() == 1 else "")
         )
     if x.shape[-2] == 0:
         raise ValueError(

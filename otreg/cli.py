@@ -175,9 +175,11 @@ def distance(
             "stalled": "it stopped decreasing (the rounding floor): raise --tol or --blur",
             "diverged": "the iteration diverged: use --relaxation anderson",
         }.get(res.stopped, "raise --max-iter or --blur for a converged value")
-        click.echo(
-            f"warning: marginal error {res.marginal_error:.2e} >= tol {tol:g}: {hint}", err=True
-        )
+        if math.isnan(res.marginal_error) and res.stopped != "diverged":
+            what = "the eps-scaling used all of --max-iter, so the marginal error was not measured"
+        else:
+            what = f"marginal error {res.marginal_error:.2e} >= tol {tol:g}"
+        click.echo(f"warning: not converged: {what}: {hint}", err=True)
 
 
 @main.command()

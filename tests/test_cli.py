@@ -46,6 +46,17 @@ def test_distance_between_a_mesh_and_its_translate(two_meshes):
     assert out["sqrt_2d_mm"] == pytest.approx(3.0, rel=1e-3)  # a translation by 3 mm
 
 
+def test_distance_says_why_it_did_not_converge(two_meshes):
+    args = ("distance", *two_meshes, "--blur", "0.05", "--tol", "1e-9", "--max-iter")
+    refused = CliRunner().invoke(main, [*args, "1"])
+    steps = re.search(r"schedule alone has (\d+) steps", refused.output).group(1)
+    short = run(*args, steps)  # every iteration spent on the eps-scaling
+    assert short.exit_code == 0
+    assert "eps-scaling used all of --max-iter" in short.output and "nan" not in short.output
+    cut = run("distance", *two_meshes, "--blur", "0.5", "--tol", "1e-9", "--max-iter", "40")
+    assert re.search(r"not converged: marginal error \S+ >= tol 1e-09", cut.output), cut.output
+
+
 def test_distance_reports_bad_files(two_meshes, tmp_path):
     result = CliRunner().invoke(main, ["distance", two_meshes[0], str(tmp_path / "none.vtk")])
     assert result.exit_code != 0 and "does not exist" in result.output

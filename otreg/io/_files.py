@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._checks import warn
 from ..shapes import Shape
 
 PYVISTA_EXTS = (".vtk", ".vtp", ".ply", ".stl", ".obj")
@@ -178,12 +179,11 @@ def read_freesurfer(path: Path, caller: str, dtype) -> Shape:
         ) from err
     cras = meta.get("cras") if meta else None
     if cras is None:
-        warnings.warn(
+        warn(
             f"{caller}: {path} carries no volume info: its coordinates are left in "
             "FreeSurfer's tkr-RAS frame, which may be shifted from scanner RAS (the "
             "frame of the subject's NIfTI volumes)",
             UserWarning,
-            stacklevel=3,
         )
     else:
         coords = coords + np.asarray(cras, dtype=np.float64)
@@ -242,12 +242,11 @@ def warn_bad_triangles(shape: Shape, path: Path, caller: str) -> None:
             "carry no weight in the measures)"
         )
     if found:
-        warnings.warn(
+        warn(
             f"{caller}: {path} has {' and '.join(found)} among its {len(faces):,}; otreg "
             "keeps the mesh as it is (clean it first, e.g. pyvista's clean(), if that is "
             "not intended)",
             UserWarning,
-            stacklevel=3,
         )
 
 

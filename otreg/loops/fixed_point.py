@@ -16,13 +16,12 @@ Memory: one step's graph, whatever the number of iterations.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from .._checks import ConvergenceWarning, check_choice, check_int, check_positive
+from .._checks import ConvergenceWarning, check_choice, check_int, check_positive, warn
 from .iterate import iterate
 from .tape import Step, as_tuple
 
@@ -110,12 +109,11 @@ class _Implicit(torch.autograd.Function):
             u, residual, n = _solve_adjoint(apply_jt, g, o["solver"], o["tol"], o["max_iter"])
             ctx.report.update(backward_residual=residual, backward_iterations=n)
             if residual > 10 * o["tol"]:
-                warnings.warn(
+                warn(
                     f"fixed_point: the adjoint solve stopped at relative residual "
                     f"{residual:.3g} > {o['tol']:g} after {n} iterations; the "
                     "gradient is approximate",
                     ConvergenceWarning,
-                    stacklevel=2,
                 )
             wanted = [p for p in params if p.requires_grad]
             grads = iter(
@@ -223,11 +221,10 @@ def fixed_point(
                 break
     report.update(n_iter=n, converged=change <= tol, residual=change)
     if change > tol:
-        warnings.warn(
+        warn(
             f"{caller}: stopped after {n} iterations with relative change {change:.3g} "
             f"> tol={tol:g}; raise max_iter or check that step contracts",
             ConvergenceWarning,
-            stacklevel=2,
         )
     if backward == "unroll":
         return iterate(step, x0, n, params, strategy="store")

@@ -15,11 +15,11 @@ converged potentials, so gradients come from the envelope theorem, with no store
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
 from torch import nn
 
+from .._checks import warn
 from .large_blur import check_range, closed_form_applies
 from .loop import closed_form_solution, solve
 from .problem import _UNSET, Problem, SinkhornOptions, _legacy_options, resolve_options
@@ -69,13 +69,12 @@ def divergence(
         )
     p = Problem.build(caller, x, y, a, b, options)
     if default_blur and p.size > DEFAULT_BLUR_SPAN * options.blur:
-        warnings.warn(
+        warn(
             f"{caller}: blur is the default {options.blur:g}, in the points' units, but the "
             f"points span {p.size:.3g}: the solve resolves details of {options.blur:g} units "
             "(slow, and rarely what is meant for data in mm). Set blur (1 to 5 suits brain "
             "surfaces in mm)",
             UserWarning,
-            stacklevel=3,
         )
     xd, yd, ad, bd = p.x.detach(), p.y.detach(), p.a.detach(), p.b.detach()
     check_range(caller, p)
@@ -179,8 +178,11 @@ class SinkhornLoss(nn.Module):
 
     ``loss(x, y)`` or ``loss(a, x, b, y)`` returns the debiased Sinkhorn divergence
     (``debias=True``) or the entropic OT cost OT_eps(a, b) (``debias=False``), ``()`` or
-    ``(B,)``. The last solve's :class:`~otreg.ot.solver.SinkhornResult` (iterations,
-    convergence, backend, plan) is kept in ``loss.last_result``.
+    ``(B,)``. The :class:`~otreg.ot.solver.SinkhornResult` of the last call's OT(a, b)
+    solve (iterations, convergence, backend, plan; with ``debias=True`` not the divergence:
+    its ``cost`` is OT_eps(a, b)) is kept in ``loss.last_result``. Note the order of the
+    arguments, GeomLoss's: weights before their points (``otreg.sinkhorn(x, y, a, b)``
+    takes the points first).
 
     Args:
         blur: the final length scale, in the points' units (eps = blur ** p). The default,

@@ -19,7 +19,6 @@ cannot be honoured cannot be written:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ from .._checks import (
     check_int,
     check_positive,
     check_same_device_dtype,
+    warn,
 )
 from ..costs import Cost, epsilon_schedule, get_cost
 from ..costs import diameter as bounding_diameter
@@ -476,11 +476,10 @@ def _legacy_options(caller: str, backward, multiscale, strategy, memory, truncat
                 f"not backward={backward!r}; write backward=otreg.Unroll(strategy,"
                 " memory)"
             )
-        warnings.warn(
+        warn(
             f"{caller}: strategy= and memory= are deprecated; write "
             "backward=otreg.Unroll(strategy, memory)",
             DeprecationWarning,
-            stacklevel=3,
         )
         backward = Unroll(
             strategy="store" if strategy is _UNSET else strategy,
@@ -493,11 +492,10 @@ def _legacy_options(caller: str, backward, multiscale, strategy, memory, truncat
                 f"'auto' or True only, not {multiscale!r}; write multiscale="
                 "otreg.Multiscale(truncate, cluster_scale)"
             )
-        warnings.warn(
+        warn(
             f"{caller}: truncate= and cluster_scale= are deprecated; write "
             "multiscale=otreg.Multiscale(truncate, cluster_scale)",
             DeprecationWarning,
-            stacklevel=3,
         )
         settings = {
             k: v

@@ -38,13 +38,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import reductions
-from .._checks import ConvergenceWarning
+from .._checks import ConvergenceWarning, warn
 from ..loops.budget import within_budget
 from .convergence import StoppingRule
 from .kernels import DenseKernel
@@ -188,13 +187,12 @@ def report_convergence(caller: str, what: str, p: Problem, n_iter: int, rule: St
     head = f"{caller}: {what} stopped after {n_iter} iterations with marginal error {err:.3g}"
     if rule.accuracy is not None and rule.reason == "max_iter":
         est = rule.estimates or {"value": math.inf, "gradient": math.inf}
-        warnings.warn(
+        warn(
             f"{caller}: {what} stopped after {n_iter} iterations with estimated errors "
             f"{est['value']:.2g} (value) and {est['gradient']:.2g} (gradient), above "
             f"{p.tol}: raise max_iter, or relax the accuracy (a larger blur converges "
             "faster)",
             ConvergenceWarning,
-            stacklevel=3,
         )
         return False
     if math.isnan(err) and rule.reason != "diverged":
@@ -224,7 +222,7 @@ def report_convergence(caller: str, what: str, p: Problem, n_iter: int, rule: St
             f"above tol={p.tol:g} at eps={p.eps:.3g}: raise max_iter, or relax tol (a "
             "larger blur converges faster)"
         )
-    warnings.warn(f"{head}; {hint}", ConvergenceWarning, stacklevel=3)
+    warn(f"{head}; {hint}", ConvergenceWarning)
     return False
 
 

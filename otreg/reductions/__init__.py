@@ -34,10 +34,9 @@ Every primitive supports autograd with respect to x, y, h and v.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
+from .._checks import warn
 from ..costs import Cost
 from ..loops.budget import charge_one_offs_to_budgets, fit_one_offs_to_budgets
 from . import _compiled, _dense, _keops
@@ -214,11 +213,10 @@ def _run(
             raise KeOpsUnavailable(f"{kind}: backend='keops' but {reason}. {_keops.HELP}")
         if not _keops_warned:
             _keops_warned = True
-            warnings.warn(
+            warn(
                 f"otreg: {reason}; using the 'blocked' torch backend instead, "
                 f"which is slower. {_keops.HELP}",
                 RuntimeWarning,
-                stacklevel=4,
             )
     fused = (
         COMPILED

@@ -41,6 +41,7 @@ import warnings
 
 import torch
 
+from .._checks import warn
 from . import _dense
 
 __all__ = [
@@ -261,11 +262,10 @@ def _run(fn, *args):
             return fn(*args)
     except Exception as err:  # inductor needs a working C++ compiler
         _failure = f"the compiled code failed ({type(err).__name__}: {str(err)[:300]})"
-        warnings.warn(
+        warn(
             f"otreg: the fused CPU reductions are off: {_failure}; the blocked "
             "path runs instead (about half as fast)",
             RuntimeWarning,
-            stacklevel=5,
         )
         return None
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.nn.utils import parametrize
 
-from .._checks import ConvergenceWarning
+from .._checks import ConvergenceWarning, warn
 from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from . import signals
@@ -70,13 +69,12 @@ def fit_levels(fit: Fit, src: Shape, tgt: Shape, levels: list[Level]) -> None:
             1 for h in fit.history if h["level"] == level and not h.get("sinkhorn_converged", 1)
         )
         if unconverged:
-            warnings.warn(
+            warn(
                 f"register: at level {level + 1}, {unconverged} evaluation(s) of the Sinkhorn "
                 "term did not reach its tol even from scratch (their values are not a "
                 "divergence); the history marks them (sinkhorn_converged). Raise the level's "
                 "scale or sinkhorn max_iter",
                 ConvergenceWarning,
-                stacklevel=3,
             )
         if not all(math.isfinite(h["loss"]) for h in fit.history[-3:]):
             raise FloatingPointError(

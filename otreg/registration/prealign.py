@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from .._checks import ConvergenceWarning
+from .._checks import ConvergenceWarning, warn
 from ..ot.solver import sinkhorn
 from ..shapes import Shape
 from .deformations import Affine, Rigid, Similarity, _Linear, fit_linear
@@ -38,13 +38,12 @@ def check_scales(
     big = 0 if radii[0] > radii[1] else 1
     ratio = radii[big] / radii[1 - big]
     if ratio > SCALE_RATIO:
-        warnings.warn(
+        warn(
             f"{caller}: {names[big]} is {ratio:.0f} times larger than {names[1 - big]} (RMS "
             f"radius {radii[big]:.3g} vs {radii[1 - big]:.3g} {source.unit}): are they in "
             "two units, e.g. metres and millimetres? otreg expects both in mm; scale one "
             "(shape.with_points(shape.points * 1000) for metres)",
             UserWarning,
-            stacklevel=3,
         )
 
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 from collections.abc import Sequence
 
 import torch
 
-from .._checks import FoldWarning, check_choice, check_int, check_positive
+from .._checks import FoldWarning, check_choice, check_int, check_positive, warn
 from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from . import defaults, metrics, signals
@@ -154,9 +153,7 @@ def _resolve(caller: str, model, prealign, optimizer, sinkhorn, deprecated: dict
             raise ValueError(
                 f"{caller}: {name}= and {holder}= were both given; write {spelling} only"
             )
-        warnings.warn(
-            f"{caller}: {name}= is deprecated; write {spelling}", DeprecationWarning, stacklevel=3
-        )
+        warn(f"{caller}: {name}= is deprecated; write {spelling}", DeprecationWarning)
         changes[holder][name] = value
     if changes["model"]:
         # the strategy follows the budget as in LDDMMOptions(memory=...), unless given too
@@ -377,13 +374,12 @@ def register(
     )
     if result.metrics["jacobian_negative_fraction"] > 0:
         m = result.metrics
-        warnings.warn(
+        warn(
             f"register: the deformation folds: its Jacobian determinant is <= 0 at "
             f"{100 * m['jacobian_negative_fraction']:.2f}% of the source vertices (min "
             f"{m['jacobian_min']:.3g}); raise the kernel width (model=LDDMMOptions(sigma=...)) "
             "or the regularization",
             FoldWarning,
-            stacklevel=2,
         )
     if deformation is not None:  # mm^2: sqrt of it is the geodesic distance of the flow
         with torch.no_grad():

@@ -21,7 +21,7 @@ CASES = [
     # (description, args, kwargs, error, message fragment)
     ("x not a tensor", (x.numpy(), y), {}, TypeError, "x must be a torch.Tensor"),
     ("integer points", (x.long(), y), {}, TypeError, "floating point"),
-    ("1-D points", (x[:, 0], y), {}, ValueError, "x has shape"),
+    ("1-D points", (x[:, 0], y), {}, ValueError, r"x has shape .*looks like weights"),
     ("mismatched dims", (x, y[:, :1]), {}, ValueError, "dimension 2"),
     ("NaN in x", (nan_at(x), y), {}, ValueError, "x has 1 NaN"),
     ("Inf in y", (x, y.clone().fill_(float("inf"))), {}, ValueError, "y has 0 NaN and 12"),

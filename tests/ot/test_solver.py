@@ -233,3 +233,21 @@ def test_bad_warm_start_raises_naming_it():
         otreg.sinkhorn(x, y, a, b, init=(f.float(), g))
     with pytest.raises(ValueError, match="init's f has NaN"):
         otreg.sinkhorn(x, y, a, b, init=(f / 0 * 0, g))
+
+
+def test_warnings_name_the_callers_line_whatever_the_entry_point():
+    """A warning raised deep in otreg is attributed to the user's call, not to otreg's code
+    (so warnings filters and 'once per line' act on the user's lines)."""
+    x, y, _, _ = clouds(n=40, m=30, d=3, seed=2)
+    calls = {
+        "sinkhorn": lambda: otreg.sinkhorn(x, y, blur=0.001, max_iter=40),
+        "divergence": lambda: otreg.sinkhorn_divergence(x, y, blur=0.001, max_iter=40),
+        "loss": lambda: otreg.SinkhornLoss(blur=0.001, max_iter=40)(x, y),
+    }
+    for name, call in calls.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        found = [w for w in caught if issubclass(w.category, otreg.ConvergenceWarning)]
+        assert found, name
+        assert {w.filename for w in found} == {__file__}, (name, found[0].filename)
