@@ -13,6 +13,8 @@ from pathlib import Path
 
 import click
 
+from ._progress import progress_wanted
+
 __all__ = [
     "OUTPUTS",
     "PICTURES",
@@ -70,15 +72,6 @@ def warnings_as_lines() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.showwarning = show
         yield
-
-
-def progress_wanted(flag: bool | None) -> bool:
-    """--progress/--no-progress, else progress bars only on a terminal: tqdm rewrites its
-    line with carriage returns, which a log file keeps (about 100 bytes an evaluation,
-    7 kB or more a registration)."""
-    if flag is not None:
-        return flag
-    return sys.stderr.isatty() if hasattr(sys.stderr, "isatty") else False
 
 
 @contextlib.contextmanager

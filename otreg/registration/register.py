@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from .._checks import FoldWarning, check_choice, check_int, check_positive, warn
+from .._progress import progress_wanted
 from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from . import defaults, metrics, signals
@@ -194,7 +195,7 @@ def register(
     varifold_sigma: float | None = None,
     landmarks: tuple[torch.Tensor, torch.Tensor] | None = None,
     truth: torch.Tensor | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
     dtype: torch.dtype = torch.float64,
     signal: str | None = None,
     signal_weight: float = 1.0,
@@ -230,7 +231,8 @@ def register(
             None: a fiftieth of the target's size.
         landmarks: ``(source_points (L, 3), target_points (L, 3))`` for the landmarks term.
         truth: ground-truth positions of the source vertices in the target (metrics only).
-        progress: show a progress bar (tqdm).
+        progress: show a progress bar (tqdm); None: on a terminal or in Jupyter only
+            (a log file would keep every redraw).
         dtype: the floating type of the fit (the deformation's momenta and the shapes):
             float64 (default) or float32.
         signal: match what is on the surfaces too, not only where they are: ``"curvature"``
@@ -289,6 +291,8 @@ def register(
     if signal is not None:
         signals.check_signal(caller, signal, source, target)
     signal_weight = check_positive(caller, "signal_weight", signal_weight)
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"{caller}: progress is {progress!r}; it must be True, False or None")
     if varifold_sigma is None:
         varifold_sigma = defaults.default_metric_sigma(scale)
     varifold_sigma = check_positive(caller, "varifold_sigma", varifold_sigma)
@@ -346,7 +350,7 @@ def register(
             lm,
             optimizer,
             sinkhorn,
-            progress,
+            progress_wanted(progress),
             history,
             start,
             signal,

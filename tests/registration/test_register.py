@@ -327,3 +327,26 @@ def test_tol_is_relative_to_the_level_start(pial_small):
         )
         counts.append(len(res.history))
     assert counts[0] < 30 and abs(counts[0] - counts[1]) <= 2, counts
+
+
+def test_progress_bars_by_default_only_where_someone_watches(pial_small, monkeypatch, capsys):
+    """register's default (progress=None): no bar when stderr is not a terminal (a log
+    file would keep every redraw), a bar on a terminal or in a Jupyter kernel."""
+    import sys
+
+    from otreg._progress import progress_wanted
+
+    small = dict(levels=((200, 4.0),), optimizer=LBFGSOptions(max_iter=2), prealign="none")
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    register(pial_small, pial_small, **small)  # capsys: stderr is not a terminal
+    assert "eval" not in capsys.readouterr().err
+    register(pial_small, pial_small, progress=True, **small)
+    assert "eval" in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert progress_wanted(None) and not progress_wanted(False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert not progress_wanted(None)
+    monkeypatch.setitem(sys.modules, "ipykernel", object())
+    assert progress_wanted(None)
+    with pytest.raises(TypeError, match="progress is 'yes'; it must be True, False or None"):
+        register(pial_small, pial_small, "rigid", progress="yes")
