@@ -28,6 +28,13 @@ class KernelFlow:
     sigma: float  # mm
     steps: int = 16
 
+    def __repr__(self) -> str:  # the (K, 3) tensors would fill a screen
+        speed = float(self.momenta.norm(dim=1).max()) if len(self.momenta) else 0.0
+        return (
+            f"KernelFlow({len(self.controls)} controls, sigma={self.sigma:g} mm, "
+            f"max momentum {speed:.3g} mm, steps={self.steps})"
+        )
+
     def _velocity(self, x: torch.Tensor, sign: float) -> torch.Tensor:
         v = reductions.kernel_product(
             x[None],

@@ -237,7 +237,7 @@ class SinkhornLoss(nn.Module):
         changed = {
             f.name: getattr(self.options, f.name)
             for f in dataclasses.fields(self.options)
-            if getattr(self.options, f.name) != f.default
+            if f.name == "blur" or getattr(self.options, f.name) != f.default
         }
         opts = "".join(f"{k}={v!r}, " for k, v in changed.items())
         return f"{opts}debias={self.debias}, warm_start={self.warm_start}"
