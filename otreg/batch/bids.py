@@ -19,11 +19,11 @@ import os
 import re
 import shutil
 import tempfile
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._checks import warn
 from .manifest import Pair, check_options
 
 __all__ = ["SubjectInput", "find_inputs", "bids_pairs", "write_dataset_description"]
@@ -221,9 +221,7 @@ def _from_bids(root: Path, surface: str, hemis, label, database, labels):
                 f"find_inputs: {root} is a raw BIDS dataset; point at fMRIPrep or sMRIPrep "
                 f"derivatives (sub-*/anat/*_hemi-L_pial.surf.gii), e.g. {root}/derivatives/fmriprep"
             )
-        warnings.warn(
-            f"{root} is a raw BIDS dataset: reading {found[0]}", UserWarning, stacklevel=3
-        )
+        warn(f"{root} is a raw BIDS dataset: reading {found[0]}", UserWarning)
         root = found[0]
 
     def layout(db):
@@ -311,9 +309,7 @@ def _select(found, everyone, labels, hemis, where: str) -> list[SubjectInput]:
                 f"subjects there: {_few(everyone) or 'none'}"
             )
         if missing:
-            warnings.warn(
-                f"no inputs for participant label(s) {_few(missing)} in {where}", stacklevel=3
-            )
+            warn(f"no inputs for participant label(s) {_few(missing)} in {where}")
         found, everyone = [i for i in found if i.subject in labels], []
     elif not found:
         raise ValueError(f"find_inputs: no inputs in {where}")
@@ -325,7 +321,7 @@ def _select(found, everyone, labels, hemis, where: str) -> list[SubjectInput]:
         name = f"sub-{s}" + (f"_ses-{ses}" if ses else "")
         gaps += [f"{name}_hemi-{h}" for h in hemis if None not in hs and h not in hs]
     if gaps:
-        warnings.warn(f"{len(gaps)} input(s) missing in {where}: {_few(gaps)}", stacklevel=3)
+        warn(f"{len(gaps)} input(s) missing in {where}: {_few(gaps)}")
     return found
 
 
@@ -441,10 +437,9 @@ def _templates(template, hemis: set, caller: str) -> dict:
     if not isinstance(template, Mapping):
         path = file(template, "template")
         if {"L", "R"} <= hemis:
-            warnings.warn(
+            warn(
                 f"{caller}: one template ({path}) for both hemispheres; give "
-                "{'L': file, 'R': file} for a template per hemisphere",
-                stacklevel=3,
+                "{'L': file, 'R': file} for a template per hemisphere"
             )
         return dict.fromkeys(hemis, path)
     if None in hemis:
@@ -469,9 +464,7 @@ def _bids_labels(subjects: list[str], caller: str) -> dict[str, str]:
             raise ValueError(f"{caller}: subject {s!r} has no BIDS label of its own {twin}")
     renamed = [f"{s} -> sub-{n}" for s, n in out.items() if s != n]
     if renamed:
-        warnings.warn(
-            f"{caller}: BIDS labels are letters and digits: {_few(renamed)}", stacklevel=3
-        )
+        warn(f"{caller}: BIDS labels are letters and digits: {_few(renamed)}")
     return out
 
 
