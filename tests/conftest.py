@@ -10,6 +10,20 @@ def pytest_configure(config):
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
 
+def hide_module(monkeypatch, module: str) -> None:
+    """Make ``import module`` (and its submodules) fail, as if it were not installed."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without(name, *args, **kwargs):
+        if name == module or name.startswith(module + "."):
+            raise ImportError(f"No module named {module!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without)
+
+
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(0)

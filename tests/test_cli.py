@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from otreg import Shape, save_shape
 from otreg.cli import main
+from tests.conftest import hide_module
 
 
 def run(*args):
@@ -106,16 +107,7 @@ def test_demo_registers_two_brain_surfaces_and_writes_everything(pair, tmp_path)
 
 
 def test_demo_without_its_data_names_one_install_command(tmp_path, monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_brainspace(name, *args, **kwargs):
-        if name == "brainspace" or name.startswith("brainspace."):
-            raise ImportError("No module named 'brainspace'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_brainspace)
+    hide_module(monkeypatch, "brainspace")
     out = tmp_path / "demo"
     result = CliRunner().invoke(main, ["demo", "-o", str(out), "--no-progress"])
     assert result.exit_code == 1 and "Traceback" not in result.output

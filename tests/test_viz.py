@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import hide_module
+
 pytest.importorskip("matplotlib")
 
 
@@ -90,8 +92,6 @@ def test_the_interactive_view_is_one_offline_html_file_a_browser_draws(tmp_path)
 
 def test_view_3d_refuses_bad_input(tmp_path, monkeypatch):
     pytest.importorskip("plotly")
-    import builtins
-
     import torch
 
     from otreg.shapes import Shape
@@ -102,14 +102,7 @@ def test_view_3d_refuses_bad_input(tmp_path, monkeypatch):
         view_3d({"cloud": Shape(torch.eye(3))})
     with pytest.raises(ValueError, match=r"scalars\['tri'\] has shape \(2,\); it needs one"):
         view_3d({"tri": tri}, scalars={"tri": ("v", [1.0, 2.0])})
-    real_import = builtins.__import__
-
-    def no_plotly(name, *args, **kwargs):
-        if name.startswith("plotly"):
-            raise ImportError("No module named 'plotly'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_plotly)
+    hide_module(monkeypatch, "plotly")
     with pytest.raises(ImportError, match=r"pip install 'otreg\[mesh\]'"):
         view_3d({"tri": tri})
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from otreg import datasets, load_shape
+from tests.conftest import hide_module
 
 pytest.importorskip("nilearn")
 
@@ -122,16 +123,7 @@ def test_conte69_loads_in_mm_with_its_medial_wall():
 
 
 def test_conte69_without_brainspace_says_how_to_install(monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_brainspace(name, *args, **kwargs):
-        if name == "brainspace" or name.startswith("brainspace."):
-            raise ImportError("No module named 'brainspace'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_brainspace)
+    hide_module(monkeypatch, "brainspace")
     with pytest.raises(ImportError, match=r"pip install 'otreg\[data\]'"):
         datasets.conte69()
 
