@@ -246,15 +246,21 @@ class LDDMM(nn.Module):
         )
 
     # ---------------------------------------------------------------- dynamics
-    def _velocities(self, q, p, x):
-        """(dq, dp, dx) at (q, p, x); x may have 0 rows."""
+    def _sums(self, q, p, z):
+        """Kernel sums of the field of (q, p) at the points z, in coordinates centred on q's
+        mean c (the kernels are translation invariant; rounding is not), one reduction a
+        width: ``(c, z - c, sum_j k p_j, sum_j k' p_j, sum_j k' (q_j - c) p_j^T)``, the
+        last (N, D, D)."""
         D = q.shape[1]
-        c = q.detach().mean(0)  # the kernels are translation invariant; rounding is not
+        c = q.detach().mean(0)
         qc = q - c
         both = torch.cat([p, (qc[:, :, None] * p[:, None, :]).reshape(-1, D * D)], 1)
-        kboth, kqp = self.kernel.with_derivative(qc, qc, both)
-        kp = kboth[:, :D]
-        kpp, kqpp = kqp[:, :D], kqp[:, D:].reshape(-1, D, D)
+        k_both, kd_both = self.kernel.with_derivative(z - c, qc, both)
+        return c, z - c, k_both[:, :D], kd_both[:, :D], kd_both[:, D:].reshape(-1, D, D)
+
+    def _velocities(self, q, p, x):
+        """(dq, dp, dx) at (q, p, x); x may have 0 rows."""
+        c, qc, kp, kpp, kqpp = self._sums(q, p, q)
         # dp_i = sum_j (p_i . p_j) k'_ij (q_i - q_j)
         dp = qc * (p * kpp).sum(1, keepdim=True) - torch.einsum("nab,nb->na", kqpp, p)
         dx = self.kernel(x - c, qc, p) if x.shape[0] else x
@@ -321,13 +327,8 @@ class LDDMM(nn.Module):
     def _field_and_jacobian(self, q, p, x):
         """The velocity ``v(x)`` (N, D) of the field of (q, p) and its Jacobian ``Dv(x)``
         (N, D, D), ``Dv_ab = sum_j k'(x, q_j) p_ja (q_jb - x_b)``: one reduction a width."""
-        D = q.shape[1]
-        c = q.mean(0)
-        qc, xc = q - c, x - c
-        both = torch.cat([p, (p[:, :, None] * qc[:, None, :]).reshape(-1, D * D)], 1)
-        k_both, kd_both = self.kernel.with_derivative(xc, qc, both)
-        jac = kd_both[:, D:].reshape(-1, D, D) - kd_both[:, :D, None] * xc[:, None, :]
-        return k_both[:, :D], jac
+        _, xc, kp, kpp, kqpp = self._sums(q, p, x)
+        return kp, kqpp.transpose(1, 2) - kpp[:, :, None] * xc[:, None, :]
 
     def jacobians(self, points: torch.Tensor) -> torch.Tensor:
         """The Jacobian matrices ``d phi(x) / dx`` of the deformation at ``points`` (N, D):
