@@ -16,7 +16,7 @@ import torch
 
 from .problem import Accuracy
 
-__all__ = ["Anderson", "Relaxation", "StoppingRule", "rounding_floor"]
+__all__: list[str] = []
 
 
 class Anderson:
@@ -290,6 +290,6 @@ def _tail(changes: list[torch.Tensor], window: int) -> float:
 
 
 def rounding_floor(eps: float, *potentials: torch.Tensor) -> float:
-    """u max |potential| / eps: the rounding noise of the marginals exp((f - s) / eps)."""
+    """U max |potential| / eps: the rounding noise of the marginals exp((f - s) / eps)."""
     top = max(float(t.abs().max()) for t in potentials)
     return torch.finfo(potentials[0].dtype).eps * top / eps

@@ -1,10 +1,10 @@
-"""The debiased Sinkhorn divergence and the ``SinkhornLoss`` module.
+r"""The debiased Sinkhorn divergence and the ``SinkhornLoss`` module.
 
 .. math::
 
-    S_\\varepsilon(a, b) = \\mathrm{OT}_\\varepsilon(a, b)
-        - \\tfrac12 \\mathrm{OT}_\\varepsilon(a, a) - \\tfrac12 \\mathrm{OT}_\\varepsilon(b, b)
-        + \\tfrac{\\varepsilon}{2} (m(a) - m(b))^2
+    S_\varepsilon(a, b) = \mathrm{OT}_\varepsilon(a, b)
+        - \tfrac12 \mathrm{OT}_\varepsilon(a, a) - \tfrac12 \mathrm{OT}_\varepsilon(b, b)
+        + \tfrac{\varepsilon}{2} (m(a) - m(b))^2
 
 is >= 0, 0 if and only if a = b, and tends to the unregularised OT cost as blur -> 0
 (Feydy et al., AISTATS 2019; the mass term is that of Séjourné et al., 2019, for unbalanced
@@ -19,13 +19,15 @@ import dataclasses
 import torch
 from torch import nn
 
+from .. import reductions
 from .._checks import warn
+from .gradient import dual_value
 from .large_blur import check_range, closed_form_applies
 from .loop import closed_form_solution, solve
-from .problem import _UNSET, Problem, SinkhornOptions, _legacy_options, resolve_options
-from .solver import SinkhornResult, dual_value, make_result, report_convergence, unbatch
+from .problem import Problem, SinkhornOptions, resolve_options
+from .result import SinkhornResult, make_result, report_convergence, unbatch
 
-__all__ = ["sinkhorn_divergence", "SinkhornLoss", "divergence", "DEFAULT_BLUR_SPAN"]
+__all__ = ["sinkhorn_divergence", "SinkhornLoss"]
 
 #: A default blur is flagged when the data span more than this many times it.
 DEFAULT_BLUR_SPAN = 100
@@ -53,7 +55,7 @@ def divergence(
     default_blur: bool = False,
 ) -> tuple[torch.Tensor, SinkhornResult]:
     """``(value, result)``: the debiased divergence (or the plain OT cost when ``debias`` is
-    False), ``()`` or ``(B,)``, and the :class:`~otreg.ot.solver.SinkhornResult` of the
+    False), ``()`` or ``(B,)``, and the :class:`~otreg.ot.result.SinkhornResult` of the
     cross term OT(a, b), whose ``converged`` covers every term. Errors name ``caller``.
 
     ``warm``: a dict of the potentials of a previous call (``f``, ``g``, ``f_aa``, ``g_bb``),
@@ -80,7 +82,7 @@ def divergence(
     check_range(caller, p)
     if closed_form_applies(p):  # blur far above the data (large_blur.py)
         value, xy = closed_form_solution(p, debias)
-        result = make_result(p, (xd, yd, ad, bd), xy.f, xy.g, value, xy, True)
+        result = make_result(p, (xd, yd, ad, bd), xy.f, xy.g, value, xy, True, ([], []))
         return unbatch(value, p.batched), result
     w = {} if warm is None else warm
 
@@ -89,13 +91,15 @@ def divergence(
         return (f0, g0) if _fits(f0, f_like) and _fits(g0, g_like) else None
 
     with torch.no_grad():
-        xy = solve(p, xd, ad, yd, bd, init=warm_start("f", "g", ad, bd))
+        with reductions.track() as solved:
+            xy = solve(p, xd, ad, yd, bd, init=warm_start("f", "g", ad, bd))
         if debias:
             aa = solve(p, xd, ad, init=warm_start("f_aa", "f_aa", ad, ad))
             bb = solve(p, yd, bd, init=warm_start("g_bb", "g_bb", bd, bd))
             w.update(f_aa=aa.f, g_bb=bb.f)
         w.update(g=xy.g)
-    cross, f = dual_value(p, p.x, p.y, p.a, p.b, xy.g, xy.kernel)
+    with reductions.track() as differentiated:
+        cross, f = dual_value(p, p.x, p.y, p.a, p.b, xy.g, xy.kernel)
     w["f"] = f
     value = cross
     converged = report_convergence(caller, "OT(a, b)", p, xy.n_iter, xy.rule)
@@ -107,7 +111,8 @@ def divergence(
         value = value + p.eps / 2 * (p.a.sum(1) - p.b.sum(1)) ** 2
         converged &= report_convergence(caller, "OT(a, a)", p, aa.n_iter, aa.rule)
         converged &= report_convergence(caller, "OT(b, b)", p, bb.n_iter, bb.rule)
-    result = make_result(p, (xd, yd, ad, bd), f, xy.g, cross, xy, converged)
+    ran = (solved, differentiated)
+    result = make_result(p, (xd, yd, ad, bd), f, xy.g, cross, xy, converged, ran)
     return unbatch(value, p.batched), result
 
 
@@ -122,7 +127,10 @@ def sinkhorn_divergence(
     """The debiased Sinkhorn divergence S_eps(a, b) >= 0 between two weighted point clouds.
 
     Args:
-        x, y, a, b: as in :func:`otreg.sinkhorn`.
+        x: source points, ``(N, D)`` or batched ``(B, N, D)``.
+        y: target points, ``(M, D)`` or ``(B, M, D)``.
+        a: source weights ``(N,)`` or ``(B, N)``, non-negative; default uniform 1/N.
+        b: target weights ``(M,)`` or ``(B, M)``; default uniform 1/M.
         options: a :class:`~otreg.ot.problem.SinkhornOptions` (default: its defaults, those
             of :func:`otreg.sinkhorn`).
         **changes: options to change, by name (blur, reach, diameter, scaling, cost, form,
@@ -142,7 +150,7 @@ def sinkhorn_divergence(
     """
     caller = "sinkhorn_divergence"
     default_blur = _blur_left_default(options, changes)
-    options = resolve_options(caller, options, **_legacy(caller, changes))
+    options = resolve_options(caller, options, **changes)
     return divergence(caller, x, y, a, b, options, default_blur=default_blur)[0]
 
 
@@ -155,30 +163,12 @@ def _blur_left_default(options, changes: dict) -> bool:
     )
 
 
-def _legacy(caller: str, changes: dict) -> dict:
-    """The deprecated ``truncate``/``cluster_scale`` keywords folded into ``multiscale``."""
-
-    if "truncate" not in changes and "cluster_scale" not in changes:
-        return changes
-    changes = dict(changes)
-    _, changes["multiscale"] = _legacy_options(
-        caller,
-        "envelope",
-        changes.get("multiscale", "auto"),
-        _UNSET,
-        _UNSET,
-        changes.pop("truncate", _UNSET),
-        changes.pop("cluster_scale", _UNSET),
-    )
-    return changes
-
-
 class SinkhornLoss(nn.Module):
     """OT between point clouds as a differentiable loss.
 
     ``loss(x, y)`` or ``loss(a, x, b, y)`` returns the debiased Sinkhorn divergence
     (``debias=True``) or the entropic OT cost OT_eps(a, b) (``debias=False``), ``()`` or
-    ``(B,)``. The :class:`~otreg.ot.solver.SinkhornResult` of the last call's OT(a, b)
+    ``(B,)``. The :class:`~otreg.ot.result.SinkhornResult` of the last call's OT(a, b)
     solve (iterations, convergence, backend, plan; with ``debias=True`` not the divergence:
     its ``cost`` is OT_eps(a, b)) is kept in ``loss.last_result``. Note the order of the
     arguments, GeomLoss's: weights before their points (``otreg.sinkhorn(x, y, a, b)``
@@ -228,12 +218,13 @@ class SinkhornLoss(nn.Module):
             changes["blur"] = blur
         if reach is not None:
             changes["reach"] = reach
-        self.options = resolve_options(caller, options, **_legacy(caller, changes))
+        self.options = resolve_options(caller, options, **changes)
         self.debias, self.warm_start = debias, warm_start
         self._warm: dict = {}
         self.last_result: SinkhornResult | None = None
 
     def extra_repr(self) -> str:
+        """The options that differ from the defaults (the blur always)."""
         changed = {
             f.name: getattr(self.options, f.name)
             for f in dataclasses.fields(self.options)
@@ -247,6 +238,8 @@ class SinkhornLoss(nn.Module):
         self._warm = {}
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        """``loss(x, y)`` or ``loss(a, x, b, y)``: the divergence (or OT cost), ``()`` or
+        ``(B,)``."""
         if len(args) == 2:
             (x, y), a, b = args, None, None
         elif len(args) == 4:

@@ -10,7 +10,7 @@ from .. import reductions
 from .multiscale import TruncatedKernel
 from .problem import Problem
 
-__all__ = ["form_softmin", "DenseKernel", "make_kernel"]
+__all__: list[str] = []
 
 
 def form_softmin(p: Problem, eps: float, x, y, w_log, pot) -> torch.Tensor:

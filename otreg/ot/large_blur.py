@@ -1,4 +1,4 @@
-"""Entropic values when the blur far exceeds the data.
+r"""Entropic values when the blur far exceeds the data.
 
 At eps = blur ** p much larger than the costs, the softmins' arguments (g - C) / eps fall
 below the floating-point resolution of the log-weights they are added to, and each entropic
@@ -15,13 +15,13 @@ float32). Two remedies, each chosen by the ratio of eps to the data's size ** p:
 
   .. math::
 
-      \\mathrm{OT}_\\varepsilon(a, b) = m \\big(\\tfrac12 |m_a - m_b|^2
-          + \\tfrac12 \\mathrm{tr}\\,\\Sigma_a + \\tfrac12 \\mathrm{tr}\\,\\Sigma_b
-          - \\mathrm{tr}(\\Sigma_a \\Sigma_b) / (2\\varepsilon)\\big)
-          + \\varepsilon (m^2 - m - m \\log m) + O(\\varepsilon^{-2}),
+      \mathrm{OT}_\varepsilon(a, b) = m \big(\tfrac12 |m_a - m_b|^2
+          + \tfrac12 \mathrm{tr}\,\Sigma_a + \tfrac12 \mathrm{tr}\,\Sigma_b
+          - \mathrm{tr}(\Sigma_a \Sigma_b) / (2\varepsilon)\big)
+          + \varepsilon (m^2 - m - m \log m) + O(\varepsilon^{-2}),
 
-      S_\\varepsilon(a, b) = m \\big(\\tfrac12 |m_a - m_b|^2
-          + |\\Sigma_a - \\Sigma_b|_F^2 / (4\\varepsilon)\\big) + O(\\varepsilon^{-2}),
+      S_\varepsilon(a, b) = m \big(\tfrac12 |m_a - m_b|^2
+          + |\Sigma_a - \Sigma_b|_F^2 / (4\varepsilon)\big) + O(\varepsilon^{-2}),
 
   for the total mass m; its truncation error, about size ** (3p) / eps ** 2, is then below
   1e-8 size ** p, and the value is >= 0 by construction.
@@ -37,14 +37,7 @@ import torch
 
 from .problem import Problem
 
-__all__ = [
-    "PRECISE_FROM",
-    "CLOSED_FORM_FROM",
-    "UNBALANCED_LIMIT",
-    "precise_value",
-    "closed_form_applies",
-    "check_range",
-]
+__all__: list[str] = []
 
 #: eps / size ** p above which float32 terms are evaluated in float64 (their rounding,
 #: eps * 6e-8 * log N, would pass 1e-7 size ** p).

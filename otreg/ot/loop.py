@@ -24,7 +24,7 @@ from .large_blur import closed_form
 from .multiscale import TruncatedKernel
 from .problem import Problem
 
-__all__ = ["solve", "Solution", "residual", "semi_dual", "closed_form_solution", "pair_step"]
+__all__: list[str] = []
 
 
 def residual(

@@ -53,7 +53,7 @@ from ..reductions.sparse import (
     grid_labels,
 )
 
-__all__ = ["auto_cluster_scale", "worthwhile", "multiscale_unfit", "TruncatedKernel"]
+__all__: list[str] = []
 
 #: pattern rebuilt every this many iterations at the final eps
 REFRESH = 10

@@ -12,7 +12,7 @@ import torch
 from .. import reductions
 from ..costs import Cost
 
-__all__ = ["TransportPlan", "DENSE_MAX_ENTRIES"]
+__all__ = ["TransportPlan"]
 
 #: :meth:`TransportPlan.dense` refuses plans with more entries than this (400 MB in float32).
 DENSE_MAX_ENTRIES = 100_000_000
@@ -41,6 +41,7 @@ class TransportPlan:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """``(N, M)``, or ``(B, N, M)`` for a batch."""
         n, m = self._x.shape[1], self._y.shape[1]
         return (self._x.shape[0], n, m) if self.batched else (n, m)
 
@@ -52,7 +53,7 @@ class TransportPlan:
 
     # ---------------------------------------------------------------- helpers
     def _vector(self, v: torch.Tensor, n: int, name: str) -> tuple[torch.Tensor, bool]:
-        """v as (B, n, E) and whether it was a plain vector."""
+        """V as (B, n, E) and whether it was a plain vector."""
         if not isinstance(v, torch.Tensor):
             raise TypeError(
                 f"TransportPlan.{name}: v must be a torch.Tensor, got {type(v).__name__}"

@@ -32,23 +32,14 @@ from .._checks import (
     check_int,
     check_positive,
     check_same_device_dtype,
-    warn,
 )
 from ..costs import Cost, epsilon_schedule, get_cost
 from ..costs import diameter as bounding_diameter
+from ..loops.budget import parse_bytes
+from ..loops.iterate import STRATEGIES
 from .multiscale import auto_cluster_scale, multiscale_unfit, worthwhile
 
-__all__ = [
-    "SinkhornOptions",
-    "Implicit",
-    "Unroll",
-    "Multiscale",
-    "Accuracy",
-    "Problem",
-    "FORMS",
-    "BACKWARDS",
-    "RELAXATIONS",
-]
+__all__ = ["SinkhornOptions", "Implicit", "Unroll", "Multiscale", "Accuracy"]
 
 FORMS = ("log", "scaling")
 BACKWARDS = ("envelope", "implicit", "unroll")
@@ -107,9 +98,6 @@ class Unroll:
     memory: int | str | None = None
 
     def __post_init__(self) -> None:
-        from ..loops.budget import parse_bytes
-        from ..loops.iterate import STRATEGIES
-
         check_choice("Unroll", "strategy", self.strategy, STRATEGIES)
         if self.memory is not None:
             parse_bytes("Unroll", self.memory)
@@ -150,7 +138,7 @@ class Multiscale:
 
 @dataclass(frozen=True)
 class Accuracy:
-    """``tol=Accuracy(...)``: stop the updates at the final eps once the OT value and its
+    r"""``tol=Accuracy(...)``: stop the updates at the final eps once the OT value and its
     gradient are accurate enough, rather than on the marginal error.
 
     Every ``every`` iterations the loop evaluates, at its current potential g, what the
@@ -161,7 +149,7 @@ class Accuracy:
 
     .. math::
 
-        e_k = d_k \\, q / (1 - q),
+        e_k = d_k \, q / (1 - q),
 
     exact for a loop that converges linearly at a steady rate (plain or over-relaxed
     Sinkhorn near its fixed point), and the same for V. The loop stops when both estimates
@@ -460,47 +448,3 @@ def _resolve_multiscale(
     if setting.auto and (unfit or not worthwhile(x.shape[1] * y.shape[1], dim, o.blur, scale)):
         return None
     return dataclasses.replace(setting, cluster_scale=scale)
-
-
-_UNSET = object()
-
-
-def _legacy_options(caller: str, backward, multiscale, strategy, memory, truncate, cluster_scale):
-    """``backward`` and ``multiscale`` with the deprecated ``strategy``/``memory`` and
-    ``truncate``/``cluster_scale`` keywords folded into :class:`Unroll` and
-    :class:`Multiscale` (a warning each); where they cannot apply, a ``ValueError``."""
-    if strategy is not _UNSET or memory is not _UNSET:
-        if backward != "unroll":
-            raise ValueError(
-                f"{caller}: strategy and memory apply to backward='unroll' only, "
-                f"not backward={backward!r}; write backward=otreg.Unroll(strategy,"
-                " memory)"
-            )
-        warn(
-            f"{caller}: strategy= and memory= are deprecated; write "
-            "backward=otreg.Unroll(strategy, memory)",
-            DeprecationWarning,
-        )
-        backward = Unroll(
-            strategy="store" if strategy is _UNSET else strategy,
-            memory=None if memory is _UNSET else memory,
-        )
-    if truncate is not _UNSET or cluster_scale is not _UNSET:
-        if multiscale is False or isinstance(multiscale, Multiscale):
-            raise ValueError(
-                f"{caller}: truncate and cluster_scale apply to multiscale="
-                f"'auto' or True only, not {multiscale!r}; write multiscale="
-                "otreg.Multiscale(truncate, cluster_scale)"
-            )
-        warn(
-            f"{caller}: truncate= and cluster_scale= are deprecated; write "
-            "multiscale=otreg.Multiscale(truncate, cluster_scale)",
-            DeprecationWarning,
-        )
-        settings = {
-            k: v
-            for k, v in (("truncate", truncate), ("cluster_scale", cluster_scale))
-            if v is not _UNSET
-        }
-        multiscale = Multiscale(**settings, auto=multiscale == "auto")
-    return backward, multiscale

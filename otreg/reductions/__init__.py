@@ -1,15 +1,15 @@
-"""Kernel reductions over all pairs (i, j) of two point clouds, without storing N x M arrays.
+r"""Kernel reductions over all pairs (i, j) of two point clouds, without storing N x M arrays.
 
 Three primitives serve every solver (all batched: x ``(B, N, D)``, y ``(B, M, D)``):
 
 .. math::
 
-    \\mathrm{softmin}_i &= -\\varepsilon \\log \\sum_j \\exp(h_j - C(x_i, y_j)/\\varepsilon)
+    \mathrm{softmin}_i &= -\varepsilon \log \sum_j \exp(h_j - C(x_i, y_j)/\varepsilon)
 
-    \\mathrm{kernel\\_product}_i &= \\sum_j \\exp(-C(x_i, y_j)/\\varepsilon)\\, v_j
+    \mathrm{kernel\_product}_i &= \sum_j \exp(-C(x_i, y_j)/\varepsilon)\, v_j
 
-    \\mathrm{softmax\\_average}_i &= \\sum_j \\mathrm{softmax}_j(h_j - C(x_i, y_j)/\\varepsilon)
-        \\, v_j
+    \mathrm{softmax\_average}_i &= \sum_j \mathrm{softmax}_j(h_j - C(x_i, y_j)/\varepsilon)
+        \, v_j
 
 Backends (the solvers never know which one runs):
 
@@ -29,15 +29,21 @@ Backends (the solvers never know which one runs):
   keops on a GPU. If pykeops is missing or fails to compile, ``auto`` warns once, says how
   to fix it, and uses the blocked path; an explicit ``backend="keops"`` raises that error.
 
-Every primitive supports autograd with respect to x, y, h and v.
+Every primitive supports autograd with respect to x, y, h and v. :func:`track` records which
+backends the reductions of a block of code actually ran (results report it, rather than
+predicting the choice).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 
 from .._checks import warn
-from ..costs import Cost
+from ..costs import Cost, get_cost
 from ..loops.budget import charge_one_offs_to_budgets, fit_one_offs_to_budgets
 from . import _compiled, _dense, _keops
 from ._blocked import blocked_reduction
@@ -56,9 +62,12 @@ __all__ = [
     "BLOCK_ELEMENTS",
     "COMPILED",
     "KeOpsUnavailable",
+    "Cost",
+    "get_cost",
     "resolve_backend",
     "keops_status",
     "status",
+    "track",
     "softmin",
     "kernel_product",
     "softmax_average",
@@ -86,6 +95,41 @@ BLOCK_ELEMENTS = 2**21
 COMPILED = True
 
 _keops_warned = False
+_tracking = threading.local()
+
+
+@contextlib.contextmanager
+def track() -> Iterator[list[str]]:
+    """Within the block, the backends that this thread's reductions run, in the order of
+    their first use (``"tensorized"``, ``"blocked"``, ``"keops"``, ``"multiscale"`` for the
+    block-sparse truncated softmins), as they ran: after ``auto``'s choice and any
+    fallback. A reduction's backward pass runs on the backend of its forward pass. Blocks
+    may nest; each records what ran inside it.
+
+    Example:
+        >>> import torch
+        >>> from otreg.costs import get_cost
+        >>> from otreg.reductions import softmin, track
+        >>> with track() as ran:
+        ...     _ = softmin(torch.zeros(1, 2, 3), torch.zeros(1, 4, 3), torch.zeros(1, 4), 0.1,
+        ...                 get_cost("sqeuclidean"))
+        >>> ran
+        ['tensorized']
+    """
+    ran: list[str] = []
+    stack = _tracking.__dict__.setdefault("stack", [])
+    stack.append(ran)
+    try:
+        yield ran
+    finally:
+        stack.remove(ran)
+
+
+def _note_backend(backend: str) -> None:
+    """Record that a reduction ran on ``backend`` (for :func:`track`)."""
+    for ran in getattr(_tracking, "stack", ()):
+        if backend not in ran:
+            ran.append(backend)
 
 
 def status() -> dict:
@@ -167,7 +211,7 @@ _IMPLEMENTATIONS = {
 
 
 def _check_shapes(kind: str, x, y, rest: tuple) -> None:
-    """x (B, N, D) and y (B, M, D), and each of ``rest`` (B, M) or (B, M, E): else a
+    """X (B, N, D) and y (B, M, D), and each of ``rest`` (B, M) or (B, M, E): else a
     ValueError naming what was given (a batch axis first, even for one problem)."""
     names = ("h", "v") if kind == "softmax_average" else ("h",) if kind == "softmin" else ("v",)
     for name, t in (("x", x), ("y", y), *zip(names, rest)):
@@ -196,12 +240,15 @@ def _run(
     pairs = x.shape[0] * x.shape[1] * y.shape[1]
     chosen = resolve_backend(backend, pairs, x.device, recorded, x.dtype)
     if chosen == "tensorized":
+        _note_backend(chosen)
         return dense_fn(x, y, *rest, eps, cost)
     if chosen == "keops":
         ok, reason = _keops.status()
         if ok:
             try:
-                return keops_fn(x, y, *rest, eps, cost)
+                out = keops_fn(x, y, *rest, eps, cost)
+                _note_backend(chosen)
+                return out
             except Exception as err:
                 if backend == "keops":
                     raise KeOpsUnavailable(
@@ -226,6 +273,7 @@ def _run(
         and x.device.type == "cpu"
         and x.shape[0] * x.shape[1] * y.shape[1] >= max(1, _compiled.MIN_PAIRS)
     )
+    _note_backend("blocked")
     return blocked_reduction(
         kind, x, y, *rest, eps=eps, cost=cost, block_elements=BLOCK_ELEMENTS, fused=fused
     )

@@ -29,7 +29,7 @@ import torch
 from ..costs import SQRT_FLOOR, Cost
 from . import _compiled, _dense
 
-__all__ = ["blocked_reduction"]
+__all__: list[str] = []
 
 _DENSE = {
     "softmin": _dense.softmin,

@@ -44,24 +44,7 @@ import torch
 from .._checks import warn
 from . import _dense
 
-__all__ = [
-    "MIN_PAIRS",
-    "TIER_UP_SECONDS",
-    "MAX_SHAPES",
-    "forward",
-    "backward",
-    "signature",
-    "ready",
-    "spent",
-    "tiered",
-    "failure",
-    "cache_folder",
-    "compile_now",
-    "fit_to_budget",
-    "compiler_loaded",
-    "held",
-    "COMPILER_BYTES",
-]
+__all__: list[str] = []
 
 #: calls with fewer pairs B * N * M stay on the blocked path (per-chunk overheads)
 MIN_PAIRS = 10_000_000
@@ -139,7 +122,7 @@ def _sq(x, y, inv_eps):
 
 
 def _lse_rows(x, y, h, floor, inv_eps):
-    """log sum_j exp(h_j - |x_i - y_j|^2 / (2 eps)) -> (R,); terms below exp(floor) times
+    """Log sum_j exp(h_j - |x_i - y_j|^2 / (2 eps)) -> (R,); terms below exp(floor) times
     the row's largest are clamped there (an exp that underflows runs many times slower)."""
     s = h[None, :] - _sq(x, y, inv_eps)
     m = s.amax(1, keepdim=True)

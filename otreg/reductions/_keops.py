@@ -14,16 +14,7 @@ import torch
 
 from ..costs import Cost
 
-__all__ = [
-    "KeOpsUnavailable",
-    "HELP",
-    "status",
-    "record_failure",
-    "softmin",
-    "kernel_product",
-    "softmax_average",
-    "build_folder",
-]
+__all__ = ["KeOpsUnavailable"]
 
 HELP = (
     "KeOps compiles each formula with a C++ compiler on first use. Check that g++ (>= 8) and "
@@ -70,7 +61,7 @@ def record_failure(err: Exception) -> str:
 
 
 def build_folder() -> str:
-    """pykeops' cache of compiled formulas."""
+    """Pykeops' cache of compiled formulas."""
     import pykeops
 
     return pykeops.get_build_folder()

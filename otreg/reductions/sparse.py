@@ -1,4 +1,4 @@
-"""Block-sparse softmin over clustered clouds: the kernel truncation of multiscale Sinkhorn.
+r"""Block-sparse softmin over clustered clouds: the kernel truncation of multiscale Sinkhorn.
 
 The points of each cloud are grouped into the cells of a regular grid (clusters), stored
 contiguously (the cloud sorted by cluster). A *pattern* lists the pairs of clusters (I, J)
@@ -6,8 +6,8 @@ whose points may interact; the softmin
 
 .. math::
 
-    \\mathrm{softmin}_i = -\\varepsilon \\log \\sum_{j \\in J(i)}
-        \\exp(h_j - C(x_i, y_j)/\\varepsilon)
+    \mathrm{softmin}_i = -\varepsilon \log \sum_{j \in J(i)}
+        \exp(h_j - C(x_i, y_j)/\varepsilon)
 
 then runs over the kept pairs only, in chunks of row clusters: each chunk gathers its rows
 (padded to the chunk's largest cluster) and the points of the column clusters each row
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _dense
+from . import _dense, _note_backend
 from ._blocked import _softmax_
 
-__all__ = ["Clusters", "grid_clusters", "grid_labels", "clusters_by_label", "BlockSparse"]
+__all__: list[str] = []
 
 
 @dataclass
@@ -229,6 +229,7 @@ class BlockSparse:
     ) -> torch.Tensor:
         """-eps log sum_{kept j} exp(h_j - |x_i - y_j|^2 / (2 eps)), (N,), for the sorted
         clouds x (N, D), y (M, D) and h (M,); differentiable in x, y and h."""
+        _note_backend("multiscale")
         return _SparseSoftmin.apply(self, eps, x.contiguous(), y.contiguous(), h.contiguous())
 
     def _geometry(self, k: int, px: torch.Tensor, py: torch.Tensor, col_idx: torch.Tensor):

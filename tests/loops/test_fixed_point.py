@@ -89,7 +89,7 @@ def test_sinkhorn_unroll_with_checkpointing_equals_store():
     for strategy, memory in (("store", None), ("checkpoint", "1MB")):
         xx = x.clone().requires_grad_()
         res = otreg.sinkhorn(
-            xx, y, a, b, blur=0.3, tol=1e-10, backward="unroll", strategy=strategy, memory=memory
+            xx, y, a, b, blur=0.3, tol=1e-10, backward=otreg.Unroll(strategy, memory)
         )
         out[strategy] = torch.autograd.grad(res.f.square().sum(), xx)[0]
     assert torch.allclose(out["store"], out["checkpoint"], rtol=1e-10)
@@ -97,7 +97,7 @@ def test_sinkhorn_unroll_with_checkpointing_equals_store():
 
 def test_sinkhorn_backward_options_are_checked():
     x, y, _, _ = clouds(n=5, m=6)
-    with pytest.raises(ValueError, match="apply to backward='unroll' only"):
-        otreg.sinkhorn(x, y, strategy="checkpoint")
+    with pytest.raises(ValueError, match="Unroll: strategy is 'sometimes'"):
+        otreg.sinkhorn(x, y, backward=otreg.Unroll("sometimes"))
     with pytest.raises(ValueError, match="sinkhorn_divergence: backward is 'implicit'"):
         otreg.sinkhorn_divergence(x, y, backward="implicit")

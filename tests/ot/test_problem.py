@@ -1,9 +1,7 @@
-"""The Sinkhorn option objects: defaults written once, impossible combinations refused, the
-deprecated keywords folded into them."""
+"""The Sinkhorn option objects: defaults written once, impossible combinations refused."""
 
 import dataclasses
 import inspect
-import warnings
 
 import pytest
 import torch
@@ -104,32 +102,12 @@ def test_implicit_and_unroll_objects_match_their_strings():
     torch.testing.assert_close(grads[2], grads[0], rtol=1e-4, atol=1e-6)
 
 
-def test_deprecated_keywords_warn_and_mean_the_objects():
-    x, y, a, b = clouds(12, 15)
-    with pytest.warns(DeprecationWarning, match="backward=otreg.Unroll"):
-        old = otreg.sinkhorn(
-            x, y, a, b, blur=0.3, backward="unroll", strategy="checkpoint", memory="1MB"
-        )
-    assert old.options.backward == Unroll("checkpoint", "1MB")
-    with pytest.warns(DeprecationWarning, match="multiscale=otreg.Multiscale"):
-        old = otreg.sinkhorn(x, y, a, b, blur=0.3, truncate=8.0)
-    assert old.options.multiscale == Multiscale(truncate=8.0, auto=True)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="Multiscale: trunc"):
-        otreg.sinkhorn_divergence(x, y, truncate=0.0)
-
-
-@pytest.mark.parametrize(
-    "keywords, match",
-    [
-        (dict(strategy="checkpoint"), "strategy and memory apply to backward='unroll' only"),
-        (dict(memory="1MB", backward="implicit"), "apply to backward='unroll' only"),
-        (dict(truncate=3.0, multiscale=False), "truncate and cluster_scale apply to multiscale"),
-        (dict(cluster_scale=0.1, multiscale=Multiscale()), "apply to multiscale"),
-    ],
-)
-def test_deprecated_keywords_that_cannot_apply_raise(keywords, match):
+def test_removed_keywords_are_unknown():
+    """No deprecated spelling remains: the unrolled loop's and the multiscale solver's
+    settings exist only inside Unroll and Multiscale."""
     x, y, _, _ = clouds()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(ValueError, match=match):
-            otreg.sinkhorn(x, y, **keywords)
+    for keyword in ("strategy", "memory", "truncate", "cluster_scale"):
+        with pytest.raises(TypeError, match=keyword):
+            otreg.sinkhorn(x, y, **{keyword: None})
+        with pytest.raises(TypeError, match=f"unknown option\\(s\\) {keyword}"):
+            otreg.sinkhorn_divergence(x, y, **{keyword: None})

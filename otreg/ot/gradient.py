@@ -1,0 +1,112 @@
+"""Gradients of a Sinkhorn solve: the envelope theorem (the default), the implicit function
+theorem, or autograd through unrolled iterations.
+
+- **Envelope** (:func:`dual_value`): at the converged, detached g, f = lambda softmin(g) is
+  recomputed by one differentiable reduction and the dual objective evaluated at (f, g);
+  its gradient is that of OT_eps: sum_j pi_ij grad C(x_i, y_j) for the points, the
+  potentials for the weights. No iteration is stored.
+- **Implicit**: f and g themselves become differentiable, through the fixed point of one
+  alternating update (:func:`otreg.ot.loop.pair_step`), its adjoint system solved
+  matrix-free (:func:`otreg.loops.fixed_point.implicit`).
+- **Unrolled**: autograd through the iterations at the final eps, from the annealed warm
+  start, run by :func:`otreg.loops.iterate` with the chosen strategy and memory budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..loops import iterate
+from ..loops.fixed_point import implicit
+from .kernels import DenseKernel
+from .large_blur import precise_value
+from .loop import Solution, pair_step, semi_dual, solve
+from .multiscale import TruncatedKernel
+from .problem import Implicit, Problem, SinkhornOptions, Unroll
+
+__all__: list[str] = []
+
+
+def dual_value(p: Problem, x, y, a, b, g, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The semi-dual objective at a fixed (detached) g: ``(value (B,), f (B, N) detached)``.
+
+    f = lambda softmin(g) is the exact maximiser of the dual over f for this g, computed by one
+    differentiable reduction (``kernel.differentiable_softmin``) that carries the dependence
+    on x and y. By the envelope theorem the gradient of the value is that of OT_eps at
+    convergence: sum_j pi_ij grad C(x_i, y_j) for the points, the potentials for the
+    weights. Away from convergence it is the gradient for the plan whose rows have the right
+    marginal, which is more accurate than evaluating the dual at both iterates.
+    """
+    if precise_value(p, x.dtype) and not isinstance(kernel, TruncatedKernel):
+        # blur far above the data: float32 rounding would swamp the value (large_blur.py)
+        wide = DenseKernel(
+            p, *(t.detach().double() for t in (kernel.x, kernel.a, kernel.y, kernel.b))
+        )
+        value, f = dual_value(p, *(t.double() for t in (x, y, a, b, g)), wide)
+        return value.to(x.dtype), f.to(x.dtype)
+    s = kernel.differentiable_softmin(x, y, b.detach(), g, p.eps)  # (B, N)
+    f = p.damping(p.eps) * s
+    value = semi_dual(p, a, b, s, g)
+    if b.requires_grad:
+        path = weight_path(p, f.detach(), g, kernel, b.detach())
+        value = value + (path * (b - b.detach())).sum(1)
+    return value, f.detach()
+
+
+def weight_path(p: Problem, f, g, kernel, b) -> torch.Tensor:
+    """sum_i (d value / d s_i)(d s_i / d b_j), (B, M): the weights' share of the gradient that
+    runs through the softmin s (which is computed with b detached).
+
+    Autograd would give it as softmax_ij / b_j, 0 * inf = NaN where b_j = 0; the exact value
+    is finite there: d s_i / d b_j = -eps exp((g_j - C_ij + s_i) / eps), and weighted by
+    d value / d s_i = a_i exp((f_i - s_i) / eps) (balanced: a_i) it sums to
+    -eps exp((g_j - t_j) / eps) with t = softmin over x of log a + f / eps, one reduction.
+    Where b_j = 0 the solver never fixes g_j (no mass constrains it) and (g_j - t_j) / eps
+    can overflow (0 * inf = NaN in the value): there g_j is taken as the update defines it,
+    g_j = damping * t_j.
+    """
+    with torch.no_grad():
+        fk, gk = kernel.to_kernel_order(f, g)
+        _, t = kernel.to_caller_order(fk, kernel.softmin_yx(p.eps, fk))
+        g = torch.where(b > 0, g, p.damping(p.eps) * t)
+        return -p.eps * torch.exp((g - t) / p.eps)
+
+
+def differentiate(
+    p: Problem, options: SinkhornOptions, sol: Solution, params: tuple
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    """``(value, f, g, params)`` of a solve as ``options.backward`` says: the value (B,)
+    differentiable in ``params`` = (x, y, a, b); f and g differentiable too for the
+    implicit and unrolled gradients (detached for the envelope, whose ``params`` come back
+    detached for the plan)."""
+    kind = options.backward_kind
+    if kind == "envelope":
+        value, f = dual_value(p, *params, sol.g, sol.kernel)
+        return value, f, sol.g, tuple(t.detach() for t in params)
+    step = pair_step(p)
+    if kind == "implicit":
+        settings = options.backward if isinstance(options.backward, Implicit) else Implicit()
+        f, g = implicit(
+            step,
+            step((sol.f, sol.g), *params),
+            params,
+            tol=settings.tol,
+            max_iter=settings.max_iter,
+        )
+    else:  # unroll the iterations at the final eps, from the annealed warm start
+        settings = options.backward if isinstance(options.backward, Unroll) else Unroll()
+        x, y, a, b = (t.detach() for t in params)
+        with torch.no_grad():
+            warm = solve(dataclasses.replace(p, max_iter=len(p.schedule), tol=0.0), x, a, y, b)
+        f, g = iterate(
+            step,
+            (warm.f, warm.g),
+            max(1, sol.n_iter - len(p.schedule)),
+            params,
+            strategy=settings.strategy,
+            memory=settings.memory,
+        )
+    value, _ = dual_value(p, *params, g, DenseKernel(p, p.x, p.a, p.y, p.b))
+    return value, f, g, params
