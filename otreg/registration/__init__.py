@@ -1,13 +1,12 @@
 """Registration of surfaces: pre-alignment, LDDMM, data terms, metrics."""
 
 from . import metrics
-from .deformations import LDDMM, Affine, Rigid, Similarity
+from .lddmm import LDDMM
+from .linear import Affine, Rigid, Similarity
 from .losses import (
-    ATTACHMENTS,
     LOSSES,
-    Attachment,
+    SINKHORN_TERM,
     Loss,
-    make_attachment,
     make_loss,
     varifold_distance,
 )
@@ -31,11 +30,9 @@ __all__ = [
     "Loss",
     "make_loss",
     "LOSSES",
+    "SINKHORN_TERM",
     "varifold_distance",
     "metrics",
     "MODELS",
     "PREALIGNS",
-    "Attachment",
-    "make_attachment",
-    "ATTACHMENTS",
 ]

@@ -24,15 +24,7 @@ from dataclasses import dataclass
 
 from ..shapes import Shape
 
-__all__ = [
-    "ShapeScale",
-    "shape_scale",
-    "default_sigma",
-    "default_control_points",
-    "default_levels",
-    "default_metric_sigma",
-    "LEVEL_SCALES",
-]
+__all__: list[str] = []
 
 #: kernel widths as fractions of the target's size, widest first
 SIGMA_FRACTIONS = (0.1, 1 / 27)

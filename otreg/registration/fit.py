@@ -5,7 +5,7 @@ At each level the objective is ``regularization * H(q_0, p) + sum_k weight_k * d
 ``torch.optim.LBFGS`` (strong Wolfe) runs until ``max_iter`` iterations or a change over an
 iteration below ``tol`` times the level's starting objective. With
 ``LBFGSOptions(precondition=True)`` it optimises ``u = L^T p``
-(:meth:`~otreg.registration.deformations.LDDMM.whitened`).
+(:meth:`~otreg.registration.LDDMM.whitened`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from .._checks import ConvergenceWarning, warn
 from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from . import signals
-from .deformations import LDDMM
+from .lddmm import LDDMM
 from .losses import Loss, make_loss
 from .options import LBFGSOptions, Level
 
-__all__ = ["Fit", "fit_levels"]
+__all__: list[str] = []
 
 
 @dataclass
@@ -92,7 +92,7 @@ def _objective(
     record: dict,
     warped: Shape | None = None,
 ) -> torch.Tensor:
-    """regularization * energy + the weighted data terms (and landmarks) at the current
+    """Regularization * energy + the weighted data terms (and landmarks) at the current
     momenta; each term's value and report go into ``record``. ``warped``: the level's source
     already moved by the current momenta (else it is shot here)."""
     deformation = fit.deformation

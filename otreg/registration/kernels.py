@@ -14,7 +14,7 @@ from .. import reductions
 from .._checks import check_positive
 from ..costs import get_cost
 
-__all__ = ["GaussianKernel"]
+__all__: list[str] = []
 
 _SQ = get_cost("sqeuclidean")
 #: up to this many pairs N * M the kernel sums form their matrices directly (all widths in

@@ -25,7 +25,7 @@ from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from .kernels import GaussianKernel
 
-__all__ = ["Loss", "make_loss", "LOSSES", "SINKHORN_TERM", "SIGNAL", "varifold_distance"]
+__all__ = ["Loss", "make_loss", "LOSSES", "SINKHORN_TERM", "varifold_distance"]
 
 LOSSES = ("sinkhorn", "varifold", "currents", "chamfer", "landmarks")
 #: The Sinkhorn term's solver options (its blur is each level's scale): each evaluation
@@ -81,9 +81,11 @@ class Loss:
         self.report: dict = {}
 
     def __call__(self, warped: Shape, target: Shape) -> torch.Tensor:
+        """The data term between the warped source and the target, ``()``."""
         return self.evaluate(warped, target)
 
     def prepare(self, warped: Shape, target: Shape) -> None:
+        """Precompute what the target alone determines (once a level)."""
         if self._prepare is not None:
             self._prepare(warped, target)
 
@@ -294,9 +296,3 @@ def make_loss(
             "the term is added with weight 'landmarks' in loss"
         )
     raise ValueError(f"{caller}: unknown loss {name!r}; choose from {', '.join(LOSSES)}")
-
-
-# The names before the argument and the term shared one (``loss``); kept as aliases.
-Attachment = Loss
-make_attachment = make_loss
-ATTACHMENTS = LOSSES

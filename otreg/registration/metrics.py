@@ -90,7 +90,7 @@ def vertex_error(points: torch.Tensor, truth: torch.Tensor) -> dict[str, float]:
 def jacobian_determinants(
     transform: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor, chunk: int = 50_000
 ) -> torch.Tensor:
-    """det of the Jacobian of ``transform`` at each point ``(N,)`` (3 backward passes a
+    """Det of the Jacobian of ``transform`` at each point ``(N,)`` (3 backward passes a
     chunk of ``chunk`` points, so that memory stays bounded on large meshes).
 
     ``transform`` must act on each point independently (as deformations do).
@@ -211,7 +211,8 @@ def correspondence(source: Shape, warped: Shape, target: Shape) -> dict[str, flo
 
 
 def registration_metrics(
-    result,
+    warped: Shape,
+    jacobians: torch.Tensor,
     source: Shape,
     prealigned: Shape | None,
     target: Shape,
@@ -219,18 +220,20 @@ def registration_metrics(
     varifold_sigma: float = 10.0,
     decimate_above: int = 20_000,
 ) -> dict[str, float]:
-    """What :func:`otreg.register` reports of its ``result``: :func:`summary` of the warped
-    source against ``target`` with the Jacobians at every source vertex, the distances
+    """What :func:`otreg.register` reports: :func:`summary` of the ``warped`` source against
+    ``target`` with the determinants of the transform's ``jacobians`` ``(N, 3, 3)`` at every
+    source vertex, the distances
     before registration and after the pre-alignment (``prealigned``, None without one), and
     :func:`correspondence`. The varifold metric compares copies decimated to
     ``decimate_above`` vertices (at 300,000 vertices it would take minutes to half an hour).
     """
-    warped = result.warped.to(torch.float64)
+    moved = warped
+    warped = warped.to(torch.float64)
     target = target.to(torch.float64)
     out = summary(
         warped,
         target,
-        jac=torch.linalg.det(result.jacobians(source.points)),
+        jac=torch.linalg.det(jacobians),
         truth=truth,
         sigma=varifold_sigma,
         varifold_shapes=(warped.decimate(decimate_above), target.decimate(decimate_above)),
@@ -241,5 +244,5 @@ def registration_metrics(
         if shape is not None:
             d = surface_distances(shape.to(torch.float64), target, to=out["distance_to"])
             out[f"{when}_mean_mm"], out[f"{when}_hausdorff_mm"] = d["mean_mm"], d["hausdorff_mm"]
-    out.update(correspondence(source, result.warped, target))
+    out.update(correspondence(source, moved, target))
     return out

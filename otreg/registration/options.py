@@ -19,13 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .._checks import check_choice, check_int, check_positive
-from .deformations import INTEGRATORS
+from ..loops.budget import resolve_strategy
 from .kernels import GaussianKernel
 from .losses import LOSSES
 
 __all__ = ["LDDMMOptions", "PrealignOptions", "LBFGSOptions", "Level", "MODELS", "PREALIGNS"]
 
 MODELS = ("lddmm", "rigid", "similarity", "affine")
+INTEGRATORS = ("euler", "rk4", "leapfrog")
 PREALIGNS = ("rigid", "similarity", "affine", "none")
 
 
@@ -69,8 +70,6 @@ class LDDMMOptions:
     memory: int | str | None = None
 
     def __post_init__(self) -> None:
-        from ..loops.budget import resolve_strategy
-
         caller = "LDDMMOptions"
         if self.sigma is not None:
             sigmas = GaussianKernel(self.sigma, caller=caller).sigmas
@@ -140,7 +139,7 @@ class LBFGSOptions:
             times its value at the level's start.
         history_size: number of past updates kept for the Hessian approximation.
         precondition: optimise whitened LDDMM momenta
-            (:meth:`~otreg.registration.deformations.LDDMM.whitened`): the same objective,
+            (:meth:`~otreg.registration.LDDMM.whitened`): the same objective,
             reached in fewer iterations (fsaverage5 onto Conte69: closer after 15
             iterations a level than without after 30).
 

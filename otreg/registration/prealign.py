@@ -10,13 +10,11 @@ import torch
 from .._checks import ConvergenceWarning, warn
 from ..ot.solver import sinkhorn
 from ..shapes import Shape
-from .deformations import Affine, Rigid, Similarity, _Linear, fit_linear
+from .linear import LINEAR, _Linear, fit_linear
 from .options import PrealignOptions
 
-__all__ = ["prealign", "LINEAR", "check_scales"]
+__all__ = ["prealign"]
 
-#: The linear models by name.
-LINEAR = {"rigid": Rigid, "similarity": Similarity, "affine": Affine}
 _UNSET = object()
 
 

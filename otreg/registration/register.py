@@ -10,6 +10,9 @@ finer ones; the control points (a decimated source) and the kernel stay fixed, s
 carry over from level to level. ``torch.optim.LBFGS`` with a strong-Wolfe line search runs
 each level until the relative change of E over an iteration is below ``optimizer.tol`` or
 ``optimizer.max_iter``. The options are the objects of :mod:`otreg.registration.options`.
+
+:func:`register` is a short front over named steps: :func:`_plan` (the options checked and
+resolved for this pair), the pre-alignment, :func:`_fit_deformation`, :func:`_metrics`.
 """
 
 from __future__ import annotations
@@ -18,17 +21,18 @@ import dataclasses
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from .._checks import FoldWarning, check_choice, check_int, check_positive, warn
-from .._progress import progress_wanted
+from .._checks import FoldWarning, check_choice, check_int, check_positive, check_progress, warn
 from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from . import defaults, metrics, signals
-from .deformations import LDDMM
 from .fit import Fit, fit_levels
 from .kernels import GaussianKernel
+from .lddmm import LDDMM
+from .linear import LINEAR
 from .losses import SINKHORN_TERM
 from .options import (
     MODELS,
@@ -39,38 +43,14 @@ from .options import (
     PrealignOptions,
     loss_weights,
 )
-from .prealign import LINEAR, check_scales
+from .prealign import check_scales
 from .prealign import prealign as fit_prealign
-from .result import Registration
+from .result import Registration, transform_jacobians
 
-__all__ = ["register", "METRIC_POINTS"]
+__all__ = ["register"]
 
 #: Above this many vertices, the varifold metric compares decimated copies.
 METRIC_POINTS = 20_000
-
-#: The deprecated keywords of register(): which option object now holds each.
-_ALIASES = {
-    **{
-        name: "model"
-        for name in (
-            "sigma",
-            "control_points",
-            "n_steps",
-            "integrator",
-            "regularization",
-            "strategy",
-            "memory",
-        )
-    },
-    "max_iter": "optimizer",
-    "tol": "optimizer",
-    "reach": "sinkhorn",
-}
-_NEW_SPELLING = {
-    "model": "model=LDDMMOptions({name}=...)",
-    "optimizer": "optimizer=LBFGSOptions({name}=...)",
-    "sinkhorn": "sinkhorn=SinkhornOptions({name}=...)",
-}
 
 
 def _check_shape(caller: str, name: str, shape: object) -> Shape:
@@ -125,53 +105,64 @@ def _levels(levels, loss, caller: str) -> list[Level]:
     return out
 
 
-def _resolve(caller: str, model, prealign, optimizer, sinkhorn, deprecated: dict):
-    """The option objects, with the deprecated keywords folded in (a DeprecationWarning
-    each); an alias combined with the object that holds it, or that cannot apply, raises
-    ValueError; unknown keywords raise TypeError."""
-    unknown = sorted(set(deprecated) - set(_ALIASES))
-    if unknown:
-        raise TypeError(f"{caller}: unknown keyword argument(s) {', '.join(unknown)}")
-    explicit = {
-        "model": isinstance(model, LDDMMOptions),
-        "optimizer": optimizer is not None,
-        "sinkhorn": sinkhorn is not None,
-    }
+@dataclass(frozen=True)
+class _Plan:
+    """What one registration will do: the option objects resolved for this pair (derived
+    values filled in) and what :attr:`Registration.options` records of them."""
+
+    model: str
+    lddmm: LDDMMOptions | None
+    prealign: PrealignOptions
+    optimizer: LBFGSOptions
+    sinkhorn: SinkhornOptions
+    levels: list[Level]
+    loss: str | dict | None
+    varifold_sigma: float
+    landmarks: tuple[torch.Tensor, torch.Tensor] | None
+    truth: torch.Tensor | None
+    signal: str | None
+    signal_weight: float
+    progress: bool
+    dtype: torch.dtype
+    scale: defaults.ShapeScale
+
+    def record(self) -> dict:
+        asdict = dataclasses.asdict
+        return {
+            "model": self.model,
+            "lddmm": None if self.lddmm is None else asdict(self.lddmm),
+            "prealign": asdict(self.prealign),
+            "levels": [asdict(lv) for lv in self.levels],
+            "optimizer": asdict(self.optimizer),
+            "sinkhorn": asdict(self.sinkhorn),
+            "loss": self.loss,
+            "varifold_sigma": self.varifold_sigma,
+            "scale": asdict(self.scale),
+            "signal": self.signal,
+            "signal_weight": self.signal_weight,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+
+def _plan(
+    caller, source, target, model, prealign, loss, levels, optimizer, sinkhorn,
+    varifold_sigma, landmarks, truth, progress, dtype, signal, signal_weight,
+) -> _Plan:  # fmt: skip
+    """Check every input of :func:`register` and resolve the options for this pair: the
+    LDDMM kernel width, control points and levels derived from the target where not
+    given."""
+    for name, s in (("source", source), ("target", target)):
+        _check_shape(caller, name, s)
+        if s.n_faces == 0:
+            raise ValueError(f"{caller}: {name} has no triangles; registration compares surfaces")
+    if source.unit != target.unit:
+        raise ValueError(f"{caller}: source is in {source.unit} but target in {target.unit}")
+    check_scales(caller, source, target)
     if isinstance(model, LDDMMOptions):
         lddmm, model = model, "lddmm"
     else:
         check_choice(caller, "model", model, MODELS)
         lddmm = LDDMMOptions() if model == "lddmm" else None
-    changes: dict[str, dict] = {"model": {}, "optimizer": {}, "sinkhorn": {}}
-    for name, value in deprecated.items():
-        holder = _ALIASES[name]
-        spelling = _NEW_SPELLING[holder].format(name=name)
-        if holder == "model" and model != "lddmm":
-            raise ValueError(
-                f"{caller}: {name}= applies to model='lddmm' only, not model={model!r}"
-            )
-        if explicit[holder]:
-            raise ValueError(
-                f"{caller}: {name}= and {holder}= were both given; write {spelling} only"
-            )
-        warn(f"{caller}: {name}= is deprecated; write {spelling}", DeprecationWarning)
-        changes[holder][name] = value
-    if changes["model"]:
-        # the strategy follows the budget as in LDDMMOptions(memory=...), unless given too
-        strategy = changes["model"].get("strategy")
-        lddmm = dataclasses.replace(lddmm, **{**changes["model"], "strategy": strategy})
-    if optimizer is None:
-        optimizer = LBFGSOptions(**changes["optimizer"])
-    elif not isinstance(optimizer, LBFGSOptions):
-        raise TypeError(
-            f"{caller}: optimizer must be an LBFGSOptions or None, got {type(optimizer).__name__}"
-        )
-    if sinkhorn is None:
-        sinkhorn = SINKHORN_TERM.replace(**changes["sinkhorn"])
-    elif not isinstance(sinkhorn, SinkhornOptions):
-        raise TypeError(
-            f"{caller}: sinkhorn must be a SinkhornOptions or None, got {type(sinkhorn).__name__}"
-        )
     if isinstance(prealign, PrealignOptions):
         pre = prealign
     else:
@@ -179,7 +170,49 @@ def _resolve(caller: str, model, prealign, optimizer, sinkhorn, deprecated: dict
         pre = PrealignOptions(prealign)
     if model in LINEAR:  # a linear model is the pre-alignment of its own kind
         pre = dataclasses.replace(pre, kind=model)
-    return model, lddmm, pre, optimizer, sinkhorn
+    if optimizer is None:
+        optimizer = LBFGSOptions()
+    elif not isinstance(optimizer, LBFGSOptions):
+        raise TypeError(
+            f"{caller}: optimizer must be an LBFGSOptions or None, got {type(optimizer).__name__}"
+        )
+    if sinkhorn is None:
+        sinkhorn = SINKHORN_TERM
+    elif not isinstance(sinkhorn, SinkhornOptions):
+        raise TypeError(
+            f"{caller}: sinkhorn must be a SinkhornOptions or None, got {type(sinkhorn).__name__}"
+        )
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{caller}: dtype is {dtype}; choose torch.float32 or torch.float64")
+    scale = defaults.shape_scale(target)
+    if lddmm is not None:
+        sigma = defaults.default_sigma(scale) if lddmm.sigma is None else lddmm.sigma
+        n_cp = lddmm.control_points
+        if n_cp is None:
+            widest = max(GaussianKernel(sigma, caller=caller).sigmas)
+            n_cp = defaults.default_control_points(scale, widest)
+        lddmm = dataclasses.replace(lddmm, sigma=sigma, control_points=n_cp)
+    levels = _levels(defaults.default_levels(scale) if levels is None else levels, loss, caller)
+    if any("landmarks" in lv.loss for lv in levels) and landmarks is None:
+        raise ValueError(f"{caller}: loss has 'landmarks' but landmarks= is None")
+    if signal is not None:
+        signals.check_signal(caller, signal, source, target)
+    signal_weight = check_positive(caller, "signal_weight", signal_weight)
+    if varifold_sigma is None:
+        varifold_sigma = defaults.default_metric_sigma(scale)
+    varifold_sigma = check_positive(caller, "varifold_sigma", varifold_sigma)
+    if truth is not None:
+        truth = torch.as_tensor(truth)
+        if tuple(truth.shape) != tuple(source.points.shape):
+            raise ValueError(
+                f"{caller}: truth has shape {tuple(truth.shape)}; it must give the "
+                f"target position of every source vertex, "
+                f"{tuple(source.points.shape)}"
+            )
+    return _Plan(
+        model, lddmm, pre, optimizer, sinkhorn, levels, loss, varifold_sigma, landmarks,
+        truth, signal, signal_weight, check_progress(caller, progress), dtype, scale,
+    )  # fmt: skip
 
 
 def register(
@@ -199,13 +232,13 @@ def register(
     dtype: torch.dtype = torch.float64,
     signal: str | None = None,
     signal_weight: float = 1.0,
-    **deprecated,
 ) -> Registration:
     """Register ``source`` onto ``target``: pre-alignment, then a deformation.
 
     Args:
-        source, target: surfaces (:class:`~otreg.shapes.Shape`, mm); no point-to-point
-            correspondence is needed and vertex counts may differ.
+        source: the surface to move (:class:`~otreg.shapes.Shape`, mm).
+        target: the surface to reach; no point-to-point correspondence is needed and
+            vertex counts may differ.
         model: ``"lddmm"`` (diffeomorphic, default :class:`LDDMMOptions`), an
             :class:`LDDMMOptions` (its kernel width, control points, time steps,
             regularization...), or a linear model (``"rigid"``, ``"similarity"``,
@@ -243,10 +276,6 @@ def register(
             level's: a difference of one standard deviation counts as ``signal_weight``
             level scales.
         signal_weight: see ``signal`` (> 0).
-        **deprecated: ``sigma``, ``control_points``, ``n_steps``, ``integrator``,
-            ``regularization``, ``strategy``, ``memory`` (now in :class:`LDDMMOptions`),
-            ``max_iter``, ``tol`` (:class:`LBFGSOptions`) and ``reach`` (``sinkhorn``) still
-            work for one release, with a ``DeprecationWarning``.
 
     Options left None are derived from the target's size and area
     (:mod:`otreg.registration.defaults`), so that a hippocampus and a hemisphere register
@@ -264,133 +293,91 @@ def register(
         >>> res.metrics["mean_mm"] < 0.3 * res.metrics["before_mean_mm"]
         True
     """
-    caller = "register"
-    source, target = _check_shape(caller, "source", source), _check_shape(caller, "target", target)
-    for name, s in (("source", source), ("target", target)):
-        if s.n_faces == 0:
-            raise ValueError(f"{caller}: {name} has no triangles; registration compares surfaces")
-    if source.unit != target.unit:
-        raise ValueError(f"{caller}: source is in {source.unit} but target in {target.unit}")
-    check_scales(caller, source, target)
-    model, lddmm, pre, optimizer, sinkhorn = _resolve(
-        caller, model, prealign, optimizer, sinkhorn, deprecated
-    )
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"{caller}: dtype is {dtype}; choose torch.float32 or torch.float64")
-    scale = defaults.shape_scale(target)
-    if lddmm is not None:
-        sigma = defaults.default_sigma(scale) if lddmm.sigma is None else lddmm.sigma
-        n_cp = lddmm.control_points
-        if n_cp is None:
-            widest = max(GaussianKernel(sigma, caller=caller).sigmas)
-            n_cp = defaults.default_control_points(scale, widest)
-        lddmm = dataclasses.replace(lddmm, sigma=sigma, control_points=n_cp)
-    levels_ = _levels(defaults.default_levels(scale) if levels is None else levels, loss, caller)
-    if any("landmarks" in lv.loss for lv in levels_) and landmarks is None:
-        raise ValueError(f"{caller}: loss has 'landmarks' but landmarks= is None")
-    if signal is not None:
-        signals.check_signal(caller, signal, source, target)
-    signal_weight = check_positive(caller, "signal_weight", signal_weight)
-    if progress is not None and not isinstance(progress, bool):
-        raise TypeError(f"{caller}: progress is {progress!r}; it must be True, False or None")
-    if varifold_sigma is None:
-        varifold_sigma = defaults.default_metric_sigma(scale)
-    varifold_sigma = check_positive(caller, "varifold_sigma", varifold_sigma)
-    if truth is not None:
-        truth = torch.as_tensor(truth)
-        if tuple(truth.shape) != tuple(source.points.shape):
-            raise ValueError(
-                f"{caller}: truth has shape {tuple(truth.shape)}; it must give the "
-                f"target position of every source vertex, "
-                f"{tuple(source.points.shape)}"
-            )
-    asdict = dataclasses.asdict
-    options = {
-        "model": model,
-        "lddmm": None if lddmm is None else asdict(lddmm),
-        "prealign": asdict(pre),
-        "levels": [asdict(lv) for lv in levels_],
-        "optimizer": asdict(optimizer),
-        "sinkhorn": asdict(sinkhorn),
-        "loss": loss,
-        "varifold_sigma": varifold_sigma,
-        "scale": dataclasses.asdict(scale),
-        "signal": signal,
-        "signal_weight": signal_weight,
-        "dtype": str(dtype).removeprefix("torch."),
-    }
+    plan = _plan(
+        "register", source, target, model, prealign, loss, levels, optimizer, sinkhorn,
+        varifold_sigma, landmarks, truth, progress, dtype, signal, signal_weight,
+    )  # fmt: skip
     start = time.perf_counter()
-    src = source.to(dtype)
-    tgt = target.to(dtype)
-    history: list[dict] = []
-
-    linear = None if pre.kind == "none" else fit_prealign(src, tgt, pre)
-    phases = {"prealign_seconds": time.perf_counter() - start}
-    moved_src = src
+    src, tgt = source.to(plan.dtype), target.to(plan.dtype)
+    linear = None if plan.prealign.kind == "none" else fit_prealign(src, tgt, plan.prealign)
+    seconds = {"prealign_seconds": time.perf_counter() - start}
+    moved = src
     if linear is not None:  # the linear map is fitted in float64
-        moved_src = src.with_points(linear(src.points.double()).detach().to(dtype))
-    deformation = None
-    if lddmm is not None:
-        deformation = LDDMM(
-            moved_src.decimate(lddmm.control_points).points,
-            sigma=lddmm.sigma,
-            n_steps=lddmm.n_steps,
-            integrator=lddmm.integrator,
-            strategy=lddmm.strategy,
-            memory=lddmm.memory,
-        ).to(dtype)
-        lm = None
-        if landmarks is not None:
-            lsrc = torch.as_tensor(landmarks[0], dtype=dtype)
-            lsrc = lsrc if linear is None else linear(lsrc).detach()
-            lm = (lsrc, torch.as_tensor(landmarks[1], dtype=dtype))
-        fit = Fit(
-            deformation,
-            lddmm.regularization,
-            lm,
-            optimizer,
-            sinkhorn,
-            progress_wanted(progress),
-            history,
-            start,
-            signal,
-            signal_weight,
-        )
-        fit_levels(fit, moved_src, tgt, levels_)
-    phases["fit_seconds"] = time.perf_counter() - start - phases["prealign_seconds"]
+        moved = src.with_points(linear(src.points.double()).detach().to(plan.dtype))
+    history: list[dict] = []
+    deformation = _fit_deformation(plan, linear, moved, tgt, history, start)
+    seconds["fit_seconds"] = time.perf_counter() - start - seconds["prealign_seconds"]
     with torch.no_grad():
-        warped_pts = moved_src.points if deformation is None else deformation(moved_src.points)
-    metrics_start = time.perf_counter()
-    warped = source.with_points(warped_pts.to(source.points.dtype))
+        warped_points = moved.points if deformation is None else deformation(moved.points)
+    warped = source.with_points(warped_points.to(source.points.dtype))
+    found = _metrics(plan, source, None if linear is None else moved, tgt, warped, linear,
+                     deformation, history)  # fmt: skip
+    found.update(seconds, seconds=time.perf_counter() - start)
     inputs = {
         name: None if s.source is None else os.path.abspath(s.source)
         for name, s in (("source", source), ("target", target))
     }
-    result = Registration(warped, linear, deformation, history, {}, options, inputs)
-    result.metrics = metrics.registration_metrics(
-        result,
+    return Registration(warped, linear, deformation, history, found, plan.record(), inputs)
+
+
+def _fit_deformation(
+    plan: _Plan, linear, moved: Shape, target: Shape, history: list[dict], start: float
+) -> LDDMM | None:
+    """The LDDMM deformation of the pre-aligned source ``moved`` onto ``target``, fitted
+    level by level (None for a linear model); every evaluation appended to ``history``."""
+    if plan.lddmm is None:
+        return None
+    control_points = moved.decimate(plan.lddmm.control_points).points
+    deformation = LDDMM.from_options(control_points, plan.lddmm).to(plan.dtype)
+    landmarks = None
+    if plan.landmarks is not None:
+        source_marks = torch.as_tensor(plan.landmarks[0], dtype=plan.dtype)
+        if linear is not None:
+            source_marks = linear(source_marks).detach()
+        landmarks = (source_marks, torch.as_tensor(plan.landmarks[1], dtype=plan.dtype))
+    fit = Fit(
+        deformation,
+        plan.lddmm.regularization,
+        landmarks,
+        plan.optimizer,
+        plan.sinkhorn,
+        plan.progress,
+        history,
+        start,
+        plan.signal,
+        plan.signal_weight,
+    )
+    fit_levels(fit, moved, target, plan.levels)
+    return deformation
+
+
+def _metrics(plan: _Plan, source, prealigned, target, warped, linear, deformation, history):
+    """What the registration reports (:func:`metrics.registration_metrics`, the energy,
+    the unconverged Sinkhorn evaluations, ``metrics_seconds``); a fold warns."""
+    start = time.perf_counter()
+    found = metrics.registration_metrics(
+        warped,
+        transform_jacobians(linear, deformation, source.points),
         source,
-        None if linear is None else moved_src,
-        tgt,
-        truth=truth,
-        varifold_sigma=varifold_sigma,
+        prealigned,
+        target,
+        truth=plan.truth,
+        varifold_sigma=plan.varifold_sigma,
         decimate_above=METRIC_POINTS,
     )
-    if result.metrics["jacobian_negative_fraction"] > 0:
-        m = result.metrics
+    if found["jacobian_negative_fraction"] > 0:
         warn(
             f"register: the deformation folds: its Jacobian determinant is <= 0 at "
-            f"{100 * m['jacobian_negative_fraction']:.2f}% of the source vertices (min "
-            f"{m['jacobian_min']:.3g}); raise the kernel width (model=LDDMMOptions(sigma=...)) "
+            f"{100 * found['jacobian_negative_fraction']:.2f}% of the source vertices (min "
+            f"{found['jacobian_min']:.3g}); raise the kernel width (model=LDDMMOptions(sigma=...)) "
             "or the regularization",
             FoldWarning,
         )
     if deformation is not None:  # mm^2: sqrt of it is the geodesic distance of the flow
         with torch.no_grad():
-            result.metrics["energy"] = float(deformation.energy())
-    result.metrics["sinkhorn_unconverged_evaluations"] = sum(
+            found["energy"] = float(deformation.energy())
+    found["sinkhorn_unconverged_evaluations"] = sum(
         1 for h in history if not h.get("sinkhorn_converged", True)
     )
-    result.metrics.update(phases, metrics_seconds=time.perf_counter() - metrics_start)
-    result.metrics["seconds"] = time.perf_counter() - start
-    return result
+    found["metrics_seconds"] = time.perf_counter() - start
+    return found

@@ -12,13 +12,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..io import (
+    atomic_write_all,
+    check_writable_folder,
+    read_pyvista_mesh,
+    remove_stale_temps,
+    same_file,
+)
 from ..shapes import Shape
-from .deformations import LDDMM, _Linear
+from .lddmm import LDDMM
+from .linear import _Linear
 
 __all__ = ["Registration"]
 
-#: The files :meth:`Registration.save` writes.
-OUTPUTS = ("warped.vtk", "parameters.npz", "registration.json")
+#: The files :meth:`Registration.save` writes, by role.
+OUTPUTS = {
+    "warped": "warped.vtk",
+    "parameters": "parameters.npz",
+    "registration": "registration.json",
+}
 
 
 @dataclass
@@ -28,7 +40,7 @@ class Registration:
     Attributes:
         warped: the source moved by the whole transform (all its vertices).
         linear: the pre-alignment (Rigid/Similarity/Affine module) or None.
-        deformation: the fitted :class:`~otreg.registration.deformations.LDDMM` or None.
+        deformation: the fitted :class:`~otreg.registration.LDDMM` or None.
         history: one dict per objective evaluation: level, evaluation, loss, energy, data
             terms, seconds.
         metrics: surface distances, varifold distance, Jacobian determinants (and vertex
@@ -60,6 +72,7 @@ class Registration:
 
     @property
     def momenta(self) -> torch.Tensor | None:
+        """The fitted momenta ``(K, 3)``, detached; None without a deformation."""
         return None if self.deformation is None else self.deformation.momenta.detach()
 
     def transform(self, what: torch.Tensor | np.ndarray | Shape) -> torch.Tensor | Shape:
@@ -94,33 +107,16 @@ class Registration:
     def jacobians(self, points: torch.Tensor) -> torch.Tensor:
         """The Jacobian matrices of the whole transform at ``points`` (N, 3), float64:
         ``(N, 3, 3)``, no gradient (the pre-alignment's matrix times the deformation's,
-        :meth:`~otreg.registration.deformations.LDDMM.jacobians`)."""
-        x = torch.as_tensor(points).detach().double()
-        A = None
-        if self.linear is not None:
-            with torch.no_grad():
-                A = self.linear.matrix().detach().double()
-                x = self.linear(x).double()
-        if self.deformation is None:
-            J = torch.eye(3, dtype=x.dtype).expand(x.shape[0], 3, 3)
-        else:
-            J = self.deformation.jacobians(x).double()
-        return J if A is None else J @ A
+        :meth:`~otreg.registration.LDDMM.jacobians`)."""
+        return transform_jacobians(self.linear, self.deformation, points)
 
     def save(self, folder: str | Path) -> Path:
         """Write warped.vtk, parameters.npz (no pickle) and registration.json, all or
         nothing: each carries the same run id, which :meth:`load` checks. Refuses
         (ValueError) a folder where one of them would replace an input of the run, and
         (PermissionError or ValueError, naming it) a folder that cannot be written."""
-        from ..io import (
-            atomic_write_all,
-            check_writable_folder,
-            remove_stale_temps,
-            same_file,
-        )
-
         folder = Path(folder)
-        for name in OUTPUTS:
+        for name in OUTPUTS.values():
             for role, given in self.inputs.items():
                 if given is not None and same_file(folder / name, given):
                     raise ValueError(
@@ -129,7 +125,7 @@ class Registration:
                         "another folder"
                     )
         check_writable_folder(folder, "Registration.save")  # not a raw OSError from deep inside
-        remove_stale_temps(folder, OUTPUTS)  # left by a save that was killed
+        remove_stale_temps(folder, tuple(OUTPUTS.values()))  # left by a save that was killed
         run_id = uuid.uuid4().hex
         mesh = self.warped.with_points(self.warped.points.detach()).to_pyvista()
         mesh.field_data["run_id"] = np.array([run_id])
@@ -147,9 +143,9 @@ class Registration:
         text = json.dumps(doc, indent=2, default=str)
         atomic_write_all(
             {
-                folder / "warped.vtk": lambda p: mesh.save(str(p)),
-                folder / "parameters.npz": lambda p: np.savez(p, **params),
-                folder / "registration.json": lambda p: p.write_text(text),
+                folder / OUTPUTS["warped"]: lambda p: mesh.save(str(p)),
+                folder / OUTPUTS["parameters"]: lambda p: np.savez(p, **params),
+                folder / OUTPUTS["registration"]: lambda p: p.write_text(text),
             }
         )
         return folder
@@ -159,38 +155,37 @@ class Registration:
         """Read what :meth:`save` wrote; ``transform`` then works as before (the linear part
         comes back as an :class:`~otreg.registration.Affine` of the same matrix). Refuses
         (ValueError) a folder whose files come from different runs."""
-        from ..io import read_pyvista_mesh
-
         caller = "Registration.load"
         folder = Path(folder)
-        for name in ("parameters.npz", "registration.json", "warped.vtk"):
-            if not (folder / name).exists():
-                raise FileNotFoundError(f"{caller}: {folder / name} is missing")
-        mesh = read_pyvista_mesh(folder / "warped.vtk", caller)
-        ids = {"warped.vtk": mesh.field_data["run_id"][0] if "run_id" in mesh.field_data else None}
+        paths = {role: folder / name for role, name in OUTPUTS.items()}
+        for path in (paths["parameters"], paths["registration"], paths["warped"]):
+            if not path.exists():
+                raise FileNotFoundError(f"{caller}: {path} is missing")
+        mesh = read_pyvista_mesh(paths["warped"], caller)
+        ids = {"warped": mesh.field_data["run_id"][0] if "run_id" in mesh.field_data else None}
         try:
-            with np.load(folder / "parameters.npz", allow_pickle=False) as arrays:
-                ids["parameters.npz"] = arrays["run_id"] if "run_id" in arrays.files else None
+            with np.load(paths["parameters"], allow_pickle=False) as arrays:
+                ids["parameters"] = arrays["run_id"] if "run_id" in arrays.files else None
                 linear = _Linear.from_arrays(arrays) if "linear_kind" in arrays else None
                 deformation = LDDMM.from_arrays(arrays) if "momenta" in arrays else None
         except Exception as err:  # a zip, pickle or array error: say which file
-            raise ValueError(_unreadable(caller, folder / "parameters.npz", err)) from err
+            raise ValueError(_unreadable(caller, paths["parameters"], err)) from err
         try:
-            doc = json.loads((folder / "registration.json").read_text())
+            doc = json.loads(paths["registration"].read_text())
             if not isinstance(doc, dict) or not {"history", "metrics", "options"} <= set(doc):
                 raise ValueError("not an object with history, metrics and options")
         except ValueError as err:  # JSONDecodeError and UnicodeDecodeError among them
-            raise ValueError(_unreadable(caller, folder / "registration.json", err)) from err
-        ids["registration.json"] = doc.get("run_id")
+            raise ValueError(_unreadable(caller, paths["registration"], err)) from err
+        ids["registration"] = doc.get("run_id")
         ids = {name: None if v is None else str(v) for name, v in ids.items()}
         if len(set(ids.values())) > 1:  # no run id in all three: saved before they were
-            found = ", ".join(f"{name} {v or 'none'}" for name, v in ids.items())
+            found = ", ".join(f"{OUTPUTS[role]} {v or 'none'}" for role, v in ids.items())
             raise ValueError(
                 f"{caller}: {folder} mixes files of two runs (run ids: {found}); a save "
                 "was interrupted or a file was copied in: rerun the registration (or "
                 "save it again) into this folder"
             )
-        warped = Shape.from_pyvista(mesh, source=str((folder / "warped.vtk").absolute()))
+        warped = Shape.from_pyvista(mesh, source=str(paths["warped"].absolute()))
         return cls(
             warped,
             linear,
@@ -200,6 +195,23 @@ class Registration:
             doc["options"],
             doc.get("inputs", {}),  # absent from results saved before it was recorded
         )
+
+
+def transform_jacobians(linear, deformation: LDDMM | None, points) -> torch.Tensor:
+    """The Jacobian matrices ``(N, 3, 3)``, float64, of ``deformation`` after ``linear``
+    (either may be None) at ``points`` (N, 3): the linear map's matrix times the
+    deformation's Jacobians at the moved points, no gradient."""
+    x = torch.as_tensor(points).detach().double()
+    A = None
+    if linear is not None:
+        with torch.no_grad():
+            A = linear.matrix().detach().double()
+            x = linear(x).double()
+    if deformation is None:
+        J = torch.eye(3, dtype=x.dtype, device=x.device).expand(x.shape[0], 3, 3)
+    else:
+        J = deformation.jacobians(x).double()
+    return J if A is None else J @ A
 
 
 def _unreadable(caller: str, path: Path, err: Exception) -> str:

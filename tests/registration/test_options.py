@@ -40,14 +40,7 @@ def test_documented_defaults():
     assert otreg.LDDMMOptions is LDDMMOptions and otreg.Level is Level
 
 
-def test_every_old_keyword_is_a_field_of_the_object_that_now_holds_it():
-    from otreg.ot.problem import SinkhornOptions
-    from otreg.registration.register import _ALIASES
-
-    holders = {"model": LDDMMOptions, "optimizer": LBFGSOptions, "sinkhorn": SinkhornOptions}
-    assert len(_ALIASES) == 10
-    for name, holder in _ALIASES.items():
-        assert name in defaults(holders[holder]), (name, holder)
+def test_prealign_defaults_are_the_options_objects():
     p = inspect.signature(prealign).parameters
     assert p["kind"].default == PrealignOptions().kind
 

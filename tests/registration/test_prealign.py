@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from otreg.registration import PrealignOptions, Rigid, Similarity, prealign
-from otreg.registration.deformations import rotation_matrix
+from otreg.registration.linear import rotation_matrix
 
 R = rotation_matrix(torch.tensor([0.05, -0.12, 0.08], dtype=torch.float64))  # 8.7 degrees
 T = torch.tensor([4.0, -6.0, 3.0], dtype=torch.float64)

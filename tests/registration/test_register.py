@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import warnings
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from otreg.registration import (
 )
 from otreg.registration.losses import SINKHORN_TERM
 from otreg.registration.metrics import jacobian_determinants
-from otreg.registration.register import _resolve
 
 pytest.importorskip("nilearn")
 pytest.importorskip("pyvista")
@@ -113,78 +111,11 @@ def test_bad_options(pial_small, kwargs, error, match):
         register(pial_small, pial_small, progress=False, **kwargs)
 
 
-ALIASES = [  # old keyword, value, the new spelling's keywords
-    ("sigma", 12.0, dict(model=LDDMMOptions(sigma=12.0))),
-    ("control_points", 100, dict(model=LDDMMOptions(control_points=100))),
-    ("n_steps", 4, dict(model=LDDMMOptions(n_steps=4))),
-    ("integrator", "euler", dict(model=LDDMMOptions(integrator="euler"))),
-    ("regularization", 1e-3, dict(model=LDDMMOptions(regularization=1e-3))),
-    ("strategy", "checkpoint", dict(model=LDDMMOptions(strategy="checkpoint"))),
-    ("memory", "100MB", dict(model=LDDMMOptions(memory="100MB"))),
-    ("max_iter", 3, dict(optimizer=LBFGSOptions(max_iter=3))),
-    ("tol", 1e-3, dict(optimizer=LBFGSOptions(tol=1e-3))),
-    ("reach", 5.0, dict(sinkhorn=SINKHORN_TERM.replace(reach=5.0))),
-]
-
-
-def resolved(**kwargs):
-    model = kwargs.pop("model", "lddmm")
-    return _resolve(
-        "register",
-        model,
-        "rigid",
-        kwargs.pop("optimizer", None),
-        kwargs.pop("sinkhorn", None),
-        kwargs,
-    )
-
-
-@pytest.mark.parametrize("name, value, new", ALIASES)
-def test_deprecated_alias_warns_and_equals_the_new_spelling(name, value, new):
-    with pytest.warns(DeprecationWarning, match=f"{name}= is deprecated; write "):
-        old = resolved(**{name: value})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        assert resolved(**new) == old
-    assert old != resolved()  # the alias changed something
-
-
-@pytest.mark.parametrize("name, value, new", ALIASES)
-def test_deprecated_alias_with_its_object_raises(name, value, new):
-    ((holder, obj),) = new.items()
-    with pytest.raises(ValueError, match=f"{name}= and {holder}= were both given"):
-        resolved(**{holder: obj, name: value})
-
-
-@pytest.mark.parametrize("model", ["rigid", "similarity", "affine"])
-def test_lddmm_alias_with_a_linear_model_raises(model):
-    with pytest.raises(
-        ValueError, match=f"sigma= applies to model='lddmm' only, not model='{model}'"
-    ):
-        resolved(model=model, sigma=10.0)
-
-
 def test_unknown_keywords_raise_type_error(pial_small):
-    with pytest.raises(TypeError, match="unknown keyword argument\\(s\\) blur, sigmaa"):
-        register(pial_small, pial_small, sigmaa=3.0, blur=2.0, progress=False)
-
-
-def test_deprecated_keywords_end_to_end(pial_small):
-    small = dict(levels=((300, 6.0),), prealign="none", progress=False)
-    with pytest.warns(DeprecationWarning) as record:
-        old = register(pial_small, pial_small, sigma=25.0, control_points=50, max_iter=2, **small)
-    assert sorted(
-        str(w.message).split("=")[0] for w in record if str(w.message).startswith("register:")
-    ) == ["register: control_points", "register: max_iter", "register: sigma"]
-    new = register(
-        pial_small,
-        pial_small,
-        LDDMMOptions(sigma=25.0, control_points=50),
-        optimizer=LBFGSOptions(max_iter=2),
-        **small,
-    )
-    assert old.options == new.options
-    assert torch.allclose(old.momenta, new.momenta)
+    # the LDDMM, optimizer and Sinkhorn settings exist only inside their option objects
+    for keyword in ("sigma", "control_points", "max_iter", "tol", "reach", "sigmaa"):
+        with pytest.raises(TypeError, match=keyword):
+            register(pial_small, pial_small, progress=False, **{keyword: 3.0})
 
 
 def test_options_record_the_option_objects(pial_small, tmp_path):
@@ -334,7 +265,7 @@ def test_progress_bars_by_default_only_where_someone_watches(pial_small, monkeyp
     file would keep every redraw), a bar on a terminal or in a Jupyter kernel."""
     import sys
 
-    from otreg._progress import progress_wanted
+    from otreg._checks import check_progress
 
     small = dict(levels=((200, 4.0),), optimizer=LBFGSOptions(max_iter=2), prealign="none")
     monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
@@ -343,10 +274,10 @@ def test_progress_bars_by_default_only_where_someone_watches(pial_small, monkeyp
     register(pial_small, pial_small, progress=True, **small)
     assert "eval" in capsys.readouterr().err
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    assert progress_wanted(None) and not progress_wanted(False)
+    assert check_progress("test", None) and not check_progress("test", False)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
-    assert not progress_wanted(None)
+    assert not check_progress("test", None)
     monkeypatch.setitem(sys.modules, "ipykernel", object())
-    assert progress_wanted(None)
+    assert check_progress("test", None)
     with pytest.raises(TypeError, match="progress is 'yes'; it must be True, False or None"):
         register(pial_small, pial_small, "rigid", progress="yes")

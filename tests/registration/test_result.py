@@ -8,7 +8,7 @@ import torch
 
 from otreg import Shape
 from otreg.registration import LDDMM, Affine, Registration, Rigid, Similarity
-from otreg.registration.deformations import rotation_matrix
+from otreg.registration.linear import rotation_matrix
 
 pytest.importorskip("pyvista")
 

@@ -1,15 +1,15 @@
-"""Deformations: ``Rigid``, ``Similarity``, ``Affine`` and ``LDDMM`` (geodesic shooting).
+r"""LDDMM: a diffeomorphism by geodesic shooting from control points with momenta.
 
-Each is an ``nn.Module`` whose parameters an optimiser fits, and whose ``forward(points)``
-maps ``(N, 3)`` points (mm) to their deformed positions.
+:class:`LDDMM` is an ``nn.Module`` whose parameter (the momenta) an optimiser fits, and
+whose ``forward(points)`` maps ``(N, 3)`` points (mm) to their deformed positions.
 
 LDDMM (Miller, Trouvé, Younes): control points q (N, 3) with momenta p (N, 3) evolve by
 Hamilton's equations for H(q, p) = 1/2 sum_ij p_i . k(q_i, q_j) p_j,
 
 .. math::
 
-    \\dot q_i = \\sum_j k(q_i, q_j)\\, p_j, \\qquad
-    \\dot p_i = \\sum_j (p_i \\cdot p_j)\\, k'(q_i, q_j)\\, (q_i - q_j),
+    \dot q_i = \sum_j k(q_i, q_j)\, p_j, \qquad
+    \dot p_i = \sum_j (p_i \cdot p_j)\, k'(q_i, q_j)\, (q_i - q_j),
 
 with ``k'(x, y) = sum_s w_s / sigma_s^2 exp(-|x - y|^2 / (2 sigma_s^2))``, and any other point x
 follows the velocity field: x' = sum_j k(x, q_j) p_j. Time runs from 0 to 1 in ``n_steps``
@@ -21,7 +21,6 @@ memory budget. The deformation energy is H(q_0, p_0) (constant along the geodesi
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -33,158 +32,13 @@ from .._checks import check_choice, check_int
 from ..loops import iterate
 from ..loops.budget import resolve_strategy
 from .kernels import GaussianKernel
+from .options import INTEGRATORS, LDDMMOptions
 
-__all__ = [
-    "Rigid",
-    "Similarity",
-    "Affine",
-    "LDDMM",
-    "rotation_matrix",
-    "INTEGRATORS",
-    "WHITEN_MAX_POINTS",
-]
+__all__ = ["LDDMM"]
 
 #: :meth:`LDDMM.whitened` factors the control points' kernel matrix up to this many points
 #: (a dense (N, N) matrix: 200 MB and a second or two at 5,000)
 WHITEN_MAX_POINTS = 5000
-
-INTEGRATORS = ("euler", "rk4", "leapfrog")
-
-
-def rotation_matrix(w: torch.Tensor) -> torch.Tensor:
-    """Rotation of axis-angle vector w (3,) (radians), Rodrigues' formula, differentiable."""
-    theta = torch.sqrt((w * w).sum() + 1e-24)
-    k = w / theta
-    K = torch.zeros(3, 3, dtype=w.dtype, device=w.device)
-    K = K.index_put(
-        (torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([1, 2, 0, 2, 0, 1])),
-        torch.stack([-k[2], k[1], k[2], -k[0], -k[1], k[0]]),
-    )
-    eye = torch.eye(3, dtype=w.dtype, device=w.device)
-    return eye + torch.sin(theta) * K + (1 - torch.cos(theta)) * (K @ K)
-
-
-class _Linear(nn.Module):
-    """x -> A (x - c) + c + t, with A built from the parameters."""
-
-    def __init__(self, center: torch.Tensor) -> None:
-        super().__init__()
-        center = torch.as_tensor(center).detach()
-        self.register_buffer("center", center.clone())
-        self.translation = nn.Parameter(torch.zeros(3, dtype=center.dtype))
-
-    def matrix(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, points: torch.Tensor) -> torch.Tensor:
-        A, c = self.matrix().to(points.dtype), self.center.to(points.dtype)
-        return (points - c) @ A.T + c + self.translation.to(points.dtype)
-
-    def inverse(self, points: torch.Tensor) -> torch.Tensor:
-        A, c = self.matrix().to(points.dtype), self.center.to(points.dtype)
-        return (points - c - self.translation.to(points.dtype)) @ torch.linalg.inv(A).T + c
-
-    def set_from(self, A: torch.Tensor, t: torch.Tensor) -> None:
-        """Set the parameters from a matrix A and a translation t (about ``center``)."""
-        raise NotImplementedError
-
-    def to_arrays(self) -> dict[str, np.ndarray]:
-        """The map as arrays (``linear_kind``, ``linear_matrix``, ``linear_translation``,
-        ``linear_center``), as :meth:`otreg.registration.Registration.save` writes them."""
-        return {
-            "linear_kind": np.array(type(self).__name__.lower()),
-            "linear_matrix": self.matrix().detach().cpu().numpy(),
-            "linear_translation": self.translation.detach().cpu().numpy(),
-            "linear_center": self.center.cpu().numpy(),
-        }
-
-    @staticmethod
-    def from_arrays(arrays: Mapping[str, np.ndarray]) -> Affine:
-        """The map that :meth:`to_arrays` wrote, as an :class:`Affine` of the same matrix,
-        translation and center (float64; exact whatever the saved kind)."""
-        linear = Affine(torch.as_tensor(arrays["linear_center"])).double()
-        linear.set_from(
-            torch.as_tensor(arrays["linear_matrix"]), torch.as_tensor(arrays["linear_translation"])
-        )
-        return linear
-
-
-class Rigid(_Linear):
-    """Rotation about ``center`` (axis-angle parameter, radians) and translation (mm).
-
-    Example:
-        >>> import torch
-        >>> from otreg.registration import Rigid
-        >>> r = Rigid(torch.zeros(3)).double()
-        >>> r(torch.ones(2, 3, dtype=torch.float64)).detach()     # the identity until fitted
-        tensor([[1., 1., 1.],
-                [1., 1., 1.]], dtype=torch.float64)
-    """
-
-    def __init__(self, center: torch.Tensor) -> None:
-        super().__init__(center)
-        self.rotation = nn.Parameter(torch.zeros(3, dtype=self.center.dtype))
-
-    def matrix(self) -> torch.Tensor:
-        return rotation_matrix(self.rotation)
-
-    def set_from(self, A: torch.Tensor, t: torch.Tensor) -> None:
-        with torch.no_grad():
-            R = A.to(self.center.dtype)
-            angle = math.acos(max(-1.0, min(1.0, (float(torch.trace(R)) - 1) / 2)))
-            axis = torch.stack([R[2, 1] - R[1, 2], R[0, 2] - R[2, 0], R[1, 0] - R[0, 1]])
-            n = float(axis.norm())
-            self.rotation.copy_(axis / n * angle if n > 1e-12 else torch.zeros(3))
-            self.translation.copy_(t.to(self.center.dtype))
-
-
-class Similarity(Rigid):
-    """Rigid motion and an isotropic scale (log-parametrised).
-
-    Example:
-        >>> import torch
-        >>> from otreg.registration import Similarity
-        >>> float(torch.linalg.det(Similarity(torch.zeros(3)).double().matrix()))
-        1.0
-    """
-
-    def __init__(self, center: torch.Tensor) -> None:
-        super().__init__(center)
-        self.log_scale = nn.Parameter(torch.zeros((), dtype=self.center.dtype))
-
-    def matrix(self) -> torch.Tensor:
-        return torch.exp(self.log_scale) * rotation_matrix(self.rotation)
-
-    def set_from(self, A: torch.Tensor, t: torch.Tensor) -> None:
-        scale = float(torch.linalg.det(A)) ** (1 / 3)
-        super().set_from(A / scale, t)
-        with torch.no_grad():
-            self.log_scale.fill_(math.log(scale))
-
-
-class Affine(_Linear):
-    """Any invertible linear map about ``center`` and a translation.
-
-    Example:
-        >>> import torch
-        >>> from otreg.registration import Affine
-        >>> a = Affine(torch.zeros(3)).double()
-        >>> a.set_from(2 * torch.eye(3), torch.zeros(3))
-        >>> a(torch.ones(1, 3, dtype=torch.float64)).detach()
-        tensor([[2., 2., 2.]], dtype=torch.float64)
-    """
-
-    def __init__(self, center: torch.Tensor) -> None:
-        super().__init__(center)
-        self.linear = nn.Parameter(torch.eye(3, dtype=self.center.dtype))
-
-    def matrix(self) -> torch.Tensor:
-        return self.linear
-
-    def set_from(self, A: torch.Tensor, t: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.linear.copy_(A.to(self.center.dtype))
-            self.translation.copy_(t.to(self.center.dtype))
 
 
 class LDDMM(nn.Module):
@@ -194,8 +48,9 @@ class LDDMM(nn.Module):
         control_points: q_0, ``(N, 3)`` mm (e.g. the source vertices or a decimated subset).
         sigma: kernel width(s) in mm (a sum of Gaussians if several).
         kernel_weights: weight of each width (default 1 each).
-        n_steps: time steps from t = 0 to 1.
-        integrator: ``"euler"``, ``"rk4"`` or ``"leapfrog"``.
+        n_steps: time steps from t = 0 to 1 (default :class:`LDDMMOptions`' 6).
+        integrator: ``"euler"``, ``"rk4"`` or ``"leapfrog"`` (default
+            :class:`LDDMMOptions`' ``"leapfrog"``).
         strategy, memory: how the time loop is differentiated (:func:`otreg.loops.iterate`):
             ``memory`` (bytes or ``"500MB"``) bounds the measured peak growth of shooting
             forward and backward; with it, ``strategy`` defaults to ``"checkpoint"``
@@ -216,12 +71,12 @@ class LDDMM(nn.Module):
     def __init__(
         self,
         control_points: torch.Tensor,
-        sigma: float | Sequence[float] = 20.0,
+        sigma: float | Sequence[float],
         kernel_weights: Sequence[float] | None = None,
-        n_steps: int = 10,
-        integrator: str = "rk4",
-        strategy: str | None = None,
-        memory: int | str | None = None,
+        n_steps: int = LDDMMOptions.n_steps,
+        integrator: str = LDDMMOptions.integrator,
+        strategy: str | None = LDDMMOptions.strategy,
+        memory: int | str | None = LDDMMOptions.memory,
         backend: str = "auto",
     ) -> None:
         super().__init__()
@@ -239,7 +94,34 @@ class LDDMM(nn.Module):
         self.register_buffer("control_points", q.clone())
         self.momenta = nn.Parameter(torch.zeros_like(q))
 
+    @classmethod
+    def from_options(cls, control_points: torch.Tensor, options: LDDMMOptions) -> LDDMM:
+        """The deformation that ``options`` describe, from ``control_points`` ``(N, 3)``;
+        ``options.sigma`` must be set (:func:`otreg.register` derives it from the target).
+
+        Example:
+            >>> import torch, otreg
+            >>> from otreg.registration import LDDMM
+            >>> phi = LDDMM.from_options(torch.zeros(4, 3), otreg.LDDMMOptions(sigma=5.0))
+            >>> phi.n_steps, phi.integrator
+            (6, 'leapfrog')
+        """
+        if options.sigma is None:
+            raise ValueError(
+                "LDDMM.from_options: options.sigma is None; give the kernel width in mm "
+                "(register() derives it from the target's size)"
+            )
+        return cls(
+            control_points,
+            sigma=options.sigma,
+            n_steps=options.n_steps,
+            integrator=options.integrator,
+            strategy=options.strategy,
+            memory=options.memory,
+        )
+
     def extra_repr(self) -> str:
+        """The control points, kernel, steps and integrator."""
         return (
             f"{self.control_points.shape[0]} control points, {self.kernel}, "
             f"n_steps={self.n_steps}, integrator={self.integrator!r}"
@@ -458,31 +340,3 @@ class _Whitening(nn.Module):
 
     def right_inverse(self, p: torch.Tensor) -> torch.Tensor:
         return self.factor.T @ p
-
-
-def fit_linear(
-    kind: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, center: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted least-squares (A, t) with y ~ A (x - center) + center + t.
-
-    ``kind``: ``"rigid"`` (Kabsch), ``"similarity"`` (Umeyama) or ``"affine"``.
-    """
-    x, y, w = x.detach().double(), y.detach().double(), w.detach().double()
-    w = w / w.sum()
-    c = center.detach().double()
-    mx, my = (w[:, None] * x).sum(0), (w[:, None] * y).sum(0)
-    xc, yc = x - mx, y - my
-    if kind == "affine":
-        cov_xx = (w[:, None, None] * xc[:, :, None] * xc[:, None, :]).sum(0)
-        cov_yx = (w[:, None, None] * yc[:, :, None] * xc[:, None, :]).sum(0)
-        A = cov_yx @ torch.linalg.inv(cov_xx)
-    else:
-        cov = (w[:, None, None] * yc[:, :, None] * xc[:, None, :]).sum(0)
-        U, S, Vt = torch.linalg.svd(cov)
-        d = torch.ones(3, dtype=x.dtype)
-        d[2] = torch.sign(torch.linalg.det(U @ Vt))
-        A = U @ torch.diag(d) @ Vt
-        if kind == "similarity":
-            A = A * (S * d).sum() / (w * (xc * xc).sum(1)).sum()
-    t = my - c - A @ (mx - c)
-    return A, t

@@ -1,12 +1,12 @@
-"""LDDMM shooting against Hamiltonian mechanics and finite differences; linear models."""
+"""LDDMM shooting against Hamiltonian mechanics and finite differences."""
 
-import math
+import dataclasses
 
 import pytest
 import torch
 
-from otreg.registration import LDDMM, Affine, Rigid, Similarity
-from otreg.registration.deformations import fit_linear, rotation_matrix
+from otreg import LDDMMOptions
+from otreg.registration import LDDMM
 
 D = torch.float64
 
@@ -57,7 +57,9 @@ def test_momentum_equation_is_minus_dH_dq():
 def test_multiscale_kernel_conserves_too():
     g = torch.Generator().manual_seed(1)
     q = 20 * torch.randn(30, 3, generator=g, dtype=D)
-    m = LDDMM(q, sigma=(10.0, 30.0), kernel_weights=(1.0, 0.5), n_steps=20).double()
+    m = LDDMM(
+        q, sigma=(10.0, 30.0), kernel_weights=(1.0, 0.5), n_steps=20, integrator="rk4"
+    ).double()
     with torch.no_grad():
         m.momenta.copy_(torch.randn(30, 3, generator=g, dtype=D))
     with torch.no_grad():
@@ -127,30 +129,6 @@ def test_whitened_momenta_map_to_the_same_deformation():
     assert not torch.allclose(moved, p0)
 
 
-def test_linear_models_and_fits():
-    w = torch.tensor([0.1, -0.2, 0.3], dtype=D)
-    R = rotation_matrix(w)
-    assert torch.allclose(R @ R.T, torch.eye(3, dtype=D), atol=1e-14)
-    assert float(torch.linalg.det(R)) == pytest.approx(1.0)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(50, 3, generator=g, dtype=D)
-    center = x.mean(0)
-    t = torch.tensor([1.0, 2.0, -3.0], dtype=D)
-    for kind, cls, A in [
-        ("rigid", Rigid, R),
-        ("similarity", Similarity, 1.3 * R),
-        ("affine", Affine, R @ torch.diag(torch.tensor([1.0, 2.0, 0.5], dtype=D))),
-    ]:
-        y = (x - center) @ A.T + center + t
-        A_fit, t_fit = fit_linear(kind, x, y, torch.ones(50, dtype=D), center)
-        assert torch.allclose(A_fit, A, atol=1e-10) and torch.allclose(t_fit, t, atol=1e-10)
-        m = cls(center).double()
-        m.set_from(A_fit, t_fit)
-        assert torch.allclose(m(x), y, atol=1e-10)
-        assert torch.allclose(m.inverse(m(x)), x, atol=1e-10)
-    assert math.isclose(float(Rigid(center).double().matrix().detach().trace()), 3.0)
-
-
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -163,7 +141,23 @@ def test_linear_models_and_fits():
 )
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LDDMM(torch.zeros(5, 3), **kwargs)
+        LDDMM(torch.zeros(5, 3), **{"sigma": 5.0, **kwargs})
+
+
+def test_defaults_are_the_options_objects():
+    """One place for LDDMM's defaults: LDDMMOptions; from_options builds what they say."""
+    import inspect
+
+    params = inspect.signature(LDDMM).parameters
+    options = LDDMMOptions(sigma=7.0)
+    for field in ("n_steps", "integrator", "memory"):
+        assert params[field].default == getattr(LDDMMOptions(), field), field
+    made = LDDMM(torch.zeros(5, 3), sigma=7.0)
+    assert made.strategy == options.strategy and made.memory == options.memory
+    made = LDDMM.from_options(torch.zeros(5, 3), dataclasses.replace(options, n_steps=3))
+    assert (made.n_steps, made.integrator, list(made.kernel.sigmas)) == (3, "leapfrog", [7.0])
+    with pytest.raises(ValueError, match="options.sigma is None"):
+        LDDMM.from_options(torch.zeros(5, 3), LDDMMOptions())
 
 
 def test_small_kernel_sums_match_the_reductions(monkeypatch):
