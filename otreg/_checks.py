@@ -14,16 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = [
-    "ConvergenceWarning",
-    "as_points",
-    "as_weights",
-    "check_choice",
-    "check_positive",
-    "check_same_device_dtype",
-    "check_int",
-    "warn",
-]
+__all__ = ["ConvergenceWarning", "FoldWarning"]
 
 #: frames in these folders are library code: a warning names the first line outside them
 _LIBRARY_DIRS = tuple(
@@ -204,3 +195,17 @@ def check_choice(caller: str, name: str, value: object, choices: Sequence[str]) 
         names = ", ".join(map(repr, choices))
         raise ValueError(f"{caller}: {name} is {value!r}; choose one of {names}")
     return value  # type: ignore[return-value]
+
+
+def check_progress(caller: str, progress: object) -> bool:
+    """Whether to show progress bars (tqdm): ``progress`` if True or False; for None, only
+    where someone watches them, on a terminal or in a Jupyter kernel (tqdm rewrites its line
+    with carriage returns, which a log file keeps: about 100 bytes an evaluation, 7 kB or
+    more a registration; in Jupyter, tqdm.auto draws a widget)."""
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"{caller}: progress is {progress!r}; it must be True, False or None")
+    if progress is not None:
+        return progress
+    if "ipykernel" in sys.modules:
+        return True
+    return sys.stderr.isatty() if hasattr(sys.stderr, "isatty") else False

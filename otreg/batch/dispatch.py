@@ -18,7 +18,7 @@ from .locks import HEARTBEAT, lock_path, read_lock
 from .records import failure_reason
 from .worker import run_pair, write_failure
 
-__all__ = ["Cluster", "dispatch", "ALLOWED_FAILURES"]
+__all__: list[str] = []
 
 #: Worker deaths a pair may cause before it is recorded failed (Dask's allowed-failures).
 ALLOWED_FAILURES = 2

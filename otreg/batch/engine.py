@@ -20,27 +20,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..registration.result import OUTPUTS
 from .dispatch import Cluster, dispatch
 from .keys import effective_options, file_digest, pair_key, why_rerun
 from .locks import is_stale, lock_path, read_lock
 from .manifest import Pair
 from .records import failure_reason, read_record
+from .report import build_report
 from .tables import write_tables
 from .worker import STAGING_PREFIX, record_path, write_failure
 
-__all__ = [
-    "run_batch",
-    "plan_batch",
-    "BatchResult",
-    "Planned",
-    "EXIT_OK",
-    "EXIT_USAGE",
-    "EXIT_FAILED",
-    "EXIT_INTERRUPTED",
-    "MEMORY_PER_PAIR_MB",
-    "describe",
-    "pair_spec",
-]
+__all__ = ["run_batch", "plan_batch", "BatchResult", "Planned"]
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 3, 130
 #: Peak memory assumed for a pair (MB) until records of this batch measured one.
@@ -57,6 +47,15 @@ class Planned:
     ``"rerun"`` (``why`` says what changed, or that its output was partial),
     ``"failed"`` (failed before with the current key; rerun with ``rerun_failed``) or
     ``"missing input"``.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.batch import Pair, plan_batch
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (d / "a.vtk").write_text("a"), (d / "b.vtk").write_text("b")
+        >>> (p,) = plan_batch([Pair("a_to_b", str(d / "a.vtk"), str(d / "b.vtk"))], d / "out")
+        >>> p.state, p.runs
+        ('run', True)
     """
 
     pair: Pair
@@ -69,12 +68,23 @@ class Planned:
 
     @property
     def runs(self) -> bool:
+        """Whether this run registers the pair (``"run"`` or ``"rerun"``)."""
         return self.state in ("run", "rerun")
 
 
 @dataclass
 class BatchResult:
-    """What :func:`run_batch` did: the plan, the final records by pair id, the exit code."""
+    """What :func:`run_batch` did: the plan, the final records by pair id, the exit code.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.batch import Pair, run_batch
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> res = run_batch([Pair("p", str(d / "gone.vtk"), str(d / "t.vtk"))], d / "out",
+        ...                 echo=lambda line: None)
+        >>> res.exit_code, res.failed
+        (3, ['p'])
+    """
 
     planned: list[Planned]
     records: dict[str, dict]
@@ -83,6 +93,7 @@ class BatchResult:
 
     @property
     def failed(self) -> list[str]:
+        """The ids of the pairs not done."""
         return [pid for pid, r in self.records.items() if r.get("status") != "done"]
 
 
@@ -94,7 +105,26 @@ def plan_batch(
     rerun_failed: bool = False,
     only: Iterable[str] | None = None,
 ) -> list[Planned]:
-    """Decide, per pair, whether it is done, runs, reruns (and why) or stays failed."""
+    """Decide, per pair, whether it is done, runs, reruns (and why) or stays failed: what
+    ``otreg batch --dry-run`` prints (see :class:`Planned` for an example).
+
+    Args:
+        pairs: the batch.
+        out: the batch folder (its records say what is done).
+        options: registration options for every pair (a row's own options win).
+        rerun_failed: plan the pairs that failed with the current key as reruns.
+        only: pair ids to consider.
+
+    Returns:
+        A :class:`Planned` per selected pair, in order.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.batch import Pair, plan_batch
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> [p.state for p in plan_batch([Pair("p", str(d / "x.vtk"), str(d / "y.vtk"))], d)]
+        ['missing input']
+    """
     out = Path(out)
     pairs = _select(pairs, only)
     digests: dict[str, str] = {}
@@ -157,7 +187,7 @@ def _partial(out: Path, pair: Pair) -> bool:
     folder = out / pair.folder
     if any(folder.glob(f"{STAGING_PREFIX}{pair.pair_id}-*")):
         return True
-    return (folder / f"{pair.prefix}warped.vtk").exists()
+    return (folder / f"{pair.prefix}{OUTPUTS['warped']}").exists()
 
 
 def describe(p: Planned) -> str:
@@ -196,12 +226,13 @@ def run_batch(
         pairs: the batch (:func:`~otreg.batch.read_manifest`).
         out: the batch folder; each pair writes into ``out / pair.folder``.
         options: registration options for every pair (keys of
-            :data:`~otreg.batch.manifest.ROW_OPTIONS`); a row's own options win.
+            :class:`~otreg.batch.job.JobOptions`); a row's own options win.
         workers: local worker processes (default: one per 2 cores, at least 1; measured in
             docs/benchmarks.md).
         threads: torch threads per worker (default: cores // workers locally; on an
             existing cluster, each host's cores // its workers).
-        scheduler, scheduler_file: an existing Dask scheduler's address or file.
+        scheduler: an existing Dask scheduler's address (``tcp://host:8786``).
+        scheduler_file: or its scheduler file (``dask scheduler --scheduler-file F``).
         timeout: seconds a pair may run before it fails with class ``timeout``.
         memory_limit: per local worker (bytes, ``"4GB"``, ``"auto"``: memory / workers);
             a worker above 95% of it is restarted and its pair fails ``out of memory``.
@@ -217,6 +248,15 @@ def run_batch(
     Returns:
         :class:`BatchResult`; ``exit_code`` is 0 when every selected pair is done, 3 when
         some failed, 130 when interrupted (KeyboardInterrupt or SIGTERM).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.batch import Pair, run_batch
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> res = run_batch([Pair("p", str(d / "gone.vtk"), str(d / "t.vtk"))], d / "out",
+        ...                 echo=lambda line: None)   # a missing input fails alone, no worker
+        >>> res.records["p"]["error"]["class"]
+        'missing input'
     """
     echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
     out = Path(out)
@@ -264,12 +304,7 @@ def run_batch(
     if tables:
         write_tables(out, selected, records)
     if report:
-        try:
-            from .report import build_report
-
-            build_report(out)
-        except ImportError:  # pragma: no cover - report not available
-            pass
+        build_report(out)
     n_failed = sum(1 for p in selected if records.get(p.pair_id, {}).get("status") == "failed")
     n_ok = sum(1 for p in selected if records.get(p.pair_id, {}).get("status") == "done")
     seconds = time.perf_counter() - start

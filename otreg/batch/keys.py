@@ -8,27 +8,16 @@ thread counts: moving the batch folder or changing ``--workers`` reruns nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from .manifest import Pair, check_options
+from .job import JobOptions
+from .manifest import Pair
 from .records import FORMAT
 
-__all__ = ["DEFAULT_OPTIONS", "file_digest", "effective_options", "pair_key", "why_rerun"]
-
-#: A batch's registration options when neither the command nor the row sets them.
-DEFAULT_OPTIONS: dict[str, object] = {
-    "model": "lddmm",
-    "prealign": "rigid",
-    "loss": None,
-    "sigma": None,  # derived from the target's size
-    "points": None,
-    "max_iter": None,  # the library's LBFGSOptions default
-    "picture": True,
-}
+__all__: list[str] = []
 
 
 def file_digest(path: str | Path, _cache: dict | None = None) -> str:
@@ -44,26 +33,12 @@ def file_digest(path: str | Path, _cache: dict | None = None) -> str:
 
 
 def effective_options(batch: Mapping[str, object] | None, pair: Pair) -> dict[str, object]:
-    """The options a pair runs with: defaults, then the batch's, then the row's; plus the
-    pair's label/level and the library's option objects (their defaults change results)."""
-    from ..registration.losses import SINKHORN_TERM
-    from ..registration.options import LBFGSOptions, LDDMMOptions, PrealignOptions
-
-    opts = dict(DEFAULT_OPTIONS)
-    opts.update(check_options(batch or {}, "batch options"))
-    opts.update(pair.options)
-    opts["sigma"] = None if opts["sigma"] is None else float(opts["sigma"])
-    if opts["max_iter"] is None:
-        opts["max_iter"] = LBFGSOptions().max_iter
-    opts["label"], opts["level"] = pair.label, pair.level
-    asdict = dataclasses.asdict
-    opts["library"] = {
-        "lddmm": asdict(LDDMMOptions(sigma=opts["sigma"])),
-        "optimizer": asdict(LBFGSOptions(max_iter=opts["max_iter"])),
-        "prealign": asdict(PrealignOptions(opts["prealign"])),
-        "sinkhorn": asdict(SINKHORN_TERM),
-    }
-    return opts
+    """The options a pair runs with, as its record keeps them: the defaults, then the
+    batch's, then the row's (:class:`~otreg.batch.job.JobOptions`, with the library's option
+    objects), plus the pair's label and level."""
+    options = JobOptions.from_mapping(batch or {}, "batch options")
+    options = JobOptions.from_mapping(pair.options, f"pair {pair.pair_id}: options", options)
+    return options.record() | {"label": pair.label, "level": pair.level}
 
 
 def _digest_json(value: object) -> str:

@@ -20,16 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-__all__ = [
-    "PairLock",
-    "lock_path",
-    "LockedError",
-    "HEARTBEAT",
-    "STALE_AFTER",
-    "MEMORY_SAMPLE",
-    "read_lock",
-    "is_stale",
-]
+__all__: list[str] = []
 
 #: Seconds between two heartbeats of a lock's holder.
 HEARTBEAT = 10.0

@@ -2,8 +2,9 @@
 
 A manifest has the columns ``pair_id, source, target`` and, optionally, ``label``, ``level``
 (for volumes), ``hemisphere``, ``source_subject``, ``target_subject`` (for the group report's
-subject-by-subject views) and ``options`` (a JSON object of registration options for that row,
-see :data:`ROW_OPTIONS`). Relative paths resolve from the manifest's folder.
+subject-by-subject views) and ``options`` (a JSON object of registration options for that row:
+fields of :class:`~otreg.batch.job.JobOptions`, checked when the manifest is read). Relative
+paths resolve from the manifest's folder.
 """
 
 from __future__ import annotations
@@ -17,27 +18,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..io import atomic_write
+from .job import JobOptions
+
 __all__ = [
     "Pair",
-    "ROW_OPTIONS",
-    "COLUMNS",
     "read_manifest",
     "write_manifest",
     "pairs_to_template",
     "all_pairs",
-    "check_pair_id",
 ]
-
-#: Registration options a row (or the whole batch) may set, with their types.
-ROW_OPTIONS: dict[str, type | tuple[type, ...]] = {
-    "model": str,
-    "prealign": str,
-    "loss": (str, type(None)),
-    "sigma": (int, float),
-    "points": (int, type(None)),
-    "max_iter": int,
-    "picture": bool,
-}
 
 #: Columns a manifest may have; the first three are required.
 COLUMNS = (
@@ -65,7 +55,9 @@ class Pair:
         label, level: segmentation label / probability threshold (volumes only).
         hemisphere: ``"L"``, ``"R"`` or None (recorded; BIDS queries use it).
         source_subject, target_subject: subject ids for the group report, or None.
-        options: registration options of this row (keys of :data:`ROW_OPTIONS`).
+        options: registration options of this row (fields of
+            :class:`~otreg.batch.job.JobOptions`; checked here, so that a bad row stops a
+            batch before it starts).
         folder: the output folder, relative to the batch folder (default ``pairs/<id>``).
         prefix: prepended to every output file name (BIDS derivative names), default "".
 
@@ -91,7 +83,7 @@ class Pair:
         check_pair_id(self.pair_id)
         if not self.folder:
             object.__setattr__(self, "folder", f"pairs/{self.pair_id}")
-        check_options(self.options, f"pair {self.pair_id}: options")
+        JobOptions.from_mapping(self.options, f"pair {self.pair_id}: options")
         _check_relative_folder(self.folder, self.pair_id)
 
 
@@ -114,29 +106,6 @@ def _check_relative_folder(folder: str, pair_id: str) -> None:
         raise ValueError(
             f"pair {pair_id}: output folder {folder!r} must be relative and inside the batch folder"
         )
-
-
-def check_options(options: object, what: str) -> dict:
-    """Registration options as a dict, or ValueError/TypeError naming the bad key."""
-    if not isinstance(options, Mapping):
-        raise TypeError(f"{what} must be a JSON object, got {type(options).__name__}")
-    out = {}
-    for key, value in options.items():
-        if key not in ROW_OPTIONS:
-            raise ValueError(
-                f"{what}: unknown option {key!r}; allowed: {', '.join(sorted(ROW_OPTIONS))}"
-            )
-        kind = ROW_OPTIONS[key]
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-            raise TypeError(f"{what}: {key} must be {_type_name(kind)}, got {value!r}")
-        out[key] = value
-    return out
-
-
-def _type_name(kind) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
-    return " or ".join(names.get(k, "null") for k in kinds)
 
 
 def read_manifest(path: str | Path) -> list[Pair]:
@@ -247,8 +216,6 @@ def write_manifest(pairs: Sequence[Pair], path: str | Path) -> Path:
         >>> path.read_text().split()[0]
         'pair_id,source,target,label,level,hemisphere,source_subject,target_subject,options'
     """
-    from ..io import atomic_write
-
     if not pairs:
         raise ValueError("write_manifest: pairs is empty")
     buf = io.StringIO()
@@ -297,6 +264,7 @@ def pairs_to_template(
     Args:
         subjects: subject id -> surface or volume file.
         template: the template's file.
+        template_id: the template's name in pair ids and the group report.
         **columns: label, level, hemisphere or options, the same for every pair.
 
     Example:

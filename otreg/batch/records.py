@@ -27,15 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = [
-    "FORMAT",
-    "FAILURE_CLASSES",
-    "DONE_NAME",
-    "FAILED_NAME",
-    "read_record",
-    "find_records",
-    "failure_reason",
-]
+__all__ = ["FORMAT", "FAILURE_CLASSES", "read_record", "find_records"]
 
 #: Version of the output layout and records; part of every resume key.
 FORMAT = 1

@@ -8,9 +8,11 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ..io import atomic_write
 from .manifest import Pair
+from .records import find_records
 
-__all__ = ["SUMMARY_METRICS", "write_tables", "tables_from_records"]
+__all__: list[str] = []
 
 SUMMARY_METRICS = (
     "before_mean_mm",
@@ -25,8 +27,6 @@ SUMMARY_METRICS = (
 
 def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) -> None:
     """``summary.csv`` (one row a pair) and ``failed.csv`` (the failed ones), atomically."""
-    from ..io import atomic_write
-
     columns = [
         "pair_id",
         "status",
@@ -85,8 +85,6 @@ def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) 
 def tables_from_records(out: str | Path) -> int:
     """``summary.csv`` and ``failed.csv`` from every record in a folder (several runs'
     pairs, e.g. one BIDS participant job a subject); returns the number of pairs."""
-    from .records import find_records
-
     out = Path(out)
     records: dict[str, dict] = {}
     folders: dict[str, Path] = {}

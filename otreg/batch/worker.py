@@ -23,11 +23,13 @@ import uuid
 import warnings
 from pathlib import Path
 
+from ..io import atomic_write
+from .job import JOB_OPTION_NAMES, InputError, JobOptions, run_job
 from .locks import LockedError, PairLock
 from .manifest import Pair
 from .records import DONE_NAME, FAILED_NAME, FORMAT, read_record
 
-__all__ = ["run_pair", "write_failure", "record_path", "STAGING_PREFIX"]
+__all__: list[str] = []
 
 #: Hidden staging folders of pairs being written (removed when found stale).
 STAGING_PREFIX = ".partial-"
@@ -73,8 +75,6 @@ def _version() -> str:
 
 def _write_json(path: Path, doc: dict) -> None:
     import json
-
-    from ..io import atomic_write
 
     text = json.dumps(doc, indent=2, default=str, allow_nan=True)
     atomic_write(path, lambda tmp: tmp.write_text(text))
@@ -261,66 +261,33 @@ def _run_locked(spec: dict, pair: Pair, out: Path, lock: PairLock) -> dict:
 
 
 def _register(spec: dict, pair: Pair, staging: Path) -> dict:
-    """Load, register, save into the staging folder; the metrics and the files written."""
-    from .. import LBFGSOptions, LDDMMOptions, register
-    from ..io import load_input
-
-    opts = spec["options"]
-    for role in ("source", "target"):
-        if not Path(getattr(pair, role)).is_file():
-            raise FileNotFoundError(f"{role} {getattr(pair, role)} does not exist")
-    src, tgt = (
-        load_input(p, pair.label, pair.level, opts["points"]) for p in (pair.source, pair.target)
+    """The job (:func:`~otreg.batch.job.run_job`) written into the staging folder: its
+    metrics and the files written, by role."""
+    log = logging.getLogger("otreg.batch")
+    log.info("%s: %s onto %s", pair.pair_id, pair.source, pair.target)
+    options = JobOptions.from_mapping(
+        {k: spec["options"][k] for k in JOB_OPTION_NAMES}, f"pair {pair.pair_id}: options"
     )
-    for role, shape in (("source", src), ("target", tgt)):
-        if shape.n_faces == 0:
-            raise ValueError(f"{role} {getattr(pair, role)} has no triangles (a point cloud)")
-    logging.getLogger("otreg.batch").info(
-        "%s: %s (%d vertices) onto %s (%d vertices)",
+    out = run_job(pair.source, pair.target, staging, options, label=pair.label, level=pair.level)
+    metrics = dict(out.registration.metrics)
+    metrics["source_vertices"] = out.source.n_points
+    metrics["target_vertices"] = out.target.n_points
+    log.info(
+        "%s: %d onto %d vertices, mean surface distance %.3f -> %.3f mm in %.1f s",
         pair.pair_id,
-        pair.source,
-        src.n_points,
-        pair.target,
-        tgt.n_points,
-    )
-    res = register(
-        src,
-        tgt,
-        model=LDDMMOptions(sigma=opts["sigma"]) if opts["model"] == "lddmm" else opts["model"],
-        prealign=opts["prealign"],
-        loss=opts["loss"],
-        optimizer=LBFGSOptions(max_iter=opts["max_iter"]),
-        progress=False,
-    )
-    res.save(staging)
-    files = {
-        "warped": "warped.vtk",
-        "parameters": "parameters.npz",
-        "registration": "registration.json",
-    }
-    if opts.get("picture", True):
-        from ..viz import plot_registration
-
-        for role, path in plot_registration(res, src, tgt, staging).items():
-            files[role] = Path(path).name
-    metrics = dict(res.metrics)
-    metrics["source_vertices"], metrics["target_vertices"] = src.n_points, tgt.n_points
-    logging.getLogger("otreg.batch").info(
-        "%s: mean surface distance %.3f -> %.3f mm in %.1f s",
-        pair.pair_id,
+        out.source.n_points,
+        out.target.n_points,
         metrics["before_mean_mm"],
         metrics["mean_mm"],
         metrics["seconds"],
     )
-    return {"metrics": metrics, "files": files}
+    return {"metrics": metrics, "files": out.files}
 
 
 def _failure_class(err: Exception) -> str:
     if isinstance(err, FileNotFoundError):
         return "missing input"
-    text = "".join(traceback.format_tb(err.__traceback__))
-    loading = "load_input" in text or "load_shape" in text
-    if loading and isinstance(err, (ValueError, TypeError, OSError)):
+    if isinstance(err, InputError):
         return "bad input"
     if isinstance(err, MemoryError):
         return "out of memory"

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from otreg.batch import FORMAT, build_report
-from otreg.batch.subject_map import _classical_mds
+from otreg.batch.report import _classical_mds
 
 
 class Elements(HTMLParser):

@@ -1,25 +1,22 @@
-"""The ``otreg`` command line (click)."""
+"""``otreg distance``: the Sinkhorn divergence between two shapes."""
 
 from __future__ import annotations
 
 import json
 import math
-import resource
-import sys
 import time
 import warnings
 
 import click
 
-from ._cli_batch import batch, bids, manifest, report
-from ._cli_guards import (
-    stdout_to_stderr,
-    warnings_as_lines,
-)
-from ._cli_register import check_volume_options, demo, register_cmd
-from .reductions import BACKENDS
+from .._checks import ConvergenceWarning
+from ..io import load_input
+from ..ot.divergence import divergence
+from ..ot.problem import SinkhornOptions
+from ..registration.prealign import check_scales
+from ._common import check_volume_options, stdout_to_stderr, volume_options, warnings_as_lines
 
-__all__ = ["main"]
+__all__: list[str] = []
 
 
 class _Relaxation(click.ParamType):
@@ -39,22 +36,7 @@ class _Relaxation(click.ParamType):
         return w
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="otreg")
-def main() -> None:
-    """Optimal transport and registration on PyTorch, within a memory budget."""
-
-
-@main.command()
-@click.option("--no-keops", is_flag=True, help="Do not compile a test formula with KeOps.")
-def info(no_keops: bool) -> None:
-    """Versions, the backends that work here and the KeOps cache folder."""
-    from ._info import info as _info
-
-    _info(check_keops=not no_keops)
-
-
-@main.command()
+@click.command()
 @click.argument("source", type=click.Path(dir_okay=False))
 @click.argument("target", type=click.Path(dir_okay=False))
 @click.option(
@@ -100,8 +82,7 @@ def info(no_keops: bool) -> None:
     "'auto' (over-relaxation adapted to the measured convergence rate) or a fixed "
     "over-relaxation weight in [1, 2) (1: plain updates).",
 )
-@click.option("--label", default=None, type=float, help="Segmentation label for volumes.")
-@click.option("--level", default=None, type=float, help="Threshold for probability maps.")
+@volume_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON line.")
 def distance(
     source: str,
@@ -120,12 +101,6 @@ def distance(
 
     SOURCE and TARGET are meshes, point clouds or volumes (with --label or --level).
     """
-    from . import ConvergenceWarning
-    from .io import load_input
-    from .ot.divergence import divergence
-    from .ot.problem import SinkhornOptions
-    from .registration.prealign import check_scales
-
     check_volume_options(label, level, [source, target])
     with stdout_to_stderr(as_json), warnings_as_lines():
         try:
@@ -180,90 +155,3 @@ def distance(
         else:
             what = f"marginal error {res.marginal_error:.2e} >= tol {tol:g}"
         click.echo(f"warning: not converged: {what}: {hint}", err=True)
-
-
-@main.command()
-@click.option(
-    "--n",
-    "n",
-    default=10_000,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Points on each circle.",
-)
-@click.option(
-    "--iters",
-    default=None,
-    type=click.IntRange(min=3),
-    help="Run exactly this many Sinkhorn iterations (default: until tol).",
-)
-@click.option(
-    "--tol",
-    default=1e-6,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Marginal-error tolerance when --iters is not given.",
-)
-@click.option("--backend", default="auto", show_default=True, type=click.Choice(BACKENDS))
-@click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON line.")
-def circles(n: int, iters: int | None, tol: float, backend: str, as_json: bool) -> None:
-    """Two unit circles, the second shifted by 1 along x; Gaussian kernel, eps = 0.125.
-
-    Solves entropic OT in scaling form (u = a / K v) and prints the OT value, the norm of its
-    gradient with respect to the first circle, the time and the peak memory.
-    """
-    import torch
-
-    from . import sinkhorn
-    from .datasets import circles
-
-    with stdout_to_stderr(as_json):
-        x, y = circles(n)
-        x.requires_grad_(True)
-        blur = math.sqrt(0.125)  # exp(-|x-y|^2/0.25) = exp(-C/eps), C = |x-y|^2/2, eps = 0.125
-        start = time.perf_counter()
-        with warnings.catch_warnings():
-            if iters is not None:  # a fixed count: not converging to tol=0 is the point
-                warnings.simplefilter("ignore")
-            res = sinkhorn(
-                x,
-                y,
-                blur=blur,
-                diameter=blur,
-                form="scaling",
-                backend=backend,
-                tol=0.0 if iters else tol,
-                max_iter=iters or 10_000,
-            )
-        (grad,) = torch.autograd.grad(res.cost, x)
-        seconds = time.perf_counter() - start
-    out = {
-        "n": n,
-        "iterations": res.n_iter,
-        "marginal_error": res.marginal_error,
-        "ot_value": float(res.cost.detach()),
-        "grad_norm": float(grad.norm()),
-        "seconds": seconds,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "backend": res.backend,
-    }
-    if as_json:
-        click.echo(json.dumps(out))
-        return
-    click.echo(f"two circles of {n:,} points, eps = 0.125, scaling form, backend {res.backend}")
-    click.echo(f"  iterations       {res.n_iter} (marginal error {res.marginal_error:.2e})")
-    click.echo(f"  OT value         {out['ot_value']:.8f}")
-    click.echo(f"  |grad_x OT|      {out['grad_norm']:.8f}")
-    click.echo(f"  time             {seconds:.2f} s")
-    click.echo(f"  peak RSS         {out['peak_rss_mb']:.0f} MB")
-
-
-main.add_command(register_cmd)
-main.add_command(demo)
-main.add_command(batch)
-main.add_command(bids)
-main.add_command(manifest)
-main.add_command(report)
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

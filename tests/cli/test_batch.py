@@ -234,22 +234,27 @@ def test_a_stale_lock_from_a_killed_run_is_broken(subjects, tmp_path):
 
 
 def test_a_pair_over_the_timeout_fails_alone(subjects, tmp_path):
-    big = pv.Icosphere(radius=40, nsub=5)  # 10,242 vertices, 300 iterations: about 25 s
-    big.save(str(subjects / "big.vtk"))
+    """The slow pair is slow by construction (its worker sleeps when it loads the file), so
+    the outcome does not hang on the machine's speed: the other pair, a few seconds of
+    work, has ten times that before the same timeout."""
+    import shutil
+
+    shutil.copy(subjects / "s2.vtk", subjects / "slow-me.vtk")
+    env = hook_on_load(tmp_path, "slow-me.vtk", "time.sleep(600)")
     m = manifest(
         tmp_path / "pairs.csv",
         [
-            ("big", "subjects/big.vtk", "subjects/s0.vtk", json.dumps({"max_iter": 300})),
+            ("slow", "subjects/slow-me.vtk", "subjects/s0.vtk"),
             ("small", "subjects/s1.vtk", "subjects/s0.vtk"),
         ],
     )
     out = tmp_path / "out"
     start = time.time()
-    r = run("batch", m, "-o", out, *FAST, "--workers", "1", "--timeout", "10")
+    r = run("batch", m, "-o", out, *FAST, "--workers", "1", "--timeout", "30", env=env)
     assert r.returncode == 3, r.stderr
-    assert time.time() - start < 150
+    assert time.time() - start < 240
     recs = records(out)
-    assert recs["big"]["error"]["class"] == "timeout"
+    assert recs["slow"]["error"]["class"] == "timeout"
     assert recs["small"]["status"] == "done"
 
 
@@ -458,104 +463,3 @@ def test_an_existing_dask_cluster_losing_a_worker_completes_every_pair(subjects,
         for p in procs:
             p.kill()
             p.wait(timeout=30)
-
-
-def gifti_sphere(path: Path, radius: float, res: int, shift: float = 0.0) -> Path:
-    import nibabel as nib
-    import numpy as np
-
-    m = pv.Sphere(radius=radius, theta_resolution=res, phi_resolution=res).triangulate()
-    points = np.asarray(m.points, dtype=np.float32) + np.float32([shift, 0, 0])
-    faces = m.faces.reshape(-1, 4)[:, 1:].astype(np.int32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = [
-        nib.gifti.GiftiDataArray(points, intent="NIFTI_INTENT_POINTSET"),
-        nib.gifti.GiftiDataArray(faces, intent="NIFTI_INTENT_TRIANGLE"),
-    ]
-    nib.save(nib.GiftiImage(darrays=arrays), str(path))
-    return path
-
-
-def test_bids_participant_then_group_on_fmriprep_derivatives(tmp_path):
-    root = tmp_path / "derivatives" / "fmriprep"
-    root.mkdir(parents=True)
-    (root / "dataset_description.json").write_text(
-        json.dumps({"Name": "x", "BIDSVersion": "1.8.0", "DatasetType": "derivative"})
-    )
-    for k, sub in enumerate(("01", "02", "03")):
-        gifti_sphere(root / f"sub-{sub}" / "anat" / f"sub-{sub}_hemi-L_pial.surf.gii", 40 + k, 14)
-    tpl = gifti_sphere(tmp_path / "tpl_hemi-L.surf.gii", 41, 16, 1.0)
-    out = tmp_path / "otreg"
-    common = ["--hemi", "L", "--template-left", tpl, "--template-id", "tpl", *FAST]
-    r = run("bids", root, out, "participant", "--participant-label", "sub-01,02,07", *common)
-    assert r.returncode == 0, r.stderr
-    assert "07" in r.stderr  # the missing participant is named in a warning
-    anat = out / "sub-01" / "anat"
-    prefix = "sub-01_hemi-L_space-tpl_desc-otreg_"
-    for name in ("warped.vtk", "parameters.npz", "registration.json", "metrics.json", "log.txt"):
-        assert (anat / f"{prefix}{name}").is_file(), name
-    assert (out / "sub-02" / "anat" / "sub-02_hemi-L_space-tpl_desc-otreg_metrics.json").is_file()
-    assert not (out / "sub-03").exists()
-    desc = json.loads((out / "dataset_description.json").read_text())
-    assert desc["DatasetType"] == "derivative" and desc["GeneratedBy"][0]["Name"] == "otreg"
-    # a second participant job (another subject) into the same folder, then the group level
-    r = run("bids", root, out, "participant", "--participant-label", "03", *common)
-    assert r.returncode == 0, r.stderr
-    r = run("bids", root, out, "group")
-    assert r.returncode == 0, r.stderr
-    rows = list(csv.DictReader(open(out / "summary.csv")))
-    assert sorted(row["pair_id"] for row in rows) == [f"sub-0{i}_hemi-L" for i in (1, 2, 3)]
-    assert all(row["status"] == "done" for row in rows)
-    assert (out / "index.html").read_text().count('class="pair') == 3
-    none = run("bids", root, out, "participant", "--participant-label", "99", *common)
-    assert none.returncode == 1 and "99" in none.stderr
-
-
-def freesurfer_sphere(path: Path, radius: float, res: int, cras) -> Path:
-    """A FreeSurfer surface (``lh.pial``) in tkr coordinates, with c_ras in its volume info."""
-    nib = pytest.importorskip("nibabel")
-    m = pv.Sphere(radius=radius, theta_resolution=res, phi_resolution=res).triangulate()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    info = {
-        "head": [2, 0, 20],
-        "valid": "1  # volume info valid",
-        "filename": "T1.mgz",
-        "volume": [256, 256, 256],
-        "voxelsize": [1.0, 1.0, 1.0],
-        "xras": [-1.0, 0.0, 0.0],
-        "yras": [0.0, 0.0, -1.0],
-        "zras": [0.0, 1.0, 0.0],
-        "cras": list(cras),
-    }
-    faces = m.faces.reshape(-1, 4)[:, 1:]
-    nib.freesurfer.write_geometry(str(path), m.points.astype(float), faces, volume_info=info)
-    return path
-
-
-def test_bids_participant_on_a_freesurfer_subjects_dir(tmp_path):
-    """A FreeSurfer SUBJECTS_DIR: subjects' lh.pial in scanner millimetres (tkr + c_ras),
-    fsaverage skipped, outputs named as BIDS derivatives (a non-BIDS subject id cleaned)."""
-    root = tmp_path / "subjects"
-    for k, sub in enumerate(("01", "OAS1_0002", "fsaverage")):
-        freesurfer_sphere(root / sub / "surf" / "lh.pial", 40 + k, 14, (12.0, -8.0, 9.0))
-    tpl = gifti_sphere(tmp_path / "tpl_hemi-L.surf.gii", 41, 16, 0.0)
-    out = tmp_path / "otreg"
-    common = ["--hemi", "L", "--template-left", tpl, "--template-id", "tpl", *FAST]
-    r = run("bids", root, out, "participant", *common)
-    assert r.returncode == 0, r.stderr
-    assert "OAS1_0002" in r.stderr  # the renamed subject is named in a warning
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("sub-")) == [
-        "sub-01",
-        "sub-OAS10002",
-    ]
-    recs = records(out)
-    assert sorted(recs) == ["sub-01_hemi-L", "sub-OAS10002_hemi-L"]
-    for pid, rec in recs.items():
-        sub = pid.split("_")[0]
-        assert rec["status"] == "done"
-        assert rec["source"].endswith(f"{rec['source_subject']}/surf/lh.pial")
-        # read at c_ras = (12, -8, 9), 16.8 mm off the template: about 8 mm apart on
-        # average before registration (about 1 mm if c_ras were ignored)
-        assert rec["metrics"]["before_mean_mm"] > 5, rec["metrics"]
-        warped = out / sub / "anat" / f"{sub}_hemi-L_space-tpl_desc-otreg_warped.vtk"
-        assert warped.is_file()

@@ -1,5 +1,6 @@
-"""The registration commands of ``otreg``: ``register`` (two surfaces or segmentations) and
-``demo`` (the main job: two real brain surfaces), with their shared output step."""
+"""``otreg register`` (two surfaces or segmentations) and ``otreg demo`` (the main job: two
+real brain surfaces): each runs one job (:func:`~otreg.batch.job.run_job`), as a batch
+worker does, and prints its metrics."""
 
 from __future__ import annotations
 
@@ -8,16 +9,26 @@ from pathlib import Path
 
 import click
 
-from ._cli_guards import output_folder, progress_option, progress_wanted, warnings_as_lines
-from .registration.losses import LOSSES
-from .registration.options import MODELS, PREALIGNS
+from .. import datasets
+from .._checks import check_progress
+from ..batch.job import InputError, JobOptions, run_job
+from ..io import save_shape
+from ._common import (
+    check_volume_options,
+    job_options,
+    output_folder,
+    progress_option,
+    registration_options,
+    volume_options,
+    warnings_as_lines,
+)
 
-__all__ = ["register_cmd", "demo", "check_volume_options"]
+__all__: list[str] = []
 
 
 @click.command("register")
-@click.argument("source", type=click.Path(dir_okay=False))
-@click.argument("target", type=click.Path(dir_okay=False))
+@click.argument("source", type=click.Path())
+@click.argument("target", type=click.Path())
 @click.option(
     "-o",
     "--output",
@@ -25,117 +36,34 @@ __all__ = ["register_cmd", "demo", "check_volume_options"]
     type=click.Path(file_okay=False),
     help="Folder for warped.vtk, parameters.npz, registration.json and pictures.",
 )
-@click.option("--model", default="lddmm", show_default=True, type=click.Choice(MODELS))
-@click.option("--prealign", default="rigid", show_default=True, type=click.Choice(PREALIGNS))
-@click.option(
-    "--loss",
-    default=None,
-    type=click.Choice([name for name in LOSSES if name != "landmarks"]),
-    help="Data term at every level [default: sinkhorn at the coarse level, varifold "
-    "at the fine one].",
-)
-@click.option(
-    "--sigma",
-    default=None,
-    type=click.FloatRange(min=0, min_open=True),
-    help="LDDMM kernel width, mm [default: two widths, a tenth and a 27th of the target's size].",
-)
-@click.option(
-    "--label",
-    default=None,
-    type=float,
-    help="Segmentation label (for the inputs that are volumes).",
-)
-@click.option(
-    "--level",
-    default=None,
-    type=float,
-    help="Threshold of probability maps, in the map's own units (volumes only).",
-)
-@click.option(
-    "--points",
-    default=None,
-    type=click.IntRange(min=100),
-    help="Decimate both surfaces to about this many vertices first.",
-)
-@click.option(
-    "--max-iter",
-    default=None,
-    type=click.IntRange(min=1),
-    help="L-BFGS iterations a level [default: LBFGSOptions's, 15].",
-)
-@click.option("--picture/--no-picture", default=True, show_default=True)
+@registration_options
+@volume_options
 @progress_option
 def register_cmd(
     source: str,
     target: str,
     output: str,
-    model: str,
-    prealign: str,
-    loss: str,
-    sigma: float | None,
     label: float | None,
     level: float | None,
-    points: int | None,
-    max_iter: int | None,
-    picture: bool,
     progress: bool | None,
+    **registration,
 ) -> None:
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
-    from . import LBFGSOptions, LDDMMOptions, register
-    from .io import load_input
-
     check_volume_options(label, level, [source, target])
-    with output_folder(output, [source, target], picture), warnings_as_lines():
+    options = job_options(registration)
+    progress = check_progress("otreg register", progress)
+    with output_folder(output, [source, target]) as folder, warnings_as_lines():
         try:
-            src, tgt = (load_input(p, label, level, points) for p in (source, target))
-            for path, shape in ((source, src), (target, tgt)):
-                if shape.n_faces == 0:
-                    raise ValueError(
-                        f"{path} has no triangles (a point cloud); otreg register "
-                        "compares surfaces: give a mesh, or a volume with --label/--level"
-                    )
-            res = register(
-                src,
-                tgt,
-                model=LDDMMOptions(sigma=sigma) if model == "lddmm" else model,
-                prealign=prealign,
-                loss=loss,
-                optimizer=LBFGSOptions() if max_iter is None else LBFGSOptions(max_iter=max_iter),
-                progress=progress_wanted(progress),
+            out = run_job(
+                source, target, folder, options, label=label, level=level, progress=progress
             )
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(str(err)) from err
-        _write_outputs(res, src, tgt, output, picture)
+        _print_outputs(out.registration.metrics, folder)
 
 
-def check_volume_options(label: float | None, level: float | None, paths: list[str]) -> None:
-    """--label and --level apply to volumes: refuse them when no input is one, and
-    refuse both at once."""
-    from .io import VOLUME_EXTS
-
-    given = [name for name, value in (("--label", label), ("--level", level)) if value is not None]
-    if len(given) == 2:
-        raise click.UsageError(
-            "give --label (a segmentation value) or --level (a threshold of a probability "
-            "map), not both"
-        )
-    if given and not any(Path(p).name.lower().endswith(VOLUME_EXTS) for p in paths):
-        raise click.UsageError(
-            f"{given[0]} applies to volumes ({', '.join(VOLUME_EXTS)}); "
-            f"{' and '.join(paths)} {'is not one' if len(paths) == 1 else 'are not'}: "
-            f"leave {given[0]} out for meshes and point clouds"
-        )
-
-
-def _write_outputs(res, src, tgt, output: str, picture: bool) -> None:
-    """Save a registration, draw its pictures and print its metrics."""
-    folder = res.save(output)
-    if picture:
-        from .viz import plot_registration
-
-        plot_registration(res, src, tgt, folder)
-    m = res.metrics
+def _print_outputs(m: dict, folder: Path) -> None:
+    """What a job wrote, and its metrics."""
     written = sorted(p.name for p in Path(folder).iterdir() if not p.name.startswith("."))
     click.echo(f"wrote {folder}/ ({', '.join(written)})")
     aligned = f", {m['prealigned_mean_mm']:.3f} mm pre-aligned" if "prealigned_mean_mm" in m else ""
@@ -219,9 +147,7 @@ def demo(
 ) -> None:
     """Register two real brain surfaces (by default fsaverage5 onto Conte69) and write the
     warped surface, the parameters, the metrics and a picture."""
-    from . import register, save_shape
-
-    with output_folder(output, [], True, ("source.vtk", "target.vtk")) as folder:
+    with output_folder(output, [], ("source.vtk", "target.vtk")) as folder:
         try:
             source, target, truth, what = _demo_pair(pair, hemi, surface, points)
         except (ImportError, FileNotFoundError) as err:
@@ -231,15 +157,18 @@ def demo(
         click.echo(f"{what}: {source.n_points:,} and {target.n_points:,} vertices")
         save_shape(source, folder / "source.vtk")
         save_shape(target, folder / "target.vtk")
-        res = register(source, target, truth=truth, progress=progress_wanted(progress))
-        _write_outputs(res, source, target, output, True)
+        try:
+            progress = check_progress("otreg demo", progress)
+            out = run_job(source, target, folder, JobOptions(), truth=truth, progress=progress)
+        except InputError as err:  # pragma: no cover - the packaged surfaces are surfaces
+            raise click.ClickException(str(err)) from err
+        _print_outputs(out.registration.metrics, folder)
 
 
 def _demo_pair(pair: str, hemi: str, surface: str, points: int | None):
     """``(source, target, truth or None, description)`` of a demo pair, each surface read
     once and decimated to ``points`` vertices when given (a synthetic subject is made from
     the decimated source)."""
-    from . import datasets
 
     def fit(shape):
         return shape if points is None else shape.decimate(points)

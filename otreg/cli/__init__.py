@@ -1,0 +1,33 @@
+"""The ``otreg`` command line (click): the group and ``info`` here; the commands in
+:mod:`~otreg.cli.ot` (``distance``), :mod:`~otreg.cli.register` (``register``, ``demo``),
+:mod:`~otreg.cli.batch` (``batch``, ``manifest``, ``report``) and :mod:`~otreg.cli.bids`
+(``bids``); what they share in :mod:`~otreg.cli._common`."""
+
+from __future__ import annotations
+
+import click
+
+from .._info import info as show_info
+from .batch import batch, manifest, report
+from .bids import bids
+from .ot import distance
+from .register import demo, register_cmd
+
+__all__ = ["main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="otreg")
+def main() -> None:
+    """Optimal transport and registration on PyTorch, within a memory budget."""
+
+
+@main.command()
+@click.option("--no-keops", is_flag=True, help="Do not compile a test formula with KeOps.")
+def info(no_keops: bool) -> None:
+    """Versions, the backends that work here and the KeOps cache folder."""
+    show_info(check_keops=not no_keops)
+
+
+for command in (distance, register_cmd, demo, batch, bids, manifest, report):
+    main.add_command(command)

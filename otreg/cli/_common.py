@@ -1,0 +1,190 @@
+"""What the ``otreg`` commands share: the output folder refused before any work, warnings
+as plain lines, stdout kept for ``--json``, ``--progress``, and the flags declared once: the
+registration options (the fields of :class:`~otreg.batch.job.JobOptions`) and the volume
+options (``--label``, ``--level``)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+
+from ..batch.job import JOB_FILES, JOB_LOSSES, JOB_OPTION_NAMES, JobOptions
+from ..io import VOLUME_EXTS, check_writable_folder, remove_empty_folders, same_file
+from ..registration.options import MODELS, PREALIGNS
+
+__all__: list[str] = []
+
+
+@contextlib.contextmanager
+def output_folder(output: str, inputs: list[str], extra: tuple[str, ...] = ()) -> Iterator[Path]:
+    """Refuse, before any work, an output folder that cannot be one, cannot be written
+    (it is created if missing) or whose files would replace an input. A folder created
+    here is removed again, if still empty, when the command fails."""
+    folder = Path(output).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise click.BadParameter(f"{output} exists and is not a folder", param_hint="-o")
+    for name in (*JOB_FILES.values(), *extra):
+        for given in inputs:
+            if same_file(folder / name, given):
+                raise click.BadParameter(
+                    f"writing {name} into {output} would replace the "
+                    f"input {given}; choose another folder",
+                    param_hint="-o",
+                )
+    try:
+        created = check_writable_folder(folder, "otreg")
+    except (PermissionError, ValueError) as err:
+        raise click.BadParameter(str(err).removeprefix("otreg: "), param_hint="-o") from err
+    try:
+        yield folder
+    except BaseException:
+        remove_empty_folders(created)
+        raise
+
+
+@contextlib.contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """Show warnings as 'warning: message' lines on stderr, without Python's file and line
+    of source (click's own, for warnings raised in a command)."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        click.echo(f"warning: {message}", err=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(active: bool) -> Iterator[None]:
+    """While active, send what libraries print (KeOps' compilation messages, C code writing
+    to file descriptor 1) to stderr, so that stdout carries only the command's output."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    _flush_c_stdio()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no file descriptors 1 and 2: Python's stdout only
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            _flush_c_stdio()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    """Flush the C library's buffered stdout, so that it goes where fd 1 points now."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # pragma: no cover - no C library here
+        pass
+
+
+#: --progress/--no-progress, shared by the commands that run registrations.
+progress_option = click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress bars on stderr [default: when stderr is a terminal].",
+)
+
+
+def registration_options(f):
+    """The flags of the fields of :class:`~otreg.batch.job.JobOptions`, declared once for
+    ``register``, ``batch`` and ``bids``. Each defaults to None, 'not given', so that a
+    manifest row's own options can win; :func:`job_options` fills in JobOptions'
+    defaults (shown in the help)."""
+    d = JobOptions()
+    options = [
+        click.option(
+            "--model", type=click.Choice(MODELS), help=f"Deformation model [default: {d.model}]."
+        ),
+        click.option(
+            "--prealign",
+            type=click.Choice(PREALIGNS),
+            help=f"Linear pre-alignment [default: {d.prealign}].",
+        ),
+        click.option(
+            "--loss",
+            type=click.Choice(JOB_LOSSES),
+            help="Data term at every level [default: sinkhorn at the coarse level, "
+            "varifold at the fine one].",
+        ),
+        click.option(
+            "--sigma",
+            type=click.FloatRange(min=0, min_open=True),
+            help="LDDMM kernel width, mm [default: two widths, a tenth and a 27th of the "
+            "target's size].",
+        ),
+        click.option(
+            "--points",
+            type=click.IntRange(min=100),
+            help="Decimate both surfaces to about this many vertices first (the warped "
+            "surface written is still the whole source).",
+        ),
+        click.option(
+            "--max-iter",
+            type=click.IntRange(min=1),
+            help="L-BFGS iterations a level [default: LBFGSOptions' {LBFGSOptions().max_iter}].",
+        ),
+        click.option(
+            "--picture/--no-picture",
+            default=None,
+            help="Draw picture.png and history.png [default: on].",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def given_registration_options(kw: dict) -> dict:
+    """The registration flags that were given (not None), by :class:`JobOptions` field."""
+    return {name: kw[name] for name in JOB_OPTION_NAMES if kw.get(name) is not None}
+
+
+def job_options(kw: dict) -> JobOptions:
+    """JobOptions from the registration flags given, defaults for the others."""
+    return JobOptions.from_mapping(given_registration_options(kw), "otreg")
+
+
+def volume_options(f):
+    """--label and --level: which structure of a volume input becomes a surface."""
+    f = click.option(
+        "--level",
+        type=float,
+        help="Threshold of probability maps, in the map's own units (volumes only).",
+    )(f)
+    return click.option(
+        "--label", type=float, help="Segmentation label (for the inputs that are volumes)."
+    )(f)
+
+
+def check_volume_options(label: float | None, level: float | None, paths: list[str]) -> None:
+    """--label and --level apply to volumes: refuse them when no input is one, and
+    refuse both at once."""
+    given = [name for name, value in (("--label", label), ("--level", level)) if value is not None]
+    if len(given) == 2:
+        raise click.UsageError(
+            "give --label (a segmentation value) or --level (a threshold of a probability "
+            "map), not both"
+        )
+    if given and not any(Path(p).name.lower().endswith(VOLUME_EXTS) for p in paths):
+        raise click.UsageError(
+            f"{given[0]} applies to volumes ({', '.join(VOLUME_EXTS)}); "
+            f"{' and '.join(paths)} {'is not one' if len(paths) == 1 else 'are not'}: "
+            f"leave {given[0]} out for meshes and point clouds"
+        )

@@ -1,0 +1,95 @@
+"""otreg distance: values, convergence messages, bad files, --json."""
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from otreg import save_shape
+from otreg.cli import main
+from tests.cli.conftest import run
+
+
+def test_distance_between_a_mesh_and_its_translate(two_meshes):
+    result = run(
+        "distance", *two_meshes, "--blur", "0.5", "--tol", "1e-4", "--max-iter", "2000", "--json"
+    )
+    assert result.exit_code == 0
+    out = json.loads(result.output)
+    assert out["converged"]
+    assert out["sqrt_2d_mm"] == pytest.approx(3.0, rel=1e-3)  # a translation by 3 mm
+
+
+def test_distance_says_why_it_did_not_converge(two_meshes):
+    args = ("distance", *two_meshes, "--blur", "0.05", "--tol", "1e-9", "--max-iter")
+    refused = CliRunner().invoke(main, [*args, "1"])
+    steps = re.search(r"schedule alone has (\d+) steps", refused.output).group(1)
+    short = run(*args, steps)  # every iteration spent on the eps-scaling
+    assert short.exit_code == 0
+    assert "eps-scaling used all of --max-iter" in short.output and "nan" not in short.output
+    cut = run("distance", *two_meshes, "--blur", "0.5", "--tol", "1e-9", "--max-iter", "40")
+    assert re.search(r"not converged: marginal error \S+ >= tol 1e-09", cut.output), cut.output
+
+
+def test_distance_reports_bad_files(two_meshes, tmp_path):
+    result = CliRunner().invoke(main, ["distance", two_meshes[0], str(tmp_path / "none.vtk")])
+    assert result.exit_code != 0 and "does not exist" in result.output
+    result = CliRunner().invoke(main, ["distance", *two_meshes, "--blur", "-1"])
+    assert result.exit_code != 0 and "--blur" in result.output
+    for bad in ("2", "fast"):
+        result = CliRunner().invoke(main, ["distance", *two_meshes, "--relaxation", bad])
+        assert (
+            result.exit_code != 0
+            and "neither 'anderson', 'auto' nor a number in [1, 2)" in result.output
+        )
+
+
+def noisy(monkeypatch, module, name):
+    """Make module.name print to stdout, from Python and from C (file descriptor 1)."""
+    import os
+
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        print("[KeOps] Compiling a formula ...")
+        os.write(1, b"C-level noise\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+
+
+def test_json_output_is_one_json_line_even_when_libraries_print(two_meshes, monkeypatch, capfd):
+    from otreg.cli import ot
+
+    noisy(monkeypatch, ot, "divergence")
+    for args in (["distance", *two_meshes, "--blur", "0.5", "--json"],):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        assert len(result.stdout.splitlines()) == 1
+        assert isinstance(json.loads(result.stdout), dict)
+        assert "[KeOps] Compiling" in result.stderr
+        fd = capfd.readouterr()
+        assert "C-level noise" not in fd.out and "C-level noise" in fd.err
+    result = CliRunner().invoke(main, ["distance", *two_meshes, "--blur", "0.5"])
+    assert "[KeOps] Compiling" in result.stdout  # without --json, nothing is redirected
+
+
+def test_distance_warns_when_the_sizes_suggest_metres_and_millimetres(two_meshes, tmp_path):
+    from otreg import load_shape
+
+    mesh = load_shape(two_meshes[0])
+    metres = save_shape(mesh.with_points(mesh.points / 1000), tmp_path / "in_metres.vtk")
+    result = CliRunner().invoke(main, ["distance", two_meshes[0], str(metres), "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["sqrt_2d_mm"] > 1
+    assert re.search(
+        r"^warning: otreg distance: .*a.vtk is 1000 times larger than .*in_metres.vtk .*"
+        r"metres and millimetres",
+        result.stderr,
+        re.M,
+    )
+    src = save_shape(mesh.with_points(mesh.points * 1000), tmp_path / "in_um.vtk")
+    args = ["register", str(src), two_meshes[1], "-o", str(tmp_path / "o"), "--model", "rigid"]
+    result = CliRunner().invoke(main, [*args, "--no-picture"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^warning: register: source is 1000 times larger", result.stderr, re.M)
