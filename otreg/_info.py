@@ -8,8 +8,9 @@ import sys
 import torch
 
 from . import reductions
+from .costs import get_cost
 
-__all__ = ["info", "package_version"]
+__all__ = ["info"]
 
 
 def package_version(name: str) -> str:
@@ -23,8 +24,6 @@ def package_version(name: str) -> str:
 
 
 def _try_backend(name: str) -> str:
-    from .costs import get_cost
-
     x = torch.rand(1, 5, 3)
     try:
         out = reductions.softmin(x, x, torch.zeros(1, 5), 0.1, get_cost("sqeuclidean"), name)

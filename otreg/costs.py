@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Cost", "COSTS", "get_cost", "epsilon_schedule", "diameter"]
+__all__: list[str] = []
 
 SQRT_FLOOR = 1e-20
 

@@ -103,14 +103,17 @@ class Shape:
     # ------------------------------------------------------------------ basics
     @property
     def n_points(self) -> int:
+        """The number of points (vertices)."""
         return int(self.points.shape[0])
 
     @property
     def n_faces(self) -> int:
+        """The number of triangles (0 for a point cloud)."""
         return 0 if self.faces is None else int(self.faces.shape[0])
 
     @property
     def dim(self) -> int:
+        """The dimension of the points (3 for surfaces)."""
         return int(self.points.shape[1])
 
     def __repr__(self) -> str:

@@ -3,6 +3,7 @@ module that imports it back, function-level imports included), pykeops is import
 module only, and private modules or names are imported only inside their own package."""
 
 import ast
+import re
 from pathlib import Path
 
 import otreg
@@ -125,3 +126,71 @@ def test_every_public_name_is_exported_and_exists():
     ):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
+
+
+def test_only_checks_and_info_are_private_at_the_root():
+    private = sorted(
+        p.name for p in ROOT.glob("_*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
+    assert private == ["_checks.py", "_info.py"]
+
+
+def test_no_function_level_import_of_otreg():
+    """Importing any otreg module runs otreg/__init__ first, which loads every package:
+    a function-level import of otreg defers nothing (heavy optional libraries stay
+    imported on use)."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.ImportFrom) and (
+                        sub.level or (sub.module or "").split(".")[0] == "otreg"
+                    ):
+                        found.append(f"{name}:{sub.lineno}")
+    assert not found, found
+
+
+#: exported submodules: namespaces whose own __all__ is their API
+NAMESPACE_MODULES = {"otreg.registration.metrics"}
+
+
+def test_module_all_holds_only_its_packages_exports():
+    """One public/private rule: a package's __init__ exports are its API, and a module's
+    __all__ names only those of its package's exports that it defines."""
+    import importlib
+
+    extra = {}
+    for name, path in modules().items():
+        if path.name in ("__init__.py", "__main__.py") or name in NAMESPACE_MODULES:
+            continue
+        module = importlib.import_module(name)
+        package = importlib.import_module(package_of(name))
+        names = set(getattr(module, "__all__", ()))
+        if names - set(package.__all__):
+            extra[name] = sorted(names - set(package.__all__))
+    assert not extra, extra
+
+
+def test_the_api_page_documents_the_exports_and_nothing_internal():
+    page = (ROOT.parent / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"\.\. automodule:: (otreg[\w.]*)", page))
+    packages = {name for name, path in modules().items() if path.name == "__init__.py"} - {
+        "otreg.cli"
+    }
+    assert documented == packages | NAMESPACE_MODULES
+
+
+REMOVED = {"strategy", "memory", "truncate", "cluster_scale"}
+
+
+def test_no_deprecated_parameter_remains():
+    import inspect
+
+    for fn in (otreg.sinkhorn, otreg.sinkhorn_divergence, otreg.SinkhornLoss, otreg.register):
+        params = inspect.signature(fn).parameters
+        assert not REMOVED & set(params), fn
+    register = inspect.signature(otreg.register).parameters
+    assert not any(p.kind is p.VAR_KEYWORD for p in register.values())
+    lddmm = {"sigma", "control_points", "n_steps", "integrator", "regularization"}
+    assert not (lddmm | {"max_iter", "tol", "reach"}) & set(register)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .._checks import check_choice, check_int, check_positive
+from ..io import atomic_write, load_shape, save_shape
 from ..shapes import Shape
 from ._ground_truth import KernelFlow, RigidMotion, random_flow, random_rigid
 
@@ -88,7 +89,7 @@ def noisy_sphere(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """n points uniformly distributed on a sphere, plus Gaussian noise of std ``noise``.
+    """N points uniformly distributed on a sphere, plus Gaussian noise of std ``noise``.
 
     Returns:
         ``(n, 3)`` points, in the units of ``radius``.
@@ -141,8 +142,6 @@ def fsaverage5(
         >>> lh.n_points, lh.n_faces, lh.unit
         (10242, 20480, 'mm')
     """
-    from ..io import load_shape
-
     if surface == "midthickness":
         pial, white = (fsaverage5(s, hemi, torch.float64) for s in ("pial", "white"))
         mid = pial.with_points(((pial.points + white.points) / 2).to(dtype))
@@ -233,8 +232,6 @@ def conte69(
         >>> lh.n_points, int(lh.data["cortex"].sum()) < lh.n_points
         (32492, True)
     """
-    from ..io import load_shape
-
     shape = load_shape(conte69_path(hemi, surface), dtype=dtype)
     mask = brainspace_data_dir() / "surfaces" / f"conte69_32k_{hemi[0]}h_mask.csv"
     shape.data["cortex"] = torch.as_tensor(np.loadtxt(mask), dtype=torch.int64)
@@ -242,7 +239,7 @@ def conte69(
 
 
 def conte69_parcellation(name: str = "schaefer_100", hemi: str = "left") -> np.ndarray:
-    """brainspace's parcel labels on a Conte69 hemisphere, ``(32492,)`` int (0: the medial
+    """Brainspace's parcel labels on a Conte69 hemisphere, ``(32492,)`` int (0: the medial
     wall; the right hemisphere's labels follow the left's).
 
     Example:
@@ -287,8 +284,6 @@ def mni152_surface(
         >>> wm.n_points > 10_000, wm.unit
         (True, 'mm')
     """
-    from ..io import load_shape
-
     threshold = check_positive("mni152_surface", "threshold", threshold)
     if threshold >= 1:
         raise ValueError(f"mni152_surface: threshold is {threshold}; it is a probability in (0, 1)")
@@ -325,6 +320,7 @@ class SyntheticSubject:
         return self.rigid(self.flow(points))
 
     def inverse_transform(self, points: torch.Tensor) -> torch.Tensor:
+        """The ground-truth map from this subject's space back to the base's."""
         return self.flow.inverse(self.rigid.inverse(points))
 
 
@@ -349,7 +345,8 @@ def synthetic_subjects(
         sigma: width (mm) of the Gaussian kernels of the velocity field.
         magnitude: peak velocity (mm): about the largest non-rigid displacement.
         n_controls: kernels in the velocity field, centred on base vertices.
-        max_angle, max_shift: rigid motion bounds (degrees, mm).
+        max_angle: the largest rotation of the rigid motion, degrees.
+        max_shift: the largest translation of the rigid motion, mm.
         seed: random seed (subjects are reproducible).
         out_dir: if given, each subject is written there: ``NAME.vtk`` (the surface),
             ``NAME_truth.npz`` (base vertices, subject vertices, rigid motion, flow) and
@@ -383,8 +380,6 @@ def synthetic_subjects(
     if out is not None and out.exists() and not out.is_dir():
         raise ValueError(f"{caller}: out_dir {out} exists and is not a folder")
     if out is not None:
-        from ..io import save_shape
-
         out.mkdir(parents=True, exist_ok=True)
         save_shape(base.with_points(base.points), out / "base.vtk")
     subjects = []
@@ -412,8 +407,6 @@ def _write_subject(
     rigid: RigidMotion,
     volume: str | None,
 ) -> dict[str, Path]:
-    from ..io import atomic_write, save_shape
-
     files = {"surface": save_shape(shape, out / f"{name}.vtk")}
     truth = {
         "base_points": base.points.detach().double().numpy(),
@@ -453,8 +446,6 @@ def _write_warped_volume(
     """Resample ``src`` at T^-1(world grid): the volume moves with the surface."""
     import nibabel as nib
     from scipy.ndimage import map_coordinates, zoom
-
-    from ..io import atomic_write
 
     img = nib.load(str(src))
     data = np.asanyarray(img.dataobj)

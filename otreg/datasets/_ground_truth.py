@@ -16,7 +16,7 @@ import torch
 from .. import reductions
 from ..costs import get_cost
 
-__all__ = ["KernelFlow", "RigidMotion", "random_flow", "random_rigid"]
+__all__: list[str] = []
 
 
 @dataclass

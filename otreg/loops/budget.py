@@ -17,20 +17,7 @@ from .._checks import check_choice, check_int
 from .memory import measure_peak, resident_bytes
 from .tape import Checkpointed, Reversible, Step
 
-__all__ = [
-    "parse_bytes",
-    "state_bytes",
-    "check_budget",
-    "probe_peak",
-    "working_bytes",
-    "snapshot_count",
-    "resolve_strategy",
-    "charge_one_offs_to_budgets",
-    "fit_one_offs_to_budgets",
-    "within_budget",
-    "ONE_OFF_ALLOWANCE",
-    "PROBE_STEPS",
-]
+__all__: list[str] = []
 
 #: contexts entered while a budget's planner first runs a short loop, so that one-off costs
 #: (compiling the loop's reductions) are paid there, measured and charged to the budget

@@ -1,12 +1,12 @@
-"""Implicit differentiation of a fixed point ``z* = step(z*, *params)``.
+r"""Implicit differentiation of a fixed point ``z* = step(z*, *params)``.
 
 Forward iterates without a graph. Backward needs u = (d z*/d params)^T g; differentiating
 z* = step(z*, p) gives (I - J) dz* = (d step/d p) dp with J = d step/d z at z*, so
 
 .. math::
 
-    (I - J^T)\\, u = g, \\qquad \\nabla_p = \\Big(\\frac{\\partial\\, \\mathrm{step}}
-        {\\partial p}\\Big)^T u,
+    (I - J^T)\, u = g, \qquad \nabla_p = \Big(\frac{\partial\, \mathrm{step}}
+        {\partial p}\Big)^T u,
 
 solved matrix-free: J^T u is one vector-Jacobian product through a single taped step. The
 solver is scipy's GMRES (``solver="gmres"``, the default) or the fixed-point iteration
@@ -25,7 +25,7 @@ from .._checks import ConvergenceWarning, check_choice, check_int, check_positiv
 from .iterate import iterate
 from .tape import Step, as_tuple
 
-__all__ = ["fixed_point", "implicit", "BACKWARDS", "SOLVERS"]
+__all__ = ["fixed_point"]
 
 BACKWARDS = ("implicit", "unroll")
 SOLVERS = ("gmres", "fixed_point")
@@ -33,14 +33,6 @@ SOLVERS = ("gmres", "fixed_point")
 
 def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in ts])
-
-
-def _unflat(v: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    out, k = [], 0
-    for t in like:
-        out.append(v[k : k + t.numel()].view_as(t))
-        k += t.numel()
-    return tuple(out)
 
 
 def _solve_adjoint(

@@ -36,7 +36,6 @@ from .._checks import check_choice, check_int
 from .budget import (
     STRATEGIES,
     check_budget,
-    parse_bytes,
     snapshot_count,
     state_bytes,
     within_budget,
@@ -45,7 +44,7 @@ from .budget import (
 from .memory import limit_heap_retention
 from .tape import Checkpointed, Reversible, Step, as_tuple
 
-__all__ = ["iterate", "STRATEGIES", "parse_bytes", "state_bytes"]
+__all__ = ["iterate", "STRATEGIES"]
 
 
 State = torch.Tensor | tuple[torch.Tensor, ...]

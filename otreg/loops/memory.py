@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["measure_peak", "resident_bytes", "limit_heap_retention", "MMAP_THRESHOLD"]
+__all__: list[str] = []
 
 #: blocks from this size are mmapped (and returned to the system when freed)
 MMAP_THRESHOLD = 1 << 20

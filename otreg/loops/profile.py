@@ -12,7 +12,7 @@ import torch
 from .iterate import STRATEGIES, iterate
 from .memory import measure_peak
 
-__all__ = ["profile", "ProfileResult", "measure_peak"]
+__all__ = ["profile", "ProfileResult"]
 
 
 class ProfileResult(list):
@@ -59,10 +59,15 @@ def profile(
     """Run forward and backward of the loop once per strategy; measure memory and time.
 
     Args:
-        step, x0, n_steps, params, memory, snapshots, inverse: as in
-            :func:`otreg.loops.iterate` (``inverse`` is needed for ``"reversible"``);
-            ``memory`` may also be a list of budgets: ``"checkpoint"`` then runs once per
-            budget, a row each (the trade-off a user picks a budget from).
+        step: ``x_{k+1} = step(x_k, *params)``, as in :func:`otreg.loops.iterate`.
+        x0: the initial state (a tensor or a tuple of tensors).
+        n_steps: the number of steps.
+        params: the tensors the gradient is taken with respect to.
+        memory: as in :func:`~otreg.loops.iterate`, or a list of budgets:
+            ``"checkpoint"`` then runs once per budget, a row each (the trade-off a user
+            picks a budget from).
+        snapshots: a fixed number of checkpoints instead of a budget.
+        inverse: the step's inverse, needed for ``"reversible"``.
         strategies: which to run; ``"store"`` first gives the reference gradients.
         loss: scalar function of the final state (default: the sum of its entries).
 

@@ -1,10 +1,10 @@
-"""Binomial checkpointing (Griewank 1992; Griewank and Walther, ACM TOMS 2000, "revolve").
+r"""Binomial checkpointing (Griewank 1992; Griewank and Walther, ACM TOMS 2000, "revolve").
 
 To reverse a loop of n steps with s checkpoint slots, the fewest forward steps is
 
 .. math::
 
-    p(n, s) = t\\,n - \\beta(s + 1, t - 1), \\qquad \\beta(s, t) = \\binom{s + t}{s},
+    p(n, s) = t\,n - \beta(s + 1, t - 1), \qquad \beta(s, t) = \binom{s + t}{s},
 
 with t the unique integer such that beta(s, t - 1) < n <= beta(s, t). The schedule reaching it
 is recursive: from a checkpoint at i, advance m steps, store a checkpoint there, reverse the
@@ -24,7 +24,7 @@ from math import comb
 
 from .._checks import check_int
 
-__all__ = ["Action", "binomial_schedule", "min_recomputations", "max_steps"]
+__all__ = ["binomial_schedule", "min_recomputations"]
 
 
 @dataclass(frozen=True)

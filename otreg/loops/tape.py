@@ -15,6 +15,7 @@ from .schedules import binomial_schedule
 
 
 def as_tuple(caller: str, x0: object) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """``x0`` as a tuple of tensors, and whether it was one tensor."""
     if isinstance(x0, torch.Tensor):
         return (x0,), True
     if isinstance(x0, (tuple, list)) and x0 and all(isinstance(t, torch.Tensor) for t in x0):
@@ -41,6 +42,7 @@ class Step:
         self._last_rng: tuple | None = None  # what rng_state() returned last
 
     def __call__(self, state: tuple, params: tuple | None = None) -> tuple:
+        """One step of the loop on a state tuple."""
         params = self.params if params is None else params
         arg = state[0] if self.single else state
         out = self.step(arg) if self.module else self.step(arg, *params)
@@ -71,6 +73,7 @@ class Step:
         return now
 
     def set_rng_state(self, rng) -> None:
+        """Restore the random state :meth:`rng_state` returned."""
         torch.set_rng_state(rng[0])
         for d, s in zip(self.devices, rng[1]):
             torch.cuda.set_rng_state(s, d)
@@ -95,6 +98,7 @@ def vjp(run: Step, state: tuple, params: tuple, grad_state: tuple):
 
 
 def add_grads(total: list, grads: tuple) -> None:
+    """Accumulate ``grads`` into ``total`` in place (None: no gradient)."""
     for k, g in enumerate(grads):
         if g is not None:
             total[k] = g if total[k] is None else total[k] + g
@@ -118,6 +122,7 @@ class Snapshots(dict):
         self.row_of: dict[int, int] = {}
 
     def store(self, k: int, state: tuple, rng) -> None:
+        """Keep the state (and random state) of step k."""
         if self.pool is None and self.rows > 0:
             self.pool = tuple(t.new_empty((self.rows, *t.shape)) for t in state)
         if not self.free:  # more than planned at once: keep the tensors themselves
@@ -130,14 +135,18 @@ class Snapshots(dict):
         self[k] = (rows, rng)
 
     def drop(self, k: int) -> None:
+        """Forget the state of step k."""
         del self[k]
         if k in self.row_of:
             self.free.append(self.row_of.pop(k))
 
 
 class Checkpointed(torch.autograd.Function):
+    """The loop run by the binomial schedule: snapshots in forward, re-runs in backward."""
+
     @staticmethod
     def forward(ctx, run: Step, n: int, snapshots: int, report: dict, n_state: int, *tensors):
+        """The final state after n steps, keeping ``snapshots`` states for backward."""
         state, params = tuple(tensors[:n_state]), tuple(tensors[n_state:])
         actions = binomial_schedule(n, snapshots)
         first_taped = next(k for k, a in enumerate(actions) if a.kind == "taped")
@@ -161,6 +170,7 @@ class Checkpointed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_out):
+        """The gradients of the input state and the parameters, segment by segment."""
         run, params = ctx.run, ctx.saved_tensors
         slots, evaluations = ctx.slots, ctx.evaluations
         current, rng = ctx.working
@@ -198,8 +208,12 @@ class Checkpointed(torch.autograd.Function):
 
 # ----------------------------------------------------------------------- reversible
 class Reversible(torch.autograd.Function):
+    """The loop run forward keeping only its last state; backward rebuilds each state by
+    the step's inverse."""
+
     @staticmethod
     def forward(ctx, run: Step, inverse: Callable, n: int, report: dict, n_state: int, *tensors):
+        """The final state after n steps; nothing else is kept."""
         state, params = tuple(tensors[:n_state]), tuple(tensors[n_state:])
         current = state
         for _ in range(n):
@@ -210,6 +224,7 @@ class Reversible(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_out):
+        """The gradients, each state rebuilt from the next by the inverse step."""
         saved, k = ctx.saved_tensors, ctx.n_state
         x0, current, params = saved[:k], saved[k : 2 * k], saved[2 * k :]
         run = ctx.run

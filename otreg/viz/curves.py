@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from ..io import atomic_write
+from ..ot.plan import TransportPlan
+
 __all__ = ["plot_history", "plot_plan", "plot_tradeoff"]
 
 #: history entries that are not values of the objective or its terms
@@ -19,8 +22,6 @@ _NOT_VALUES = ("level", "evaluation", "seconds", "sinkhorn_iterations", "sinkhor
 
 
 def _save(fig, path: str | Path, dpi: int = 100) -> Path:
-    from ..io import atomic_write
-
     path = Path(path)
     atomic_write(path, lambda tmp: fig.savefig(str(tmp), dpi=dpi))
     return path
@@ -97,8 +98,6 @@ def plot_plan(x, y, plan, path: str | Path, max_lines: int = 400) -> Path:
     """
     from matplotlib.collections import LineCollection
     from matplotlib.figure import Figure
-
-    from ..ot.plan import TransportPlan
 
     xs, ys = _points_2d("x", x), _points_2d("y", y)
     if isinstance(plan, TransportPlan):

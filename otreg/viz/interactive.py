@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..io import atomic_write
+from ..registration.metrics import point_to_surface_distances
 from ..shapes import Shape
 
 __all__ = ["view_3d", "view_registration"]
@@ -28,7 +30,8 @@ def view_3d(
         shapes: ``{name: Shape}`` with triangles; each a trace that the legend toggles.
         scalars: ``{name: (title, values (N,))}`` colours that shape by a value per vertex
             (viridis, with a colour bar), e.g. the distance to a target in mm.
-        colors, opacity: per shape, for the ones without scalars (default light grey, 1).
+        colors: a colour per shape without scalars (default light grey).
+        opacity: an opacity per shape, in [0, 1] (default 1).
         path: also write the view as a self-contained HTML file (atomically; it loads
             nothing from the network).
 
@@ -92,8 +95,6 @@ def view_3d(
         legend={"x": 0, "y": 1},
     )
     if path is not None:
-        from ..io import atomic_write
-
         html = fig.to_html(include_plotlyjs=True, full_html=True)
         atomic_write(Path(path), lambda tmp: Path(tmp).write_text(html))
     return fig
@@ -113,8 +114,6 @@ def view_registration(result, target: Shape, path: str | Path | None = None):
         >>> [trace.name for trace in fig.data]
         ['target', 'warped']
     """
-    from ..registration.metrics import point_to_surface_distances
-
     warped = result.warped
     dist = point_to_surface_distances(warped.points.detach().cpu().double().numpy(), target)
     return view_3d(

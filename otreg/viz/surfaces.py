@@ -13,7 +13,11 @@ from pathlib import Path
 
 import torch
 
+from ..io import atomic_write
+from ..registration.metrics import point_to_surface_distances
+from ..registration.result import Registration
 from ..shapes import Shape
+from .curves import plot_history
 
 __all__ = [
     "plot_shapes",
@@ -22,9 +26,10 @@ __all__ = [
     "plot_jacobian",
     "plot_momenta",
     "animate_flow",
-    "VIEWS",
-    "COLOURS",
 ]
+
+#: The pictures :func:`plot_registration` draws, by role.
+PICTURES = {"picture": "picture.png", "history": "history.png"}
 
 VIEWS = ("x", "-x", "y", "-y", "z", "-z", "iso")
 #: the colours of the moving shape and of the target in overlays (RGB hex)
@@ -50,8 +55,6 @@ def _check(caller: str, shapes: dict, view: str) -> None:
 
 
 def _registration(caller: str, result):
-    from ..registration.result import Registration
-
     if not isinstance(result, Registration):
         raise TypeError(
             f"{caller}: result must be an otreg Registration (what otreg.register returns), "
@@ -64,8 +67,6 @@ def _render(path: str | Path, window_size, subplots: int, draw) -> Path:
     """Open an off-screen plotter with ``subplots`` views side by side, ``draw(plotter)``,
     screenshot it to ``path`` atomically."""
     import pyvista as pv
-
-    from ..io import atomic_write
 
     with pv.vtk_verbosity("off"):  # no "bad X server connection" note on headless machines
         plotter = pv.Plotter(off_screen=True, shape=(1, subplots), window_size=window_size)
@@ -156,6 +157,8 @@ def plot_overlay(
         after: the warped source (``Registration.warped``).
         target: the target surface.
         path: the PNG to write.
+        window_size: ``(width, height)`` pixels.
+        view: where the camera looks from (module docstring).
 
     Example:
         >>> import pyvista as pv, otreg, tempfile, pathlib
@@ -198,9 +201,6 @@ def plot_registration(
         >>> sorted(otreg.viz.plot_registration(res, ball, egg, folder))
         ['history', 'picture']
     """
-    from ..registration.metrics import point_to_surface_distances
-    from .curves import plot_history
-
     result = _registration("plot_registration", result)
     folder = Path(folder)
     warped = result.warped
@@ -209,12 +209,12 @@ def plot_registration(
     out = {
         "picture": plot_shapes(
             {"source": source, "target": target, name: warped},
-            folder / f"{prefix}picture.png",
+            folder / f"{prefix}{PICTURES['picture']}",
             scalars={name: ("distance to target (mm)", dist)},
         )
     }
     if result.history:
-        out["history"] = plot_history(result.history, folder / f"{prefix}history.png")
+        out["history"] = plot_history(result.history, folder / f"{prefix}{PICTURES['history']}")
     return out
 
 
@@ -233,6 +233,8 @@ def plot_jacobian(
         result: the :class:`~otreg.registration.Registration`.
         source: the source it registered (its vertices are where the determinant is taken).
         path: the PNG to write.
+        window_size: ``(width, height)`` pixels.
+        view: where the camera looks from (module docstring).
 
     Example:
         >>> import pyvista as pv, torch, otreg, tempfile, pathlib
@@ -344,6 +346,8 @@ def animate_flow(
         path: the GIF to write.
         target: drawn translucent in every frame.
         seconds: the duration of one pass.
+        window_size: ``(width, height)`` pixels.
+        view: where the camera looks from (module docstring).
 
     Example:
         >>> import pyvista as pv, torch, otreg, tempfile, pathlib
@@ -356,8 +360,6 @@ def animate_flow(
     """
     import pyvista as pv
     from PIL import Image
-
-    from ..io import atomic_write
 
     result = _registration("animate_flow", result)
     shapes = {"source": source} if target is None else {"source": source, "target": target}
