@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import resource
 import shlex
 import subprocess
@@ -76,19 +77,32 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def publish(title: str, body: str, save: bool) -> None:
-    """Print a result; with ``save``, append it to docs/benchmarks.md with the machine and the
-    command that made it."""
+def publish(title: str, body: str, save: bool, variant: str = "") -> None:
+    """Print a result; with ``save``, record it in docs/benchmarks.md with the machine and
+    the command that made it. ``variant`` names a run of a subset (some sizes, methods or
+    pairs): it is recorded as a section of its own, so that it never replaces the full run.
+    """
     print(body)
     if save:
         script = Path(sys.argv[0]).name
-        record(title, shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]]), body)
+        command = shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]])
+        record(f"{title}: {variant}" if variant else title, command, body)
 
 
 def record(title: str, command: str, body: str) -> None:
-    """Append a section to docs/benchmarks.md."""
+    """Write a section into docs/benchmarks.md: it replaces the section of the same title
+    (the history stays in git), or is appended when there is none."""
     stamp = datetime.date.today().isoformat()
-    text = f"\n## {title} ({stamp})\n\nMachine: {machine()}\n\nCommand: `{command}`\n\n{body}\n"
+    section = (
+        f"## {title}\n\nRecorded: {stamp}. Machine: {machine()}\n\nCommand: `{command}`\n\n{body}\n"
+    )
     RECORD.parent.mkdir(exist_ok=True)
-    with RECORD.open("a") as fh:
-        fh.write(text)
+    text = RECORD.read_text() if RECORD.exists() else "# Benchmarks\n"
+    head, *sections = re.split(r"\n(?=## )", text)
+    for k, old in enumerate(sections):
+        if old.split("\n", 1)[0] == f"## {title}":
+            sections[k] = section
+            break
+    else:
+        sections.append(section)
+    RECORD.write_text("\n".join([head.rstrip("\n") + "\n", *sections]))

@@ -270,7 +270,17 @@ def main() -> None:
             ("error", "error", ""),
         ],
     )
-    publish("Registration on real anatomy: otreg vs scikit-shapes", text, args.record)
+    variant = []
+    if args.pairs != list(PAIRS):
+        variant.append(", ".join(args.pairs))
+    if args.no_peer:
+        variant.append("otreg only")
+    publish(
+        "Registration on real anatomy: otreg vs scikit-shapes",
+        text,
+        args.record,
+        "; ".join(variant),
+    )
 
 
 if __name__ == "__main__":

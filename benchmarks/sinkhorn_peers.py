@@ -349,7 +349,16 @@ def main() -> None:
             ("error", "note", ""),
         ],
     )
-    publish("Sinkhorn divergence + gradient, noisy spheres, blur 0.01", text, args.record)
+    defaults = parser.parse_args([])
+    variant = []
+    if sizes != defaults.sizes:
+        variant.append("N = " + ", ".join(f"{n:,}" for n in sizes))
+    publish(
+        "Sinkhorn divergence + gradient, noisy spheres, blur 0.01",
+        text,
+        args.record,
+        "; ".join(variant),
+    )
 
 
 if __name__ == "__main__":
