@@ -154,6 +154,39 @@ class Shape:
         faces = None if self.faces is None else self.faces[:, [0, 2, 1]]
         return replace(self, points=self.points * sign, faces=faces, source=None)
 
+    @property
+    def orientation(self) -> str | None:
+        """``"outward"`` or ``"inward"``: where the normals of a closed surface point (the
+        sign of its enclosed volume); None for a surface with a border, or a point cloud.
+
+        Example:
+            >>> from otreg import datasets
+            >>> datasets.fsaverage5("pial").orientation
+            'outward'
+        """
+        if self.n_faces == 0 or self.dim != 3:
+            return None
+        faces = self.faces.cpu()
+        edges = torch.sort(faces[:, [0, 1, 1, 2, 2, 0]].reshape(-1, 2), dim=1).values
+        keys = edges[:, 0].long() * self.n_points + edges[:, 1]
+        if not bool((torch.unique(keys, return_counts=True)[1] == 2).all()):
+            return None  # a border: no inside
+        return "outward" if float(self.to(torch.float64).volume) > 0 else "inward"
+
+    def flipped(self) -> Shape:
+        """The same surface with its triangles reversed: normals point the other way.
+
+        Example:
+            >>> import torch
+            >>> from otreg import Shape
+            >>> corners = torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 0, 1], [0, 0, 0]])
+            >>> tet = Shape(corners, torch.tensor([[0, 1, 2], [0, 3, 1], [1, 3, 2], [0, 2, 3]]))
+            >>> tet.orientation, tet.flipped().orientation
+            ('outward', 'inward')
+        """
+        self._need_faces("flipped")
+        return replace(self, faces=self.faces[:, [0, 2, 1]], source=None)
+
     def _need_faces(self, what: str) -> torch.Tensor:
         if self.faces is None or self.n_faces == 0:
             raise ValueError(

@@ -121,6 +121,8 @@ def load_shape(
         raise ValueError(f"{caller}: {path} holds an invalid shape: {str(err)[7:]}") from err
     if shape.n_faces:
         _files.warn_bad_triangles(shape, path, caller)
+        if shape.dim == 3:
+            _files.warn_inward(shape, path, caller)
     if smooth:
         shape = shape.smooth(n_iter=smooth)
     if decimate is not None:

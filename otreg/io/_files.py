@@ -250,6 +250,21 @@ def warn_bad_triangles(shape: Shape, path: Path, caller: str) -> None:
         )
 
 
+def warn_inward(shape: Shape, path: Path, caller: str) -> None:
+    """Warn (naming the file and the fix) when a closed surface's triangles face inward:
+    its signed enclosed volume is negative. The data terms that use orientation (currents)
+    then see the opposite surface; the others do not notice."""
+    if shape.orientation == "inward":
+        volume = float(shape.to(torch.float64).volume)
+        warn(
+            f"{caller}: the triangles of {path} face inward: it is a closed surface whose "
+            f"enclosed volume comes out negative ({volume:,.0f} {shape.unit}^3). Data terms "
+            "that use orientation (loss='currents') would see the opposite surface; "
+            "reverse the triangles (shape.flipped()) or fix the file",
+            UserWarning,
+        )
+
+
 def same_file(a: str | Path, b: str | Path) -> bool:
     """Whether two paths name one existing file (through symlinks, ``..``, hard links).
 

@@ -34,6 +34,44 @@ def load_volume(path: Path, caller: str):
     return data, np.asarray(img.affine, dtype=np.float64)
 
 
+#: A label value matches voxels within this distance (float noise: 17.0000001 is 17).
+LABEL_TOLERANCE = 1e-3
+#: A label image whose nonzero voxels hold more than this fraction of non-integer values was
+#: resampled with interpolation, which blends labels at every boundary: refused.
+INTERPOLATED_FRACTION = 0.01
+
+
+def _label_mask(data: np.ndarray, label, path: Path, caller: str) -> np.ndarray:
+    """The voxels of ``label``; an image that is not a label image (interpolated) is
+    refused, float noise around the labels is tolerated."""
+    if data.dtype.kind != "f":
+        mask = data == label
+    else:
+        values = data[np.isfinite(data) & (data != 0)]
+        off = np.abs(values - np.round(values)) > LABEL_TOLERANCE
+        if values.size and off.mean() > INTERPOLATED_FRACTION:
+            examples = ", ".join(f"{v:.4g}" for v in np.unique(values[off])[:4])
+            raise ValueError(
+                f"{caller}: {path} is not a label image: {100 * off.mean():.0f}% of its "
+                f"nonzero voxels hold non-integer values (e.g. {examples}; "
+                f"{np.unique(values).size:,} distinct values). It looks resampled with "
+                "linear interpolation, which blends the labels at every boundary and "
+                "shrinks or moves each structure. Resample segmentations with "
+                "nearest-neighbour interpolation (flirt -interp nearestneighbour, "
+                "mri_vol2vol --interp nearest, antsApplyTransforms -n NearestNeighbor), "
+                "or give level= for a probability map"
+            )
+        mask = np.abs(data - label) <= LABEL_TOLERANCE
+    if not mask.any():
+        present = np.unique(data[np.isfinite(data)]) if data.dtype.kind == "f" else np.unique(data)
+        shown = ", ".join(f"{v:g}" for v in present[:30])
+        more = f" and {present.size - 30} more" if present.size > 30 else ""
+        raise ValueError(
+            f"{caller}: label {label} is absent from {path}; labels present: {shown}{more}"
+        )
+    return mask
+
+
 def _mask(data: np.ndarray, label, level, path: Path, caller: str) -> np.ndarray:
     if label is not None and level is not None:
         raise ValueError(
@@ -41,17 +79,7 @@ def _mask(data: np.ndarray, label, level, path: Path, caller: str) -> np.ndarray
             f"of a probability map) for {path}, not both"
         )
     if label is not None:
-        mask = data == label
-        if not mask.any():
-            present = (
-                np.unique(data[np.isfinite(data)]) if data.dtype.kind == "f" else np.unique(data)
-            )
-            shown = ", ".join(f"{v:g}" for v in present[:30])
-            more = f" and {present.size - 30} more" if present.size > 30 else ""
-            raise ValueError(
-                f"{caller}: label {label} is absent from {path}; labels present: {shown}{more}"
-            )
-        return mask
+        return _label_mask(data, label, path, caller)
     if level is not None:
         mask = data >= level
         if not mask.any():

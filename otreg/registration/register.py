@@ -195,6 +195,15 @@ def _plan(
     levels = _levels(defaults.default_levels(scale) if levels is None else levels, loss, caller)
     if any("landmarks" in lv.loss for lv in levels) and landmarks is None:
         raise ValueError(f"{caller}: loss has 'landmarks' but landmarks= is None")
+    if any("currents" in lv.loss for lv in levels):
+        sides = (source.orientation, target.orientation)
+        if None not in sides and sides[0] != sides[1]:
+            warn(
+                f"{caller}: the source's triangles face {sides[0]} and the target's "
+                f"{sides[1]}: loss='currents' compares oriented normals and would pull the "
+                "source inside out; flip one (shape.flipped())",
+                UserWarning,
+            )
     if signal is not None:
         signals.check_signal(caller, signal, source, target)
     signal_weight = check_positive(caller, "signal_weight", signal_weight)

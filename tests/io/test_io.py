@@ -392,3 +392,94 @@ def test_file_errors_name_the_file_not_an_internal_variable(tmp_path):
         match=r"load_shape: .*bad\.gii holds an invalid shape: faces index vertices 0 to 7",
     ):
         load_shape(tmp_path / "bad.gii")
+
+
+# ------------------------------------------------------------- label images, resampled
+def _labels(rng, shape=(32, 32, 32)):
+    """A label image: a few balls of labels 3, 17 and 42 (radius 5 to 9 voxels)."""
+    idx = np.stack(np.meshgrid(*[np.arange(s) for s in shape], indexing="ij"), -1)
+    data = np.zeros(shape, dtype=np.int16)
+    for label in (3, 17, 42):
+        centre = rng.uniform(9, 23, size=3)
+        radius = rng.uniform(5, 9)
+        data[((idx - centre) ** 2).sum(-1) <= radius**2] = label
+    return data
+
+
+def _resampled(data, order, angle):
+    """The image turned by ``angle`` radians about z (about its centre), resampled with
+    scipy's interpolation of that ``order`` (0: nearest, 1: linear)."""
+    from scipy.ndimage import affine_transform
+
+    c, s = math.cos(angle), math.sin(angle)
+    rot = np.array([[c, -s, 0], [s, c, 0], [0, 0, 1.0]])
+    centre = (np.array(data.shape) - 1) / 2
+    offset = centre - rot @ centre
+    return affine_transform(data.astype(np.float32), rot, offset=offset, order=order)
+
+
+def test_a_label_image_resampled_with_linear_interpolation_is_refused(tmp_path):
+    data = _labels(np.random.default_rng(0))
+    linear = _resampled(data, 1, 0.3)
+    nib.save(nib.Nifti1Image(linear, np.eye(4)), str(tmp_path / "linear.nii.gz"))
+    with pytest.raises(ValueError, match="is not a label image: .*% of its nonzero voxels hold"):
+        load_shape(tmp_path / "linear.nii.gz", label=17)
+    with pytest.raises(ValueError, match="nearest-neighbour interpolation"):
+        load_shape(tmp_path / "linear.nii.gz", label=10)  # not a list of 1,000 floats
+    nearest = _resampled(data, 0, 0.3)
+    nib.save(nib.Nifti1Image(nearest, np.eye(4)), str(tmp_path / "nearest.nii.gz"))
+    shape = load_shape(tmp_path / "nearest.nii.gz", label=17, dtype=torch.float64)
+    assert float(shape.volume) == pytest.approx(float((data == 17).sum()), rel=0.1)
+
+
+def test_float_noise_around_the_labels_is_tolerated(tmp_path):
+    data = _labels(np.random.default_rng(1)).astype(np.float32)
+    noisy = data + np.float32(1e-6) * (data > 0)  # 17.000001 and so on
+    nib.save(nib.Nifti1Image(noisy, np.eye(4)), str(tmp_path / "noisy.nii.gz"))
+    shape = load_shape(tmp_path / "noisy.nii.gz", label=17, dtype=torch.float64)
+    assert float(shape.volume) == pytest.approx(float((data == 17).sum()), rel=0.1)
+
+
+def test_resampled_label_images_are_never_silently_wrong(tmp_path):
+    """Random label images turned by a random angle: resampled with nearest neighbours each
+    label gives its structure; with linear interpolation each is refused."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.integers(0, 10_000), st.floats(0.05, 1.5))
+    def check(seed, angle):
+        data = _labels(np.random.default_rng(seed))
+        for order in (0, 1):
+            path = tmp_path / f"r{order}.nii.gz"
+            nib.save(nib.Nifti1Image(_resampled(data, order, angle), np.eye(4)), str(path))
+            for label in (3, 17, 42):
+                if order == 1:
+                    with pytest.raises(ValueError, match="is not a label image"):
+                        load_shape(path, label=label)
+                    continue
+                truth = float((data == label).sum())
+                if truth < 100:  # hidden under another ball
+                    continue
+                shape = load_shape(path, label=label, dtype=torch.float64)
+                assert abs(float(shape.volume)) == pytest.approx(truth, rel=0.25)
+
+    check()
+
+
+def test_a_closed_surface_facing_inward_warns_at_load(tmp_path):
+    import pyvista as pv
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    assert ball.orientation == "outward" and ball.flipped().orientation == "inward"
+    save_shape(ball.flipped(), tmp_path / "inward.vtk")
+    with pytest.warns(UserWarning, match=r"inward.vtk face inward: .*\(-3[0-9],[0-9]{3} mm\^3\)"):
+        load_shape(tmp_path / "inward.vtk")
+    save_shape(ball, tmp_path / "outward.vtk")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_shape(tmp_path / "outward.vtk")
+    open_cap = Shape(ball.points, ball.faces[:-10])  # a border: no inside, no warning
+    assert open_cap.orientation is None

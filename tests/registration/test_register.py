@@ -281,3 +281,15 @@ def test_progress_bars_by_default_only_where_someone_watches(pial_small, monkeyp
     assert check_progress("test", None)
     with pytest.raises(TypeError, match="progress is 'yes'; it must be True, False or None"):
         register(pial_small, pial_small, "rigid", progress="yes")
+
+
+def test_currents_between_opposite_orientations_warns(pial_small):
+    with pytest.warns(UserWarning, match="triangles face outward and the target's inward"):
+        register(
+            pial_small,
+            pial_small.flipped(),
+            loss="currents",
+            levels=((200, 6.0),),
+            optimizer=LBFGSOptions(max_iter=1),
+            progress=False,
+        )
