@@ -28,6 +28,8 @@ from .tape import Step, as_tuple
 __all__ = ["fixed_point"]
 
 BACKWARDS = ("implicit", "unroll")
+#: The adjoint solve's tolerance is at least this many units of the dtype's rounding.
+ROUNDING_ULPS = 50
 SOLVERS = ("gmres", "fixed_point")
 
 
@@ -98,20 +100,28 @@ class _Implicit(torch.autograd.Function):
                 )
 
             o = ctx.opts
-            u, residual, n = _solve_adjoint(apply_jt, g, o["solver"], o["tol"], o["max_iter"])
+            # the residual is computed in the state's dtype: below its rounding (float32:
+            # 6e-6 relative) no solver can go, and GMRES would spend max_iter restarts
+            tol = max(o["tol"], ROUNDING_ULPS * torch.finfo(g.dtype).eps)
+            u, residual, n = _solve_adjoint(apply_jt, g, o["solver"], tol, o["max_iter"])
             ctx.report.update(backward_residual=residual, backward_iterations=n)
-            if residual > 10 * o["tol"]:
+            if residual > 10 * tol:
                 warn(
                     f"fixed_point: the adjoint solve stopped at relative residual "
-                    f"{residual:.3g} > {o['tol']:g} after {n} iterations; the "
+                    f"{residual:.3g} > {tol:g} after {n} iterations; the "
                     "gradient is approximate",
                     ConvergenceWarning,
                 )
-            wanted = [p for p in params if p.requires_grad]
-            grads = iter(
-                torch.autograd.grad(flat_out, wanted, u, allow_unused=True) if wanted else ()
-            )
-        gp = tuple(next(grads) if p.requires_grad else None for p in params)
+            # a tensor given twice (x against itself) gets its whole gradient once: autograd
+            # gives every occurrence the total, which would count it twice
+            first = {}
+            for k, p in enumerate(params):
+                if p.requires_grad:
+                    first.setdefault(id(p), k)
+            wanted = [params[k] for k in first.values()]
+            got = torch.autograd.grad(flat_out, wanted, u, allow_unused=True) if wanted else ()
+            by_index = dict(zip(first.values(), got))
+        gp = tuple(by_index.get(k) for k in range(len(params)))
         return (None, None, None, None, *(None for _ in z), *gp)
 
 

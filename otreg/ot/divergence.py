@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import reductions
 from .._checks import warn
-from .gradient import dual_value
+from .gradient import differentiate, dual_value, first_order_only
 from .large_blur import check_range, closed_form_applies
 from .loop import closed_form_solution, solve
 from .problem import Problem, SinkhornOptions, resolve_options
@@ -63,11 +63,11 @@ def divergence(
     ``default_blur``: the caller did not choose the blur (a warning when the data span
     more than :data:`DEFAULT_BLUR_SPAN` times it, as brain surfaces in mm do).
     """
-    if options.backward_kind != "envelope":
+    if options.backward_kind == "unroll":
         raise ValueError(
-            f"{caller}: backward is {options.backward!r}; the divergence's "
-            "gradient is exact with 'envelope'. For differentiable potentials "
-            "use otreg.sinkhorn(..., backward='implicit')"
+            f"{caller}: backward is {options.backward!r}; the divergence's gradient is "
+            "exact with 'envelope', and 'implicit' also gives its second derivatives. "
+            "For unrolled iterations use otreg.sinkhorn(..., backward=otreg.Unroll(...))"
         )
     p = Problem.build(caller, x, y, a, b, options)
     if default_blur and p.size > DEFAULT_BLUR_SPAN * options.blur:
@@ -98,19 +98,27 @@ def divergence(
             bb = solve(p, yd, bd, init=warm_start("g_bb", "g_bb", bd, bd))
             w.update(f_aa=aa.f, g_bb=bb.f)
         w.update(g=xy.g)
+    implicit = options.backward_kind == "implicit"
+
+    def term(sol, x, y, a, b) -> tuple[torch.Tensor, torch.Tensor]:
+        """One OT term, differentiable in (x, y, a, b), and its potential f."""
+        if implicit:  # potentials that follow the points (second derivatives too)
+            value, f, _, _ = differentiate(caller, p, options, sol, (x, y, a, b))
+            return value, f.detach()
+        return dual_value(p, x, y, a, b, sol.g, sol.kernel)
+
     with reductions.track() as differentiated:
-        cross, f = dual_value(p, p.x, p.y, p.a, p.b, xy.g, xy.kernel)
+        cross, f = term(xy, p.x, p.y, p.a, p.b)
     w["f"] = f
     value = cross
     converged = report_convergence(caller, "OT(a, b)", p, xy.n_iter, xy.rule)
     if debias:
-        value = value - 0.5 * (
-            dual_value(p, p.x, p.x, p.a, p.a, aa.f, aa.kernel)[0]
-            + dual_value(p, p.y, p.y, p.b, p.b, bb.f, bb.kernel)[0]
-        )
+        value = value - 0.5 * (term(aa, p.x, p.x, p.a, p.a)[0] + term(bb, p.y, p.y, p.b, p.b)[0])
         value = value + p.eps / 2 * (p.a.sum(1) - p.b.sum(1)) ** 2
         converged &= report_convergence(caller, "OT(a, a)", p, aa.n_iter, aa.rule)
         converged &= report_convergence(caller, "OT(b, b)", p, bb.n_iter, bb.rule)
+    if not implicit:
+        value = first_order_only(caller, value)
     ran = (solved, differentiated)
     result = make_result(p, (xd, yd, ad, bd), f, xy.g, cross, xy, converged, ran)
     return unbatch(value, p.batched), result

@@ -220,5 +220,5 @@ def _solve_and_differentiate(
             sol = solve(p, *(t.detach() for t in (p.x, p.a, p.y, p.b)), init=init)
     converged = report_convergence(caller, "the solver", p, sol.n_iter, sol.rule)
     with reductions.track() as differentiated:
-        value, f, g, params = differentiate(p, options, sol, (p.x, p.y, p.a, p.b))
+        value, f, g, params = differentiate(caller, p, options, sol, (p.x, p.y, p.a, p.b))
     return make_result(p, params, f, g, value, sol, converged, (solved, differentiated))

@@ -1,0 +1,94 @@
+"""Gradients of a solve: second derivatives right (implicit) or refused (envelope), and the
+implicit gradients of a cloud against itself counted once."""
+
+import time
+import warnings
+
+import pytest
+import torch
+
+import otreg
+
+D = torch.float64
+SOLVE = dict(blur=0.1, tol=1e-12, max_iter=5000)
+
+
+def clouds(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(40, 2, generator=g, dtype=D)
+    y = torch.rand(50, 2, generator=g, dtype=D) + 0.2
+    v = torch.randn(40, 2, generator=g, dtype=D)
+    return x, y, v
+
+
+def hvp_and_finite_difference(fn, x, v, h=1e-5):
+    xx = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(fn(xx), xx, create_graph=True)
+    (hv,) = torch.autograd.grad((g * v).sum(), xx)
+    grads = []
+    for sign in (1, -1):
+        xs = (x + sign * h * v).requires_grad_(True)
+        grads.append(torch.autograd.grad(fn(xs), xs)[0])
+    return hv, (grads[0] - grads[1]) / (2 * h)
+
+
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("sinkhorn", lambda x, y: otreg.sinkhorn(x, y, backward="implicit", **SOLVE).cost),
+        ("divergence", lambda x, y: otreg.sinkhorn_divergence(x, y, backward="implicit", **SOLVE)),
+        ("loss", lambda x, y: otreg.SinkhornLoss(backward="implicit", **SOLVE)(x, y)),
+        ("unrolled", lambda x, y: otreg.sinkhorn(x, y, backward=otreg.Unroll(), **SOLVE).cost),
+    ],
+)
+def test_hessian_vector_products_agree_with_finite_differences(name, fn):
+    x, y, v = clouds()
+    hv, fd = hvp_and_finite_difference(lambda xx: fn(xx, y), x, v)
+    assert float((hv - fd).norm() / fd.norm()) < 1e-6, name
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, y: otreg.sinkhorn(x, y, **SOLVE).cost,
+        lambda x, y: otreg.sinkhorn_divergence(x, y, **SOLVE),
+        lambda x, y: otreg.SinkhornLoss(**SOLVE)(x, y),
+        lambda x, y: otreg.sinkhorn_divergence(x, y, blur=0.1, multiscale=False),
+    ],
+)
+def test_second_derivatives_of_the_envelope_gradient_are_refused(call):
+    x, y, _ = clouds()
+    x.requires_grad_(True)
+    (g,) = torch.autograd.grad(call(x, y), x)  # first derivatives as before
+    assert torch.isfinite(g).all()
+    with pytest.raises(RuntimeError, match="second derivatives .* Use backward='implicit'"):
+        torch.autograd.grad(call(x, y), x, create_graph=True)
+
+
+def test_implicit_potentials_of_a_cloud_against_itself_count_it_once():
+    """x given as both clouds: the derivative of the potentials with respect to x is the
+    sum of both roles, once (it was counted twice); checked by finite differences."""
+    x, _, v = clouds(1)
+
+    def f_loss(xx):
+        res = otreg.sinkhorn(xx, xx, backward="implicit", **SOLVE)
+        return (res.f * torch.linspace(0, 1, 40, dtype=D)).sum()
+
+    xx = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(f_loss(xx), xx)
+    h = 1e-6
+    fd = (f_loss(x + h * v) - f_loss(x - h * v)) / (2 * h)
+    assert float((g * v).sum()) == pytest.approx(float(fd), rel=1e-5)
+
+
+def test_the_adjoint_solve_stops_at_the_rounding_of_float32():
+    """Its residual is computed in float32: a tolerance below that rounding was chased for
+    50,000 GMRES steps (a minute) and then warned."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(100, 3, generator=g, requires_grad=True)
+    y = torch.rand(120, 3, generator=g)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", otreg.ConvergenceWarning)
+        otreg.sinkhorn(x, y, blur=0.1, backward=otreg.Implicit(tol=1e-10)).cost.backward()
+    assert time.perf_counter() - start < 30 and torch.isfinite(x.grad).all()
