@@ -22,13 +22,19 @@ __all__: list[str] = []
 
 #: Worker deaths a pair may cause before it is recorded failed (Dask's allowed-failures).
 ALLOWED_FAILURES = 2
+#: Seconds between the dispatcher's looks at the cluster while no pair finishes.
+WATCH_SECONDS = 5.0
+#: With no worker alive this long, the pairs not finished fail ``no worker`` and the batch
+#: ends: a local cluster's (its workers die as they start: too little memory, a broken
+#: environment), and an existing cluster's, which may wait for queued jobs far longer.
+NO_WORKER_SECONDS = {"local": 120.0, "existing": 3600.0}
 
 
 class Cluster:
     """A Dask client on an embedded local cluster or an existing scheduler."""
 
-    def __init__(self, out, workers, threads, scheduler, scheduler_file, memory_limit):
-        self.out, self.workers, self.threads = out, workers, threads
+    def __init__(self, out, workers, threads, scheduler, scheduler_file, memory_limit, echo):
+        self.out, self.workers, self.threads, self.echo = out, workers, threads, echo
         self.scheduler, self.scheduler_file = scheduler, scheduler_file
         self.memory_limit = memory_limit
         self.cluster = self.client = None
@@ -47,6 +53,18 @@ class Cluster:
         if self.scheduler or self.scheduler_file:
             file = str(self.scheduler_file) if self.scheduler_file else None
             self.client = Client(self.scheduler, scheduler_file=file, timeout=30)
+            if not self.client.scheduler_info()["workers"]:  # e.g. their jobs are queued
+                self.echo("otreg batch: the scheduler has no worker yet; waiting for one")
+                wait = NO_WORKER_SECONDS["existing"]
+                try:
+                    self.client.wait_for_workers(1, timeout=wait)
+                except (TimeoutError, OSError) as err:
+                    self.client.close()
+                    raise OSError(
+                        f"no worker joined the scheduler {self.scheduler or file} within "
+                        f"{wait:.0f} s: start workers (dask worker ADDRESS) or check the "
+                        "job queue"
+                    ) from err
             self.threads = self.threads or _threads_on_cluster(self.client)
             return self
         cores = os.cpu_count() or 1
@@ -70,16 +88,25 @@ class Cluster:
                 "distributed.admin.system-monitor.gil.enabled": False,
             }
         ):
-            self.cluster = LocalCluster(
-                n_workers=self.workers,
-                threads_per_worker=1,
-                processes=True,
-                host="127.0.0.1",
-                dashboard_address=None,
-                memory_limit=self.memory_limit,
-                local_directory=str(self.out / ".dask"),
-                silence_logs=logging.CRITICAL,
-            )
+            try:
+                self.cluster = LocalCluster(
+                    n_workers=self.workers,
+                    threads_per_worker=1,
+                    processes=True,
+                    host="127.0.0.1",
+                    dashboard_address=None,
+                    memory_limit=self.memory_limit,
+                    local_directory=str(self.out / ".dask"),
+                    silence_logs=logging.CRITICAL,
+                )
+            except (RuntimeError, OSError, TimeoutError) as err:
+                shutil.rmtree(self.out / ".dask", ignore_errors=True)
+                raise OSError(
+                    f"the local Dask cluster could not start its {self.workers} worker "
+                    f"process(es) ({type(err).__name__}: {err}); with memory limit "
+                    f"{self.memory_limit}, a worker may be killed as it starts: raise "
+                    "--memory-limit or use fewer --workers"
+                ) from err
             self.client = Client(self.cluster)
         info = self.client.scheduler_info()["workers"]
         limits = [w.get("memory_limit") for w in info.values() if w.get("memory_limit")]
@@ -112,7 +139,7 @@ def _threads_on_cluster(client) -> int:
 def dispatch(cl: Cluster, specs: list[dict], records: dict, progress: bool, echo) -> None:
     """Run the pairs' specs on the cluster; each final record goes into ``records`` (by
     pair id) as it comes, with a progress bar or a line a pair."""
-    from distributed import as_completed
+    from distributed import wait
     from distributed.scheduler import KilledWorker
 
     previous = signal.getsignal(signal.SIGTERM)
@@ -133,41 +160,104 @@ def dispatch(cl: Cluster, specs: list[dict], records: dict, progress: bool, echo
         submit(spec)
     bar = _bar(len(specs)) if progress else None
     finished, failed, t0 = 0, 0, time.perf_counter()
-    pending = as_completed(list(futures))
+    not_done = set(futures)
+    watch = _Watch(cl, echo)
     try:
-        for fut in pending:
-            spec = by_key[fut.key]
-            pid = spec["pair"]["pair_id"]
+        while not_done:
             try:
-                rec = fut.result()
-            except KilledWorker:
-                lock = lock_path(cl.out, pid)
-                if not lock.exists() and innocent.get(fut.key, 0) < ALLOWED_FAILURES:
-                    # queued on workers that died of other pairs: it never started
-                    again = submit(spec)
-                    innocent[again.key] = innocent.get(fut.key, 0) + 1
-                    pending.add(again)
-                    continue
-                rec = _killed(cl, spec)
-            except Exception as err:  # the task itself failed outside run_pair's guard
-                name = type(err).__name__
-                rec = write_failure(spec, "error", name, f"{name}: {err}", None)
-            if rec.get("status") == "locked":  # another process runs it: ask again later
-                time.sleep(min(HEARTBEAT, 2.0))
-                pending.add(submit(spec))
+                done, not_done = wait(
+                    not_done, timeout=WATCH_SECONDS, return_when="FIRST_COMPLETED"
+                )
+            except TimeoutError:  # nothing finished in WATCH_SECONDS: is anyone working?
+                done = set()
+            if not done:
+                if watch.no_worker_for_too_long():
+                    for fut in not_done:
+                        spec = by_key[fut.key]
+                        records[spec["pair"]["pair_id"]] = write_failure(
+                            spec, "no worker", "NoWorker", watch.reason(), None
+                        )
+                        fut.cancel()
+                    return
                 continue
-            records[pid] = rec
-            finished += 1
-            failed += rec.get("status") != "done"
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(failed=failed)
-            else:
-                echo(_line(finished, len(specs), rec, time.perf_counter() - t0))
+            watch.progress()
+            for fut in done:
+                spec = by_key[fut.key]
+                pid = spec["pair"]["pair_id"]
+                try:
+                    rec = fut.result()
+                except KilledWorker:
+                    lock = lock_path(cl.out, pid)
+                    if not lock.exists() and innocent.get(fut.key, 0) < ALLOWED_FAILURES:
+                        # queued on workers that died of other pairs: it never started
+                        again = submit(spec)
+                        innocent[again.key] = innocent.get(fut.key, 0) + 1
+                        not_done.add(again)
+                        continue
+                    rec = _killed(cl, spec)
+                except Exception as err:  # the task itself failed outside run_pair's guard
+                    name = type(err).__name__
+                    rec = write_failure(spec, "error", name, f"{name}: {err}", None)
+                if rec.get("status") == "locked":  # another process runs it: ask again later
+                    time.sleep(min(HEARTBEAT, 2.0))
+                    not_done.add(submit(spec))
+                    continue
+                records[pid] = rec
+                finished += 1
+                failed += rec.get("status") != "done"
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(failed=failed)
+                else:
+                    echo(_line(finished, len(specs), rec, time.perf_counter() - t0))
     finally:
         if bar is not None:
             bar.close()
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+class _Watch:
+    """Whether a batch waits on nothing: no worker alive for
+    :data:`NO_WORKER_SECONDS` while pairs wait (a line on the way, on an existing cluster)."""
+
+    def __init__(self, cl: Cluster, echo) -> None:
+        self.cl, self.echo = cl, echo
+        self.kind = "local" if cl.cluster is not None else "existing"
+        self.alone_since: float | None = None
+        self.told = 0.0
+
+    def progress(self) -> None:
+        self.alone_since = None
+
+    def no_worker_for_too_long(self) -> bool:
+        try:
+            alive = len(self.cl.client.scheduler_info()["workers"])
+        except Exception:  # the scheduler itself is gone
+            alive = 0
+        now = time.monotonic()
+        if alive:
+            self.alone_since = None
+            return False
+        self.alone_since = self.alone_since or now
+        waited = now - self.alone_since
+        if self.kind == "existing" and now - self.told > 300:
+            self.told = now
+            self.echo(f"otreg batch: no worker alive for {waited:.0f} s; waiting for one to join")
+        return waited > NO_WORKER_SECONDS[self.kind]
+
+    def reason(self) -> str:
+        limit = self.cl.memory_limit_bytes
+        size = "" if limit is None else f" ({limit / 2**20:,.0f} MB)"
+        hint = (
+            f"each worker was killed as it started or ran: its memory limit{size} may be "
+            "too small, or its environment broken (see the Dask worker's log)"
+            if self.kind == "local"
+            else "start workers for the scheduler (dask worker ADDRESS) or check the job queue"
+        )
+        return (
+            f"no worker process was alive for {NO_WORKER_SECONDS[self.kind]:.0f} s while "
+            f"this pair waited; {hint}"
+        )
 
 
 def _raise_interrupt(signum, frame):

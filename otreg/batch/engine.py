@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..loops.budget import parse_bytes
 from ..registration.result import OUTPUTS
 from .dispatch import Cluster, dispatch
 from .keys import effective_options, file_digest, pair_key, why_rerun
@@ -37,6 +38,34 @@ EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 3, 130
 MEMORY_PER_PAIR_MB = 1500.0
 #: Disk a pair's outputs take besides a copy of its source file (MB; pictures, JSON, log).
 DISK_PER_PAIR_MB = 2.0
+#: The least memory limit of a local worker (MB): a worker holds about 300 MB before its
+#: first pair (Python, torch, otreg, Dask), and the smallest pairs peak near 550 MB
+#: (docs/benchmarks.md); below it every worker is killed as it starts, or with its pair.
+WORKER_MEMORY_MIN_MB = 600
+
+
+def check_memory_limit(memory_limit: object) -> str | int:
+    """A local worker's memory limit: ``"auto"``, bytes (int) or a size with its unit
+    (``"4GB"``); a bare number in a string is refused (4 would be 4 bytes, or meant 4 GB),
+    and so is a limit below :data:`WORKER_MEMORY_MIN_MB`."""
+    if memory_limit == "auto" or memory_limit is None:
+        return memory_limit
+    if isinstance(memory_limit, float) and memory_limit.is_integer():
+        memory_limit = int(memory_limit)
+    if isinstance(memory_limit, str) and memory_limit.strip().replace(".", "", 1).isdigit():
+        raise ValueError(
+            f"memory_limit is {memory_limit!r} without a unit; give one, e.g. "
+            f"'{memory_limit.strip()}GB' or '{memory_limit.strip()}MB'"
+        )
+    limit = parse_bytes("memory_limit", memory_limit)
+    if limit < WORKER_MEMORY_MIN_MB * 2**20:
+        raise ValueError(
+            f"memory_limit is {memory_limit!r} ({limit / 2**20:,.0f} MB); a worker holds "
+            f"about 300 MB before its first pair and the smallest pairs need about "
+            f"{WORKER_MEMORY_MIN_MB} MB: give at least {WORKER_MEMORY_MIN_MB}MB (1.5GB suits "
+            "hemispheres), or auto"
+        )
+    return memory_limit
 
 
 @dataclass
@@ -268,6 +297,7 @@ def run_batch(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if scheduler and scheduler_file:
         raise ValueError("give scheduler or scheduler_file, not both")
+    memory_limit = check_memory_limit(memory_limit)
     start = time.perf_counter()
     planned = plan_batch(pairs, out, options, rerun_failed=rerun_failed, only=only)
     out.mkdir(parents=True, exist_ok=True)
@@ -292,7 +322,8 @@ def run_batch(
         workers = workers or max(1, (os.cpu_count() or 1) // 2)
         _preflight(out, todo, workers, echo)
         try:
-            with Cluster(out, workers, threads, scheduler, scheduler_file, memory_limit) as cl:
+            cluster = Cluster(out, workers, threads, scheduler, scheduler_file, memory_limit, echo)
+            with cluster as cl:
                 specs = [pair_spec(out, p, batch_id, cl.threads, timeout) for p in todo]
                 dispatch(cl, specs, records, progress, echo)
         except KeyboardInterrupt:

@@ -40,6 +40,7 @@ FAILURE_CLASSES = (
     "timeout",  # ran longer than --timeout
     "crash",  # the worker process died (a segfault, a kill) more times than allowed
     "out of memory",  # the worker process was killed near its memory limit
+    "no worker",  # no worker process stayed alive to run it (see dispatch.NO_WORKER_SECONDS)
 )
 
 DONE_NAME = "metrics.json"

@@ -12,7 +12,7 @@ import click
 
 from .._checks import check_progress
 from ..batch import all_pairs, pairs_to_template, read_manifest, write_manifest
-from ..batch.engine import describe, plan_batch, run_batch
+from ..batch.engine import check_memory_limit, describe, plan_batch, run_batch
 from ..batch.manifest import check_pair_id
 from ..batch.report import build_report
 from ._common import (
@@ -107,6 +107,7 @@ def runner_options(f):
 def run_engine(pairs, output: str | Path, kw: dict, tables: bool = True) -> None:
     """Plan or run a batch from the runner options and exit with its code."""
     options = given_registration_options(kw)
+    memory_limit = _memory(kw["memory_limit"])
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise click.BadParameter(f"{output} exists and is not a folder", param_hint="-o")
@@ -133,7 +134,7 @@ def run_engine(pairs, output: str | Path, kw: dict, tables: bool = True) -> None
                 scheduler=kw["scheduler"],
                 scheduler_file=kw["scheduler_file"],
                 timeout=kw["timeout"],
-                memory_limit=_memory(kw["memory_limit"]),
+                memory_limit=memory_limit,
                 rerun_failed=kw["rerun_failed"],
                 only=kw["only"],
                 progress=check_progress("otreg batch", kw["progress"]),
@@ -147,15 +148,15 @@ def run_engine(pairs, output: str | Path, kw: dict, tables: bool = True) -> None
     sys.exit(result.exit_code)
 
 
-def _memory(value: str) -> str | float:
-    if value == "auto":
-        return "auto"
-    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*([kKmMgGtT]i?[bB])?\s*", value):
+def _memory(value: str) -> str | int:
+    """--memory-limit checked before anything runs (a dry run too)."""
+    try:
+        return check_memory_limit(value)
+    except (ValueError, TypeError) as err:
         raise click.BadParameter(
-            f"{value!r} is not a memory size such as 4GB, 500MB or auto",
+            str(err).removeprefix("memory_limit is ").removeprefix("memory_limit: "),
             param_hint="--memory-limit",
-        )
-    return value
+        ) from err
 
 
 def _refuse_inputs_in_outputs(pairs, out: Path) -> None:

@@ -211,3 +211,46 @@ def test_the_preflight_refuses_a_disk_too_small_for_the_outputs(tmp_path, monkey
     monkeypatch.setattr(engine_mod.shutil, "disk_usage", lambda path: Usage)
     with pytest.raises(OSError, match=r"3 MB free but the 3 pairs to run need about 6 MB"):
         run_batch(pairs, tmp_path / "out", echo=lambda line: None)
+
+
+def test_a_batch_with_no_worker_alive_ends_with_a_reason(tmp_path, monkeypatch):
+    """The dispatcher never waits on nothing: with every worker gone and pairs waiting,
+    they fail 'no worker' within a bounded time and the batch ends (exit 3)."""
+    pytest.importorskip("distributed")
+    pv = pytest.importorskip("pyvista")
+    from otreg import Shape, save_shape
+    from otreg.batch import dispatch, engine, run_batch
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    save_shape(ball, tmp_path / "a.vtk")
+    save_shape(ball.with_points(ball.points + 1.0), tmp_path / "b.vtk")
+    monkeypatch.setattr(dispatch, "NO_WORKER_SECONDS", {"local": 10.0, "existing": 10.0})
+    real = engine.dispatch
+
+    def without_workers(cl, *args):
+        cl.cluster.scale(0)  # every worker leaves, none comes back
+        return real(cl, *args)
+
+    monkeypatch.setattr(engine, "dispatch", without_workers)
+    pairs = [Pair("p", str(tmp_path / "a.vtk"), str(tmp_path / "b.vtk"))]
+    start = time.perf_counter()
+    res = run_batch(pairs, tmp_path / "out", {"max_iter": 2}, workers=1, report=False)
+    assert time.perf_counter() - start < 120
+    assert res.exit_code == 3
+    error = res.records["p"]["error"]
+    assert error["class"] == "no worker" and "no worker process was alive for 10 s" in error["reason"]
+
+
+@pytest.mark.parametrize(
+    "limit, match",
+    [
+        ("4", "'4' without a unit; give one, e.g. '4GB'"),
+        ("100MB", "at least 600MB"),
+        ("lots", "a size like '500MB'"),
+    ],
+)
+def test_a_memory_limit_too_small_or_without_unit_is_refused(tmp_path, limit, match):
+    from otreg.batch import run_batch
+
+    with pytest.raises(ValueError, match=match):
+        run_batch([Pair("p", "a.vtk", "b.vtk")], tmp_path, memory_limit=limit)

@@ -367,7 +367,10 @@ def test_usage_errors_exit_1_and_name_the_problem(subjects, tmp_path):
         (["batch", tmp_path / "nope.csv", "-o", tmp_path / "o"], "nope.csv does not exist"),
         (["batch", m, "-o", tmp_path / "o", "--workers", "0"], "--workers"),
         (["batch", m, "-o", tmp_path / "o", "--only", "zzz"], "zzz"),
-        (["batch", m, "-o", tmp_path / "o", "--memory-limit", "lots"], "memory size"),
+        (["batch", m, "-o", tmp_path / "o", "--memory-limit", "lots"], "a size like"),
+        (["batch", m, "-o", tmp_path / "o", "--memory-limit", "lots", "--dry-run"], "a size"),
+        (["batch", m, "-o", tmp_path / "o", "--memory-limit", "4"], "'4' without a unit"),
+        (["batch", m, "-o", tmp_path / "o", "--memory-limit", "100MB"], "at least 600MB"),
         (["batch", m, "-o", m], "is a file"),
         (["batch", m, "-o", tmp_path / "o", "--bogus"], "No such option"),
     ]
