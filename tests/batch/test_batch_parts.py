@@ -238,7 +238,8 @@ def test_a_batch_with_no_worker_alive_ends_with_a_reason(tmp_path, monkeypatch):
     assert time.perf_counter() - start < 120
     assert res.exit_code == 3
     error = res.records["p"]["error"]
-    assert error["class"] == "no worker" and "no worker process was alive for 10 s" in error["reason"]
+    assert error["class"] == "no worker"
+    assert "no worker process was alive for 10 s" in error["reason"]
 
 
 @pytest.mark.parametrize(

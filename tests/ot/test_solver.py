@@ -251,4 +251,3 @@ def test_warnings_name_the_callers_line_whatever_the_entry_point():
         found = [w for w in caught if issubclass(w.category, otreg.ConvergenceWarning)]
         assert found, name
         assert {w.filename for w in found} == {__file__}, (name, found[0].filename)
-
