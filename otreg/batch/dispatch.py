@@ -88,6 +88,9 @@ class Cluster:
                 "distributed.admin.system-monitor.gil.enabled": False,
             }
         ):
+            # the workers leave Ctrl-C to this process, which closes them: each printed a
+            # traceback of its own (about 30 lines a worker)
+            interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:
                 self.cluster = LocalCluster(
                     n_workers=self.workers,
@@ -107,6 +110,8 @@ class Cluster:
                     f"{self.memory_limit}, a worker may be killed as it starts: raise "
                     "--memory-limit or use fewer --workers"
                 ) from err
+            finally:
+                signal.signal(signal.SIGINT, interrupt)
             self.client = Client(self.cluster)
         info = self.client.scheduler_info()["workers"]
         limits = [w.get("memory_limit") for w in info.values() if w.get("memory_limit")]

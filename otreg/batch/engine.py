@@ -331,18 +331,23 @@ def run_batch(
             echo("otreg batch: interrupted; the pairs not finished run on the next call")
         finally:
             _sweep_leftovers(out, [p.pair for p in planned])
+    _collect_finished(out, todo, records)  # pairs that ended while an interrupt came
     selected = [p.pair for p in planned]
-    if tables:
-        write_tables(out, selected, records)
+    n_flagged = write_tables(out, selected, records) if tables else 0
     if report:
         build_report(out)
     n_failed = sum(1 for p in selected if records.get(p.pair_id, {}).get("status") == "failed")
     n_ok = sum(1 for p in selected if records.get(p.pair_id, {}).get("status") == "done")
     seconds = time.perf_counter() - start
+    flagged = f" ({n_flagged} flagged: see the flags column)" if n_flagged else ""
+    where = (
+        f"see {out / 'summary.csv'}" + (f" and {out / 'failed.csv'}" if n_failed else "")
+        if tables
+        else "the tables of every run come with the group level"
+    )
     echo(
-        f"otreg batch: {n_ok} done, {n_failed} failed, {len(selected) - n_ok - n_failed} "
-        f"not run, in {seconds:.0f} s; see {out / 'summary.csv'}"
-        + (f" and {out / 'failed.csv'}" if n_failed else "")
+        f"otreg batch: {n_ok} done{flagged}, {n_failed} failed, "
+        f"{len(selected) - n_ok - n_failed} not run, in {seconds:.0f} s; {where}"
     )
     if interrupted:
         code = EXIT_INTERRUPTED
@@ -351,6 +356,19 @@ def run_batch(
     else:
         code = EXIT_FAILED
     return BatchResult(planned, records, code, seconds)
+
+
+def _collect_finished(out: Path, todo: list[Planned], records: dict) -> None:
+    """Records on disk, of this run's key, of pairs the dispatcher did not collect (an
+    interrupt came between a pair's end and its collection): the counts and tables then say
+    what is on disk."""
+    for p in todo:
+        if p.pair.pair_id not in records:
+            for status in ("done", "failed"):
+                rec = read_record(record_path(out, p.pair, status))
+                if rec is not None and rec.get("key") == p.key:
+                    records[p.pair.pair_id] = rec
+                    break
 
 
 def _sweep_leftovers(out: Path, pairs: Iterable[Pair]) -> None:

@@ -93,6 +93,19 @@ def find_records(folder: str | Path) -> list[tuple[Path, dict]]:
     return found
 
 
+def unreadable_records(folder: str | Path) -> list[Path]:
+    """The files under a batch folder named as records that do not read as one (truncated,
+    edited, of another format): the group page lists them rather than drop their pairs."""
+    folder = Path(folder)
+    return sorted(
+        path
+        for path in folder.rglob("*.json")
+        if not any(part.startswith(".") for part in path.relative_to(folder).parts)
+        and path.name.endswith((DONE_NAME, FAILED_NAME))
+        and read_record(path) is None
+    )
+
+
 def failure_reason(record: dict) -> str:
     """A failure record's class and reason, one line."""
     err = record.get("error") or {}

@@ -6,11 +6,13 @@ inline SVG drawn here, a small inline script to sort the table; no external reso
 links to the pictures and folders beside it with relative URLs: it works offline from
 ``file://`` and when the batch folder is copied elsewhere.
 
-Sections: a header (counts, time), the failures by class, a sortable table of the pairs, a
-strip plot per metric, for batches of every pair among three or more subjects a
-subject-by-subject distance matrix with a classical MDS map of the subjects, and thumbnails.
-Opening ``index.html#sort=KEY`` (or ``#sort=-KEY``, descending) sorts the table by that column
-on load.
+The first screen answers the morning's questions: what failed, what looks wrong though it
+finished (the flags of :mod:`~otreg.batch.flags`: a hemisphere on the wrong side, two
+identical inputs, a metric far from the others), each with its reason, and every pair's
+before and after. Then strip plots of the key metrics (the others one click away), for
+batches of every pair among three or more subjects a subject-by-subject distance matrix with
+a classical MDS map of the subjects, and the pictures. Opening ``index.html#sort=KEY`` (or
+``#sort=-KEY``, descending) sorts the table by that column on load.
 """
 
 from __future__ import annotations
@@ -28,36 +30,80 @@ from urllib.parse import quote
 import numpy as np
 
 from ..io import atomic_write
-from .records import FAILURE_CLASSES, find_records
+from .flags import describe, flag_pairs
+from .records import FAILURE_CLASSES, find_records, unreadable_records
 
 __all__ = ["build_report"]
 
-#: Metrics shown in the table, in this order (key, header).
-_KEY_METRICS = (
-    ("mean_mm", "mean (mm)"),
-    ("hausdorff_mm", "Hausdorff (mm)"),
-    ("varifold", "varifold"),
-    ("jacobian_min", "min Jacobian"),
-    ("jacobian_negative_fraction", "folded fraction"),
-    ("curvature_correlation", "curvature corr."),
-    ("energy", "energy (mm²)"),
-    ("before_mean_mm", "mean before (mm)"),
-    ("before_hausdorff_mm", "Hausdorff before (mm)"),
+#: Names of the metrics a record may hold, as the page shows them.
+_NAMES = {
+    "mean_mm": "mean surface distance after (mm)",
+    "before_mean_mm": "mean surface distance before (mm)",
+    "prealigned_mean_mm": "mean surface distance after pre-alignment (mm)",
+    "mean_ab_mm": "source to target after (mm)",
+    "mean_ba_mm": "target to source after (mm)",
+    "hausdorff_mm": "Hausdorff distance after (mm)",
+    "before_hausdorff_mm": "Hausdorff distance before (mm)",
+    "prealigned_hausdorff_mm": "Hausdorff distance after pre-alignment (mm)",
+    "varifold": "varifold distance after",
+    "jacobian_min": "smallest Jacobian determinant",
+    "jacobian_max": "largest Jacobian determinant",
+    "jacobian_negative_fraction": "folded fraction",
+    "curvature_correlation": "curvature correlation after",
+    "before_curvature_correlation": "curvature correlation before",
+    "energy": "deformation energy (mm²)",
+    "vertex_error_mean_mm": "vertex error, mean (mm)",
+    "vertex_error_median_mm": "vertex error, median (mm)",
+    "vertex_error_max_mm": "vertex error, max (mm)",
+    "seconds": "time (s)",
+    "peak_rss_mb": "peak memory (MB)",
+}
+#: The strip plots on show; the other metrics' are one click away.
+_KEY_STRIPS = ("mean_mm", "hausdorff_mm", "jacobian_min", "varifold", "curvature_correlation")
+#: Numbers of a record that say how it ran, not how well it registered: no strip plot.
+_BOOKKEEPING = {
+    "source_vertices",
+    "target_vertices",
+    "jacobian_points",
+    "prealign_seconds",
+    "fit_seconds",
+    "metrics_seconds",
+    "seconds",
+    "sinkhorn_unconverged_evaluations",
+}
+#: The table's columns of metrics: (header, before key, after key); one key: no before.
+_TABLE = (
+    ("mean dist. (mm)", "before_mean_mm", "mean_mm"),
+    ("Hausdorff (mm)", "before_hausdorff_mm", "hausdorff_mm"),
+    ("curv. corr.", "before_curvature_correlation", "curvature_correlation"),
+    ("min Jacobian", None, "jacobian_min"),
+    ("varifold", None, "varifold"),
 )
-#: Record-level numbers with a strip plot too, after the metrics.
-_RUN_NUMBERS = (("seconds", "seconds"), ("peak_rss_mb", "peak RSS (MB)"))
+
+
+def _name(key: str) -> str:
+    """A metric's name on the page (``sulc_correlation`` -> ``sulc correlation``)."""
+    if key in _NAMES:
+        return _NAMES[key]
+    text = key.replace("_", " ")
+    return text[:-3] + " (mm)" if text.endswith(" mm") else text
+
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
-h1{font-size:1.5em;margin:0 0 .2em}h2{font-size:1.2em;margin:1.5em 0 .5em}
+h1{font-size:1.5em;margin:0 0 .2em}h2{font-size:1.2em;margin:1.2em 0 .4em}
 table{border-collapse:collapse}
 td,th{padding:2px 8px;border-bottom:1px solid #ddd;white-space:nowrap}
-.scroll{max-height:75vh;overflow:auto;border:1px solid #ddd;display:inline-block;max-width:100%}
-#pairs th{cursor:pointer;background:#f3f3f3;text-align:left;position:sticky;top:0}td.bad{color:#c00}
+.scroll{max-height:60vh;overflow:auto;border:1px solid #ddd;display:inline-block;max-width:100%}
+#pairs th{cursor:pointer;background:#f3f3f3;text-align:left;position:sticky;top:0}
 th[aria-sort=ascending]::after{content:" \\25B2"}th[aria-sort=descending]::after{content:" \\25BC"}
-td.num{text-align:right;font-variant-numeric:tabular-nums}tr.failed{background:#fde8e8}
-.note{color:#555}.grid{display:flex;flex-wrap:wrap;gap:8px}
-figure{margin:0;width:200px;font-size:12px}figure img{width:200px;border:1px solid #ccc}
+td.num{text-align:right;font-variant-numeric:tabular-nums}td.bad{color:#c00;font-weight:600}
+tr.failed{background:#fde8e8}tr.flagged{background:#fff4d6}td.why{white-space:normal;max-width:60em}
+#attention{border-left:4px solid #e0a000;padding:.2em .8em;background:#fffaf0}
+#attention.clear{border-color:#2ca02c;background:#f3fbf3}
+#attention tr.flag{background:#fff4d6}#attention tr.failure,#attention tr.unreadable{background:#fde8e8}
+.note{color:#555}.grid{display:flex;flex-wrap:wrap;gap:12px}
+figure{margin:0;width:360px;font-size:12px}figure img{width:360px;border:1px solid #ccc}
 pre{white-space:pre-wrap;font-size:12px;background:#f6f6f6;padding:.5em}
 svg text{font:11px sans-serif}
 """
@@ -132,7 +178,7 @@ def build_report(
         raise NotADirectoryError(f"build_report: {folder} is not a folder")
     rows, stale = _rows(folder)
     title = title if title is not None else f"otreg batch: {folder.resolve().name}"
-    page = _page(rows, stale, title, distance_metric)
+    page = _page(rows, stale, unreadable_records(folder), title, distance_metric)
     out = folder / "index.html"
     atomic_write(out, lambda tmp: tmp.write_text(page, encoding="utf-8"))
     return out
@@ -140,8 +186,8 @@ def build_report(
 
 def _rows(folder: Path) -> tuple[list[dict], int]:
     """One row per pair id, sorted by pair id (where a pair has two records, e.g. an old
-    error.json beside a newer metrics.json: the one finished last), and how many records
-    were left out that way."""
+    error.json beside a newer metrics.json: the one finished last), with its flags, and how
+    many records were left out that way."""
     best: dict[str, dict] = {}
     records = find_records(folder)
     for path, rec in records:
@@ -165,10 +211,14 @@ def _rows(folder: Path) -> tuple[list[dict], int]:
             "seconds": _num(rec.get("seconds")),
             "peak_rss_mb": _num(rec.get("peak_rss_mb")),
             "host": str(rec.get("host") or ""),
+            "record": rec,
         }
         old = best.get(row["id"])
         if old is None or (row["finished"], row["done"]) > (old["finished"], old["done"]):
             best[row["id"]] = row
+    flags = flag_pairs({pid: row["record"] for pid, row in best.items()})
+    for pid, row in best.items():
+        row["flags"] = flags.get(pid, [])
     return [best[k] for k in sorted(best)], len(records) - len(best)
 
 
@@ -202,15 +252,17 @@ def _iso(text: str) -> datetime | None:
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
-def _page(rows: list[dict], stale: int, title: str, metric: str) -> str:
+def _page(rows: list[dict], stale: int, unreadable: list[Path], title: str, metric: str) -> str:
     n_done = sum(r["done"] for r in rows)
+    n_flagged = sum(bool(r["flags"]) for r in rows)
     secs = [r["seconds"] for r in rows if r["seconds"] is not None]
     times = [t for r in rows for t in (_iso(r["started"]), _iso(r["finished"])) if t]
     built = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     facts = [
-        f'<span id="n-done">{n_done}</span> done, '
-        f'<span id="n-failed">{len(rows) - n_done}</span> failed '
-        f'(<span id="n-pairs">{len(rows)}</span> pairs)'
+        f'<span id="n-pairs">{len(rows)}</span> pairs: <span id="n-done">{n_done}</span> '
+        f'done, <span id="n-failed">{len(rows) - n_done}</span> failed, '
+        f'<span id="n-flagged">{n_flagged}</span> flagged'
+        + (f", {len(unreadable)} unreadable record(s)" if unreadable else "")
     ]
     if secs:
         facts.append(f"compute time {_duration(sum(secs))} (sum over pairs)")
@@ -222,11 +274,16 @@ def _page(rows: list[dict], stale: int, title: str, metric: str) -> str:
     parts = [f"<h1>{_e(title)}</h1>", f'<p id="summary">{" · ".join(facts)}</p>']
     if stale:
         parts.append(f'<p class="note">{stale} older record(s) of pairs run again left out.</p>')
-    if not rows:
+    if not rows and not unreadable:
         parts.append('<p id="empty">No pairs have finished yet: no records in this folder.</p>')
     else:
-        sections = [_failures(rows), _table(rows), _strips(rows), subjects_section(rows, metric)]
-        sections.append(_thumbs(rows))
+        sections = [
+            _attention(rows, unreadable),
+            _table(rows),
+            _strips(rows),
+            subjects_section(rows, metric),
+            _thumbs(rows),
+        ]
         nav = re.findall(r'<h2 id="([^"]+)">([^<]+)</h2>', "".join(sections))
         parts.append("<p>" + " · ".join(f'<a href="#{a}">{b}</a>' for a, b in nav) + "</p>")
         parts += sections
@@ -239,36 +296,112 @@ def _page(rows: list[dict], stale: int, title: str, metric: str) -> str:
     )
 
 
-def _table(rows: list[dict]) -> str:
-    present = [(k, h) for k, h in _KEY_METRICS if any(k in r["metrics"] for r in rows)]
-    cols = [("pair", "pair", False), ("status", "status", False), ("class", "error class", False)]
-    cols += [(k, h, True) for k, h in present] + [(k, h, True) for k, h in _RUN_NUMBERS]
-    cols.append(("host", "host", False))
-    head = "".join(
-        f'<th data-key="{k}" data-type="{"num" if n else "text"}">{_e(h)}</th>' for k, h, n in cols
+def _attention(rows: list[dict], unreadable: list[Path]) -> str:
+    """What failed, what looks wrong though it finished, and the records that cannot be
+    read: one line each, with the reason (a failure's traceback and log one click away)."""
+    items = []
+    for r in rows:
+        link = f'<a href="{_e(r["href"])}">{_e(r["id"])}</a>'
+        if not r["done"]:
+            err = r["error"]
+            log = f' <a href="{_e(r["log"])}">log</a>' if r["log"] else ""
+            tb = err.get("traceback") if isinstance(err.get("traceback"), str) else ""
+            tb = f"<details><summary>traceback</summary><pre>{_e(tb)}</pre></details>" if tb else ""
+            items.append(
+                f'<tr class="failure" data-pair="{_e(r["id"])}"><td>{link}</td><td><b>failed: '
+                f'{_e(err.get("class") or "unknown")}</b></td><td class="why">'
+                f"{_e(_reason(err))}{log}{tb}</td></tr>"
+            )
+        if r["flags"]:
+            kinds = ", ".join(dict.fromkeys(f.kind for f in r["flags"]))
+            items.append(
+                f'<tr class="flag" data-pair="{_e(r["id"])}" data-kind="{_e(kinds)}">'
+                f"<td>{link}</td><td><b>{_e(kinds)}</b></td>"
+                f'<td class="why">{_e(describe(r["flags"]))}</td></tr>'
+            )
+    for path in unreadable:
+        items.append(
+            f'<tr class="unreadable"><td>{_e(path.parent.name)}</td><td><b>unreadable record'
+            f'</b></td><td class="why">{_e(path.name)} cannot be read (truncated or edited?): '
+            "rerun the batch to redo this pair</td></tr>"
+        )
+    if not items:
+        return (
+            '<h2 id="attention-head">Needs attention</h2><p id="attention" class="clear">'
+            "Every pair finished, and nothing looks unusual.</p>"
+        )
+    failed = [r for r in rows if not r["done"]]
+    counts = Counter(str(r["error"].get("class") or "unknown") for r in failed)
+    order = [c for c in FAILURE_CLASSES if c in counts] + sorted(set(counts) - {*FAILURE_CLASSES})
+    by_class = ", ".join(
+        f'<span class="error-class" data-class="{_e(c)}">{counts[c]} {_e(c)}</span>' for c in order
     )
+    head = f"<p>Failed: {by_class}.</p>" if failed else ""
+    return (
+        f'<h2 id="attention-head">Needs attention</h2><div id="attention">{head}'
+        f'<table class="attention"><tbody>{"".join(items)}</tbody></table></div>'
+    )
+
+
+def _reason(err: dict) -> str:
+    """A failure's reason without the exception's name repeated in front of it."""
+    reason, kind = _line(err.get("reason")), str(err.get("type") or "")
+    while kind and reason.startswith(f"{kind}: "):
+        reason = reason[len(kind) + 2 :]
+    return f"{kind}: {reason}" if kind and reason else reason or kind
+
+
+def _table(rows: list[dict]) -> str:
+    """Every pair, its flags, and before and after side by side; flagged values marked."""
+    present = [c for c in _TABLE if any(c[2] in r["metrics"] for r in rows)]
+    head = ['<th data-key="pair" data-type="text">pair</th>']
+    head.append('<th data-key="status" data-type="text">status</th>')
+    head.append('<th data-key="flags" data-type="text">flags</th>')
+    for label, before, after in present:
+        if before is not None:
+            head.append(f'<th data-key="{before}" data-type="num">{_e(label)} before</th>')
+        head.append(
+            f'<th data-key="{after}" data-type="num">{"after" if before else _e(label)}</th>'
+        )
+    head.append('<th data-key="seconds" data-type="num">time (s)</th>')
+    head.append('<th data-key="picture" data-type="text">picture</th>')
     body = []
     for r in rows:
         status = "done" if r["done"] else "failed"
-        cls, reason = str(r["error"].get("class") or ""), _line(r["error"].get("reason"))
+        if not r["done"]:
+            status_cell = f"failed: {_e(r['error'].get('class') or 'unknown')}"
+        else:
+            status_cell = "done"
+        marked = {f.metric: f.reason for f in r["flags"] if f.metric}
+        kinds = ", ".join(dict.fromkeys(f.kind for f in r["flags"]))
+        why = describe(r["flags"])
         cells = [
             f'<td data-v="{_e(r["id"])}"><a href="{_e(r["href"])}">{_e(r["id"])}</a></td>',
-            f'<td data-v="{status}">{status}</td>',
-            f'<td data-v="{_e(cls)}" title="{_e(reason)}">{_e(cls)}</td>',
+            f'<td data-v="{status}">{status_cell}</td>',
+            f'<td data-v="{_e(kinds)}" title="{_e(why)}">{_e(kinds)}</td>',
         ]
-        for k, _, num in cols[3:]:
-            if num:
-                v = r["metrics"].get(k) if k in dict(present) else r[k]
+        for _, before, after in present:
+            for key in (before, after):
+                if key is None:
+                    continue
+                v = r["metrics"].get(key)
                 raw = "" if v is None else repr(v).replace("inf", "Infinity")
-                bad = " bad" if k == "jacobian_min" and v is not None and v <= 0 else ""
-                cells.append(f'<td class="num{bad}" data-v="{raw}">{_fmt(v)}</td>')
-        cells.append(f'<td data-v="{_e(r["host"])}">{_e(r["host"])}</td>')
-        body.append(f'<tr class="pair {status}" data-pair="{_e(r["id"])}">{"".join(cells)}</tr>')
+                bad = key in marked or (key == "jacobian_min" and v is not None and v <= 0)
+                title = f' title="{_e(marked[key])}"' if key in marked else ""
+                cells.append(
+                    f'<td class="num{" bad" if bad else ""}" data-v="{raw}"{title}>{_fmt(v)}</td>'
+                )
+        secs = r["seconds"]
+        cells.append(f'<td class="num" data-v="{"" if secs is None else secs}">{_fmt(secs)}</td>')
+        pic = f'<a href="{_e(r["picture"])}">picture</a>' if r["picture"] else ""
+        cells.append(f'<td data-v="{_e(r["picture"] or "")}">{pic}</td>')
+        kind = "failed" if not r["done"] else "flagged" if r["flags"] else "done"
+        body.append(f'<tr class="pair {kind}" data-pair="{_e(r["id"])}">{"".join(cells)}</tr>')
     return (
-        '<h2 id="pairs-section">Pairs</h2><p class="note">Click a column header to sort.</p>'
-        f'<div class="scroll"><table id="pairs"><thead><tr>{head}</tr></thead>\n<tbody>\n'
-        + "\n".join(body)
-        + "\n</tbody></table></div>"
+        '<h2 id="pairs-section">Pairs</h2><p class="note">Before and after each '
+        "registration; click a column header to sort, a pair for its folder.</p>"
+        f'<div class="scroll"><table id="pairs"><thead><tr>{"".join(head)}</tr></thead>\n'
+        "<tbody>\n" + "\n".join(body) + "\n</tbody></table></div>"
     )
 
 
@@ -279,18 +412,34 @@ def _line(reason: object, limit: int = 400) -> str:
 
 
 def _strips(rows: list[dict]) -> str:
-    """A strip plot per metric any record has (the key ones first), then seconds and peak
-    RSS: one dot per pair, linked to its picture (or folder); outliers (over 3.5 robust
-    standard deviations from the median) in red."""
-    extra = sorted({k for r in rows for k in r["metrics"]} - {k for k, _ in _KEY_METRICS})
-    out = []
-    for key, label in (*_KEY_METRICS, *((k, k) for k in extra), *_RUN_NUMBERS):
-        run = key in dict(_RUN_NUMBERS)
-        pts = [(r, r[key] if run else r["metrics"].get(key)) for r in rows]
-        pts = [(r, v) for r, v in pts if v is not None and math.isfinite(v)]
-        if pts:
-            out.append(_strip(key, label, pts))
-    return '<h2 id="strips">Metrics</h2>' + "\n".join(out) if out else ""
+    """A strip plot per key metric, one dot per pair linked to its picture (or folder),
+    flagged values in red; the other metrics' (not the bookkeeping) one click away."""
+    keys = sorted(
+        {k for r in rows for k in r["metrics"]} - _BOOKKEEPING - set(_KEY_STRIPS),
+        key=lambda k: (k not in _NAMES, _name(k)),
+    )
+
+    def plots(names):
+        out = []
+        for key in names:
+            run = key in ("seconds", "peak_rss_mb")
+            pts = [(r, r[key] if run else r["metrics"].get(key)) for r in rows]
+            pts = [(r, v) for r, v in pts if v is not None and math.isfinite(v)]
+            if pts:
+                out.append(_strip(key, _name(key), pts))
+        return out
+
+    shown = plots(_KEY_STRIPS)
+    more = plots((*keys, "seconds", "peak_rss_mb"))
+    if not shown and not more:
+        return ""
+    extra = (
+        f'<details id="more-metrics"><summary>{len(more)} more: the other metrics, time '
+        "and memory</summary>" + "\n".join(more) + "</details>"
+        if more
+        else ""
+    )
+    return '<h2 id="strips">Metrics</h2>' + "\n".join(shown) + extra
 
 
 def _strip(key: str, label: str, pts: list[tuple[dict, float]]) -> str:
@@ -302,7 +451,7 @@ def _strip(key: str, label: str, pts: list[tuple[dict, float]]) -> str:
     for i, (r, v) in enumerate(pts):
         x = w / 2 if hi == lo else pad + (v - lo) / (hi - lo) * (w - 2 * pad)
         y = 8 + (h - 30) * ((i * 0.6180339887) % 1.0)  # deterministic jitter
-        odd = mad > 0 and abs(v - med) > 3.5 * mad
+        odd = any(f.metric == key for f in r["flags"]) or (mad > 0 and abs(v - med) > 3.5 * mad)
         href = r["picture"] or r["href"]
         dots.append(
             f'<a class="dot" href="{_e(href)}"><circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" '
@@ -326,8 +475,9 @@ def _strip(key: str, label: str, pts: list[tuple[dict, float]]) -> str:
 
 
 def _thumbs(rows: list[dict]) -> str:
+    """The pictures, the flagged pairs' first."""
     figs = []
-    for r in rows:
+    for r in sorted(rows, key=lambda r: not r["flags"]):
         if r["picture"]:
             mean = r["metrics"].get("mean_mm")
             caption = f" mean {_fmt(mean)} mm" if mean is not None else ""
@@ -337,35 +487,6 @@ def _thumbs(rows: list[dict]) -> str:
                 f'<a href="{_e(r["href"])}">{_e(r["id"])}</a>{caption}</figcaption></figure>'
             )
     return f'<h2 id="thumbs">Pictures</h2><div class="grid">{"".join(figs)}</div>' if figs else ""
-
-
-def _failures(rows: list[dict]) -> str:
-    failed = [r for r in rows if not r["done"]]
-    if not failed:
-        return '<h2 id="failures">Failures</h2><p>None.</p>'
-    counts = Counter(str(r["error"].get("class") or "unknown") for r in failed)
-    order = [c for c in FAILURE_CLASSES if c in counts] + sorted(set(counts) - {*FAILURE_CLASSES})
-    table = "".join(
-        f'<tr class="error-class" data-class="{_e(c)}"><td>{_e(c)}</td>'
-        f'<td class="num">{counts[c]}</td></tr>'
-        for c in order
-    )
-    items = []
-    for r in failed:
-        err = r["error"]
-        log = f' <a href="{_e(r["log"])}">log</a>' if r["log"] else ""
-        tb = err.get("traceback") if isinstance(err.get("traceback"), str) else ""
-        tb = f"<details><summary>traceback</summary><pre>{_e(tb)}</pre></details>" if tb else ""
-        items.append(
-            f'<li class="failure" data-pair="{_e(r["id"])}"><a href="{_e(r["href"])}">'
-            f"{_e(r['id'])}</a> <b>{_e(err.get('class') or 'unknown')}</b> "
-            f"<code>{_e(err.get('type') or '')}</code>: "
-            f"{_e(_line(err.get('reason')))}{log}{tb}</li>"
-        )
-    return (
-        f'<h2 id="failures">Failures</h2><table class="classes"><thead><tr><th>class</th>'
-        f"<th>pairs</th></tr></thead><tbody>{table}</tbody></table><ul>{''.join(items)}</ul>"
-    )
 
 
 # ----------------------------------------------------------------------- text
@@ -396,9 +517,18 @@ def subjects_section(rows: list[dict], metric: str) -> str:
         return ""
     names = sorted({s for pair in subs for s in pair})
     wanted = {frozenset(p) for p in itertools.combinations(names, 2)}
-    if len(names) < 3 or {frozenset(p) for p in subs if p[0] != p[1]} != wanted:
-        return ""  # not every pair of subjects, e.g. every subject to a template
     head = '<h2 id="subjects">Subjects</h2>'
+    if len(names) < 3 or len({b for _, b in subs}) < 2:
+        return ""  # every subject onto one template: no subject-by-subject view to draw
+    missing = wanted - {frozenset(p) for p in subs if p[0] != p[1]}
+    if missing:
+        example = " and ".join(sorted(next(iter(sorted(missing, key=sorted)))))
+        return (
+            f'{head}<p class="note" id="no-matrix">No subject-by-subject distances: the '
+            f"records cover {len(wanted) - len(missing)} of the {len(wanted)} pairs of these "
+            f"{len(names)} subjects (none for {_e(example)}, for one). Register every pair "
+            "(otreg manifest all-pairs) for the distance matrix and the map.</p>"
+        )
     for key in dict.fromkeys((metric, "before_mean_mm")):
         vals: dict[frozenset, dict[tuple, list[float]]] = {p: {} for p in wanted}
         for r in rows:

@@ -1,4 +1,5 @@
-"""The batch's tables: ``summary.csv`` (one row a pair) and ``failed.csv``."""
+"""The batch's tables: ``summary.csv`` (one row a pair, with its flags:
+:mod:`~otreg.batch.flags`) and ``failed.csv``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..io import atomic_write
+from .flags import describe, flag_pairs
 from .manifest import Pair
 from .records import find_records
 
@@ -25,11 +27,14 @@ SUMMARY_METRICS = (
 )
 
 
-def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) -> None:
-    """``summary.csv`` (one row a pair) and ``failed.csv`` (the failed ones), atomically."""
+def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) -> int:
+    """``summary.csv`` (one row a pair) and ``failed.csv`` (the failed ones), atomically;
+    returns the number of flagged pairs."""
+    flags = flag_pairs({p.pair_id: records[p.pair_id] for p in pairs if p.pair_id in records})
     columns = [
         "pair_id",
         "status",
+        "flags",
         "class",
         "reason",
         "seconds",
@@ -46,6 +51,7 @@ def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) 
         row = {
             "pair_id": pair.pair_id,
             "status": rec.get("status", "not run"),
+            "flags": describe(flags.get(pair.pair_id, [])),
             "class": err.get("class", ""),
             "reason": err.get("reason", ""),
             "seconds": _num(rec.get("seconds")),
@@ -80,6 +86,7 @@ def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) 
             (out / name).unlink(missing_ok=True)
             continue
         atomic_write(out / name, lambda tmp, text=text: tmp.write_text(text))
+    return len(flags)
 
 
 def tables_from_records(out: str | Path) -> int:

@@ -272,6 +272,10 @@ def _register(spec: dict, pair: Pair, staging: Path) -> dict:
     metrics = dict(out.registration.metrics)
     metrics["source_vertices"] = out.source.n_points
     metrics["target_vertices"] = out.target.n_points
+    checks = {  # what batch.flags reads: which side of the midline each input lies on
+        "source_mean_x_mm": float(out.full_source.points[:, 0].double().mean()),
+        "target_mean_x_mm": float(out.target.points[:, 0].double().mean()),
+    }
     log.info(
         "%s: %d onto %d vertices, mean surface distance %.3f -> %.3f mm in %.1f s",
         pair.pair_id,
@@ -281,7 +285,7 @@ def _register(spec: dict, pair: Pair, staging: Path) -> dict:
         metrics["mean_mm"],
         metrics["seconds"],
     )
-    return {"metrics": metrics, "files": out.files}
+    return {"metrics": metrics, "checks": checks, "files": out.files}
 
 
 def _failure_class(err: Exception) -> str:

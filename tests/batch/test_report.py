@@ -114,9 +114,9 @@ def test_one_row_per_record_counts_and_failures(batch):
     assert [a["data-pair"] for a in rows if "failed" in classes(a)] == ["s5_to_t", "s6_to_t"]
     assert '<span id="n-done">4</span> done' in page
     assert '<span id="n-failed">2</span> failed' in page
-    counts = dict(re.findall(r'data-class="([^"]+)"><td>[^<]*</td><td class="num">(\d+)<', page))
+    counts = dict(re.findall(r'data-class="([^"]+)">(\d+) ', page))
     assert counts == {"bad input": "1", "out of memory": "1"}
-    failures = re.findall(r'<li class="failure" data-pair="([^"]+)">(.*?)</li>', page, re.S)
+    failures = re.findall(r'<tr class="failure" data-pair="([^"]+)">(.*?)</tr>', page, re.S)
     assert [f[0] for f in failures] == ["s5_to_t", "s6_to_t"]
     assert "killed at 30 GB" in failures[0][1]
     assert "not a surface" in failures[1][1] and "second line" not in failures[1][1]
@@ -142,10 +142,13 @@ def test_thumbnails_link_relative_existing_files(batch, png_bytes):
     assert "pairs/s2%2Bb_to_t/picture.png" in {i["src"] for i in imgs}
 
 
-def test_one_strip_plot_per_metric_one_dot_per_record(batch):
+def test_strip_plots_of_the_key_metrics_the_rest_one_click_away(batch):
     page = build_report(batch).read_text()
     strips = dict(re.findall(r'<svg class="strip" data-metric="([^"]+)"(.*?)</svg>', page, re.S))
     assert list(strips) == ["mean_mm", "hausdorff_mm", "energy", "seconds", "peak_rss_mb"]
+    shown, more = page.split('<details id="more-metrics">', 1)
+    assert 'data-metric="mean_mm"' in shown and 'data-metric="energy"' in more
+    assert "deformation energy (mm²)" in more and "mean surface distance after (mm)" in shown
     dots = {k: len(re.findall(r'<a class="dot"', v)) for k, v in strips.items()}
     # hausdorff: one value is NaN; seconds and RSS: failed pairs too
     assert dots == {"mean_mm": 4, "hausdorff_mm": 1, "energy": 2, "seconds": 6, "peak_rss_mb": 6}
@@ -155,6 +158,66 @@ def test_one_strip_plot_per_metric_one_dot_per_record(batch):
     # a NaN is blank in the table
     row = re.search(r'data-pair="s3_to_t">(.*?)</tr>', page).group(1)
     assert '<td class="num" data-v="">' in row
+
+
+def test_bookkeeping_gets_no_strip_plot(tmp_path):
+    metrics = {"mean_mm": 1.0, "source_vertices": 900, "jacobian_points": 900,
+               "metrics_seconds": 2.0, "seconds": 9.0, "sulc_correlation": 0.8}  # fmt: skip
+    record(tmp_path, "a", metrics=metrics)
+    page = build_report(tmp_path).read_text()
+    strips = re.findall(r'<svg class="strip" data-metric="([^"]+)"', page)
+    assert sorted(strips) == ["mean_mm", "peak_rss_mb", "seconds", "sulc_correlation"]
+    assert "sulc correlation" in page and "sulc_correlation</b>" not in page
+
+
+def test_flagged_pairs_come_first_with_their_reasons(tmp_path):
+    """A right hemisphere filed as left, two byte-identical sources and a far outlier: each
+    in the attention list with its reason, marked in the table and in summary.csv."""
+    from otreg.batch import Pair
+    from otreg.batch.tables import write_tables
+
+    checks = {"source_mean_x_mm": -30.0, "target_mean_x_mm": -31.0}
+    parts = lambda src: {"key_parts": {"source": src, "target": "tpl"}}  # noqa: E731
+    for i, mean in enumerate([0.6, 0.7, 0.65, 0.62, 0.68, 0.66]):
+        record(tmp_path, f"s{i}", metrics={"mean_mm": mean}, checks=checks, **parts(f"d{i}"))
+    record(tmp_path, "wrong_side", metrics={"mean_mm": 0.7}, **parts("dw"),
+           checks={"source_mean_x_mm": 32.6, "target_mean_x_mm": -31.0})  # fmt: skip
+    record(tmp_path, "copy", metrics={"mean_mm": 0.64}, checks=checks, **parts("d1"))
+    record(tmp_path, "far", metrics={"mean_mm": 4.08}, checks=checks, **parts("df"))
+    page = build_report(tmp_path).read_text()
+    flagged = dict(re.findall(r'<tr class="flag" data-pair="([^"]+)" data-kind="([^"]+)"', page))
+    assert flagged == {"wrong_side": "side", "copy": "duplicate", "s1": "duplicate",
+                       "far": "outlier"}  # fmt: skip
+    assert "lies right of the midline (mean x +32.6 mm)" in page
+    assert "same content as that of copy" in page
+    assert "mean surface distance after 4.08 mm (median 0.66 mm)" in page
+    assert '<span id="n-flagged">4</span> flagged' in page
+    far = re.search(r'data-pair="far">(.*?)</tr>', page).group(1)
+    assert 'class="num bad"' in far and "far above the batch" in far
+    records_ = {p.name: json.loads((p / "metrics.json").read_text()) for p in
+                (tmp_path / "pairs").iterdir()}  # fmt: skip
+    pairs = [Pair(pid, "/a", "/b") for pid in records_]
+    assert write_tables(tmp_path, pairs, records_) == 4
+    rows = {r.split(",")[0]: r for r in (tmp_path / "summary.csv").read_text().splitlines()}
+    assert "mislabelled hemisphere" in rows["wrong_side"] and "far from the batch" in rows["far"]
+    assert rows["s0"].split(",")[2] == ""
+
+
+def test_an_unreadable_record_is_listed_not_dropped(tmp_path):
+    record(tmp_path, "a")
+    record(tmp_path, "b")
+    path = record(tmp_path, "c")
+    path.write_text(path.read_text()[:40])  # truncated
+    page = build_report(tmp_path).read_text()
+    assert '<span id="n-pairs">2</span> pairs' in page and "1 unreadable record(s)" in page
+    assert re.search(r'class="unreadable"><td>c</td>.*metrics.json cannot be read', page)
+
+
+def test_a_failure_reason_is_not_prefixed_twice(tmp_path):
+    err = {"class": "error", "type": "ValueError", "reason": "ValueError: no"}
+    record(tmp_path, "a", "failed", error=err)
+    page = build_report(tmp_path).read_text()
+    assert "ValueError: no" in page and "ValueError: ValueError" not in page
 
 
 def all_pairs_batch(folder, subjects, energy, **fields):
@@ -204,6 +267,13 @@ def test_to_template_and_incomplete_batches_have_no_subject_views(tmp_path):
     page = build_report(other).read_text()
     assert 'class="matrix"' not in page and 'class="mds"' not in page
     assert "1 of 3 subject pairs have no finished registration" in page
+
+    extra = tmp_path / "extra"  # every pair of A, B, C, and D with A only: a note, no map
+    all_pairs_batch(extra, ["A", "B", "C"], [1.0, 2.0, 3.0])
+    record(extra, "D_to_A", metrics={"energy": 1.0}, source_subject="D", target_subject="A")
+    page = build_report(extra).read_text()
+    assert 'class="matrix"' not in page
+    assert "the records cover 4 of the 6 pairs of these 4 subjects" in page
 
 
 def test_classical_mds_recovers_a_rectangle():
@@ -340,3 +410,29 @@ def test_browser_screenshot_is_not_blank(batch):
     pixels = mpimg.imread(shot)[..., :3]
     assert pixels.shape[:2] == (1600, 1280)
     assert pixels.var() > 1e-3, pixels.var()  # a blank page: 0
+
+
+def test_browser_first_screen_shows_what_needs_attention(tmp_path, png_bytes):
+    """A laptop-sized first screen (1280 x 800) of a real browser: the attention block (its
+    amber border) and the flagged pair's highlighted row are in it."""
+    checks = {"source_mean_x_mm": -30.0, "target_mean_x_mm": -31.0}
+    for i in range(30):  # a long table: the flagged pair is last by name
+        record(tmp_path, f"a{i:02d}", metrics={"mean_mm": 0.6 + 0.001 * i}, checks=checks,
+               picture=png_bytes)  # fmt: skip
+    record(tmp_path, "z_wrong_side", metrics={"mean_mm": 0.61}, picture=png_bytes,
+           checks={"source_mean_x_mm": 32.6, "target_mean_x_mm": -31.0})  # fmt: skip
+    out = build_report(tmp_path)
+    dom = chromium(tmp_path, "--dump-dom", out.as_uri())
+    attention = dom.split('id="pairs-section"')[0]
+    assert 'data-pair="z_wrong_side" data-kind="side"' in attention
+    shot = tmp_path / "first-screen.png"
+    chromium(tmp_path, "--window-size=1280,800", "--hide-scrollbars", f"--screenshot={shot}",
+             out.as_uri())  # fmt: skip
+    pixels = (mpimg.imread(shot)[..., :3] * 255).round().astype(int)
+    assert pixels.shape[:2] == (800, 1280)
+
+    def shows(rgb):
+        return bool((np.abs(pixels - np.array(rgb)).sum(-1) <= 6).any())
+
+    assert shows((224, 160, 0))  # the attention block's border
+    assert shows((255, 244, 214))  # the flagged row's background
