@@ -101,7 +101,8 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}td.bad{color:#c00;font
 tr.failed{background:#fde8e8}tr.flagged{background:#fff4d6}td.why{white-space:normal;max-width:60em}
 #attention{border-left:4px solid #e0a000;padding:.2em .8em;background:#fffaf0}
 #attention.clear{border-color:#2ca02c;background:#f3fbf3}
-#attention tr.flag{background:#fff4d6}#attention tr.failure,#attention tr.unreadable{background:#fde8e8}
+#attention tr.flag{background:#fff4d6}
+#attention tr.failure,#attention tr.unreadable{background:#fde8e8}
 .note{color:#555}.grid{display:flex;flex-wrap:wrap;gap:12px}
 figure{margin:0;width:360px;font-size:12px}figure img{width:360px;border:1px solid #ccc}
 pre{white-space:pre-wrap;font-size:12px;background:#f6f6f6;padding:.5em}

@@ -151,13 +151,24 @@ class Registration:
         return folder
 
     @classmethod
-    def load(cls, folder: str | Path) -> Registration:
+    def load(cls, path: str | Path) -> Registration:
         """Read what :meth:`save` wrote; ``transform`` then works as before (the linear part
-        comes back as an :class:`~otreg.registration.Affine` of the same matrix). Refuses
-        (ValueError) a folder whose files come from different runs."""
+        comes back as an :class:`~otreg.registration.Affine` of the same matrix).
+
+        Args:
+            path: the folder :meth:`save` wrote into, or one of its files. Files named with
+                a prefix are read too: a batch's BIDS derivatives
+                (``sub-01_hemi-L_space-tpl_desc-otreg_parameters.npz`` and its siblings),
+                given as one of the files, or as their folder when it holds one such set.
+
+        Raises:
+            FileNotFoundError: a file of the set is missing.
+            ValueError: the files come from different runs, or the folder holds several
+                prefixed sets (the message lists them: give one's file).
+        """
         caller = "Registration.load"
-        folder = Path(folder)
-        paths = {role: folder / name for role, name in OUTPUTS.items()}
+        folder, prefix = _locate(caller, Path(path).expanduser())
+        paths = {role: folder / f"{prefix}{name}" for role, name in OUTPUTS.items()}
         for path in (paths["parameters"], paths["registration"], paths["warped"]):
             if not path.exists():
                 raise FileNotFoundError(f"{caller}: {path} is missing")
@@ -195,6 +206,30 @@ class Registration:
             doc["options"],
             doc.get("inputs", {}),  # absent from results saved before it was recorded
         )
+
+
+def _locate(caller: str, path: Path) -> tuple[Path, str]:
+    """The folder and the file-name prefix of a saved registration given as a folder or as
+    one of its files."""
+    for name in OUTPUTS.values():
+        if path.name.endswith(name) and not path.is_dir():
+            return path.parent, path.name[: -len(name)]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{caller}: {path} is neither a folder nor a saved registration")
+    if (path / OUTPUTS["parameters"]).exists():
+        return path, ""
+    prefixes = sorted(
+        p.name[: -len(OUTPUTS["parameters"])] for p in path.glob(f"*{OUTPUTS['parameters']}")
+    )
+    if len(prefixes) == 1:
+        return path, prefixes[0]
+    if len(prefixes) > 1:
+        raise ValueError(
+            f"{caller}: {path} holds {len(prefixes)} saved registrations "
+            f"({', '.join(p + OUTPUTS['parameters'] for p in prefixes[:4])}...); give the "
+            "file of the one to load"
+        )
+    return path, ""  # nothing there: the missing file is named next
 
 
 def transform_jacobians(linear, deformation: LDDMM | None, points) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from otreg import LBFGSOptions, LDDMMOptions, Shape, save_shape
+from otreg import LBFGSOptions, LDDMMOptions, Shape, load_shape, save_shape
 from otreg.batch import JobOptions, read_manifest, run_job
 from otreg.batch.engine import run_batch
 from otreg.cli import main
@@ -122,7 +122,9 @@ def test_register_is_a_batch_of_one(tmp_path):
             continue
         assert math.isclose(value, b.metrics[key], rel_tol=1e-6, abs_tol=1e-9), key
     np.testing.assert_allclose(a.warped.points, b.warped.points, rtol=1e-6, atol=1e-6)
-    assert a.warped.n_points == Registration.load(one).warped.n_points > 200  # the whole source
+    full = load_shape(src)  # --points 200 registers decimated copies; the whole source is saved
+    assert a.warped.n_points == b.warped.n_points == full.n_points > 200
+    assert torch.equal(a.warped.faces, full.faces)
 
 
 def test_run_job_refuses_what_is_not_a_surface(tmp_path):

@@ -1,6 +1,7 @@
 """Registration results: transform, save and load (file formats unchanged)."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -337,3 +338,24 @@ def test_load_names_a_corrupt_file(tmp_path, name):
     (folder / name).write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=f"Registration.load: .*{name} could not be read"):
         Registration.load(folder)
+
+
+def test_load_reads_a_batchs_bids_derivative_names(tmp_path):
+    """A BIDS participant run names its files sub-01_hemi-L_space-tpl_desc-otreg_*: load
+    takes one of those files, or their folder when it holds one set."""
+    res = result()
+    saved = res.save(tmp_path / "plain")
+    anat = tmp_path / "sub-01" / "anat"
+    anat.mkdir(parents=True)
+    prefix = "sub-01_hemi-L_space-tpl_desc-otreg_"
+    for p in saved.iterdir():
+        shutil.copy(p, anat / f"{prefix}{p.name}")
+    x = torch.rand(6, 3, dtype=D)
+    for given in (anat / f"{prefix}parameters.npz", anat / f"{prefix}warped.vtk", anat):
+        assert torch.allclose(Registration.load(given).transform(x), res.transform(x))
+    for p in saved.iterdir():
+        shutil.copy(p, anat / f"sub-01_hemi-R_space-tpl_desc-otreg_{p.name}")
+    with pytest.raises(ValueError, match="holds 2 saved registrations .*give the file"):
+        Registration.load(anat)
+    with pytest.raises(FileNotFoundError, match="neither a folder nor a saved registration"):
+        Registration.load(anat / "notes.txt")
