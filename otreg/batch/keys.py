@@ -24,7 +24,7 @@ def file_digest(path: str | Path, _cache: dict | None = None) -> str:
     """SHA-256 of a file's bytes (hex). FileNotFoundError names a missing file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
+        raise FileNotFoundError(f"{path} {'is a folder' if path.is_dir() else 'does not exist'}")
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

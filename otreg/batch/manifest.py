@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..io import atomic_write
+from ..io import VOLUME_EXTS, atomic_write
 from .job import JobOptions
 
 __all__ = [
@@ -84,6 +84,19 @@ class Pair:
         if not self.folder:
             object.__setattr__(self, "folder", f"pairs/{self.pair_id}")
         JobOptions.from_mapping(self.options, f"pair {self.pair_id}: options")
+        given = [n for n, v in (("label", self.label), ("level", self.level)) if v is not None]
+        if len(given) == 2:
+            raise ValueError(
+                f"pair {self.pair_id}: give a label (a segmentation value) or a level (a "
+                "threshold of a probability map), not both"
+            )
+        volumes = [p for p in (self.source, self.target) if p.lower().endswith(VOLUME_EXTS)]
+        if given and not volumes:
+            raise ValueError(
+                f"pair {self.pair_id}: {given[0]} applies to volumes "
+                f"({', '.join(VOLUME_EXTS)}), and neither its source nor its target is one: "
+                f"leave {given[0]} empty for meshes"
+            )
         _check_relative_folder(self.folder, self.pair_id)
 
 

@@ -10,6 +10,7 @@ import click
 from ..batch import bids_pairs, build_report, find_inputs, write_dataset_description, write_manifest
 from ..batch.tables import tables_from_records
 from ..datasets import fsaverage5_path
+from ..io import same_file
 from ._common import warnings_as_lines
 from .batch import BatchCommand, _ids, run_engine, runner_options
 
@@ -89,7 +90,13 @@ def bids(
     named as BIDS derivatives, sub-XX/anat/sub-XX_hemi-L_space-ID_desc-otreg_*). group: the
     summary tables and the group page from the records of every participant run.
     """
-    out = Path(output_dir)
+    out = Path(output_dir).expanduser()
+    if Path(bids_dir).exists() and out.exists() and same_file(out, bids_dir):
+        raise click.BadParameter(
+            f"{output_dir} is BIDS_DIR itself: the derivatives would be written among the "
+            "inputs. Write them beside it or under BIDS_DIR/derivatives/otreg",
+            param_hint="OUTPUT_DIR",
+        )
     if analysis_level == "group":
         if not out.is_dir():
             raise click.BadParameter(f"{output_dir} does not exist", param_hint="OUTPUT_DIR")

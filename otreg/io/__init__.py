@@ -95,7 +95,7 @@ def load_shape(
     caller = "load_shape"
     if not isinstance(path, (str, Path)):
         raise TypeError(f"{caller}: path must be a str or Path, got {type(path).__name__}")
-    path = Path(path)
+    path = Path(path).expanduser()
     if not isinstance(smooth, int) or isinstance(smooth, bool) or smooth < 0:
         raise ValueError(
             f"{caller}: smooth is {smooth!r}; it must be a number of Taubin smoothing "
@@ -173,7 +173,7 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
     caller = "save_shape"
     if not isinstance(shape, Shape):
         raise TypeError(f"{caller}: shape must be an otreg Shape, got {type(shape).__name__}")
-    path = Path(path)
+    path = Path(path).expanduser()
     if shape.source is not None and _files.same_file(path, shape.source):
         raise ValueError(
             f"{caller}: {path} is the file this shape was read from; otreg never "

@@ -58,6 +58,15 @@ def test_a_manifest_resolves_relative_paths_from_its_folder(tmp_path):
         ('pair_id,source,target,options\na,x,y,"{""speed"": 1}"\n', "unknown option 'speed'"),
         ('pair_id,source,target,options\na,x,y,"{""sigma"": ""big""}"\n', "sigma must be"),
         ("pair_id,source,target\n", "has no pairs"),
+        (
+            'pair_id,source,target,options\na,x,y,\nb,x,y,"{""max_iter"": 0}"\n',
+            "line 3: pair b: options: max_iter is 0; it must be >= 1",
+        ),
+        (
+            "pair_id,source,target,label\na,x.vtk,y.gii,17\n",
+            "line 2: pair a: label applies to volumes (.nii, .nii.gz, .mgz), and neither",
+        ),
+        ("pair_id,source,target,label,level\na,x.nii,y.gii,17,0.5\n", "not both"),
     ],
 )
 def test_bad_manifests_name_the_line_and_the_problem(tmp_path, text, message):
@@ -255,3 +264,10 @@ def test_a_memory_limit_too_small_or_without_unit_is_refused(tmp_path, limit, ma
 
     with pytest.raises(ValueError, match=match):
         run_batch([Pair("p", "a.vtk", "b.vtk")], tmp_path, memory_limit=limit)
+
+
+def test_a_folder_given_as_an_input_is_named_as_a_folder(tmp_path):
+    (tmp_path / "sub.vtk").mkdir()
+    (tmp_path / "t.vtk").write_text("t")
+    (p,) = plan_batch([Pair("p", str(tmp_path / "sub.vtk"), str(tmp_path / "t.vtk"))], tmp_path)
+    assert p.state == "missing input" and p.why.endswith("sub.vtk is a folder")

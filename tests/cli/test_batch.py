@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,35 +79,55 @@ def leftovers(out: Path) -> list[Path]:
 
 
 def test_failures_are_isolated_reported_and_a_rerun_does_nothing(subjects, tmp_path):
+    import numpy as np
+
     (subjects / "corrupt.vtk").write_text("this is not a mesh")
+    np.save(subjects / "cloud.npy", np.random.default_rng(0).normal(size=(100, 3)) * 40)
+    (subjects / "a_folder.vtk").mkdir()
+    shutil.copy(subjects / "s1.vtk", subjects / "s1_copy.vtk")
     m = manifest(
         tmp_path / "pairs.csv",
         [
             ("a", "subjects/s1.vtk", "subjects/s0.vtk"),
             ("corrupt", "subjects/corrupt.vtk", "subjects/s0.vtk"),
             ("missing", "subjects/nowhere.vtk", "subjects/s0.vtk"),
+            ("cloud", "subjects/cloud.npy", "subjects/s0.vtk"),
+            ("folder", "subjects/a_folder.vtk", "subjects/s0.vtk"),
             ("b", "subjects/s2.vtk", "subjects/s0.vtk"),
+            ("copy", "subjects/s1_copy.vtk", "subjects/s0.vtk"),
         ],
     )
     out = tmp_path / "out"
     r = run("batch", m, "-o", out, *FAST)
     assert r.returncode == 3, r.stderr
+    assert "3 done (2 flagged" in r.stderr
     recs = records(out)
     assert {k: v["status"] for k, v in recs.items()} == {
         "a": "done",
         "b": "done",
+        "copy": "done",
         "corrupt": "failed",
         "missing": "failed",
+        "cloud": "failed",
+        "folder": "failed",
     }
     assert recs["corrupt"]["error"]["class"] == "bad input"
     assert "corrupt.vtk" in recs["corrupt"]["error"]["reason"]
     assert recs["missing"]["error"]["class"] == "missing input"
+    assert recs["cloud"]["error"]["class"] == "bad input"  # a point cloud: not a surface
+    assert "cloud.npy has no triangles" in recs["cloud"]["error"]["reason"]
+    assert recs["folder"]["error"]["class"] == "missing input"
+    assert "a_folder.vtk is a folder" in recs["folder"]["error"]["reason"]
     failed = list(csv.DictReader(open(out / "failed.csv")))
     assert {(row["pair_id"], row["class"]) for row in failed} == {
         ("corrupt", "bad input"),
         ("missing", "missing input"),
+        ("cloud", "bad input"),
+        ("folder", "missing input"),
     }
     summary = {row["pair_id"]: row for row in csv.DictReader(open(out / "summary.csv"))}
+    assert "same content as that of copy" in summary["a"]["flags"]
+    assert summary["b"]["flags"] == ""
     assert summary["a"]["status"] == "done" and float(summary["a"]["mean_mm"]) < float(
         summary["a"]["before_mean_mm"]
     )
@@ -134,6 +155,10 @@ def test_failures_are_isolated_reported_and_a_rerun_does_nothing(subjects, tmp_p
     assert lines["a"] == "done" and lines["b"] == "done"
     assert lines["corrupt"].startswith("failed")
     assert lines["missing"].startswith("will fail: missing input")
+    assert (
+        lines["folder"].startswith("will fail: missing input (")
+        and "is a folder" in lines["folder"]
+    )
 
 
 def test_a_changed_option_reruns_only_the_pairs_it_touches(subjects, tmp_path):
@@ -241,8 +266,6 @@ def test_a_pair_over_the_timeout_fails_alone(subjects, tmp_path):
     """The slow pair is slow by construction (its worker sleeps when it loads the file), so
     the outcome does not hang on the machine's speed: the other pair, a few seconds of
     work, has ten times that before the same timeout."""
-    import shutil
-
     shutil.copy(subjects / "s2.vtk", subjects / "slow-me.vtk")
     env = hook_on_load(tmp_path, "slow-me.vtk", "time.sleep(600)")
     m = manifest(

@@ -114,3 +114,18 @@ def test_bids_participant_on_a_freesurfer_subjects_dir(tmp_path):
         assert rec["metrics"]["before_mean_mm"] > 5, rec["metrics"]
         warped = out / sub / "anat" / f"{sub}_hemi-L_space-tpl_desc-otreg_warped.vtk"
         assert warped.is_file()
+
+
+def test_output_dir_equal_to_bids_dir_is_refused_before_any_work(tmp_path):
+    root = tmp_path / "derivatives" / "fmriprep"
+    root.mkdir(parents=True)
+    (root / "dataset_description.json").write_text(
+        json.dumps({"Name": "x", "BIDSVersion": "1.8.0", "DatasetType": "derivative"})
+    )
+    gifti_sphere(root / "sub-01" / "anat" / "sub-01_hemi-L_pial.surf.gii", 40, 14)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    for extra in ([], ["--dry-run"]):
+        r = run("bids", root, root, "participant", "--hemi", "L", *extra)
+        assert r.returncode == 1, r.stderr
+        assert "is BIDS_DIR itself" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before

@@ -483,3 +483,13 @@ def test_a_closed_surface_facing_inward_warns_at_load(tmp_path):
         load_shape(tmp_path / "outward.vtk")
     open_cap = Shape(ball.points, ball.faces[:-10])  # a border: no inside, no warning
     assert open_cap.orientation is None
+
+
+def test_a_path_with_a_tilde_is_the_home_folder(tmp_path, monkeypatch):
+    import pyvista as pv
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    save_shape(ball, "~/ball.vtk")
+    assert (tmp_path / "ball.vtk").is_file()
+    assert load_shape("~/ball.vtk").n_points == ball.n_points

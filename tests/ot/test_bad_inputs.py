@@ -118,3 +118,17 @@ def test_half_precision_points_get_clear_errors_or_work(dtype):
         warnings.simplefilter("ignore", otreg.ConvergenceWarning)  # 8 bits of mantissa
         value = otreg.sinkhorn_divergence(x, x + 0.1, blur=0.1)
     assert value.dtype == dtype and torch.isfinite(value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_normalised_half_precision_weights_are_balanced(dtype):
+    """1/700 rounds to 8 bits of mantissa: the weights sum to 1 within their rounding, which
+    is what a normalised weight vector of that dtype can do."""
+    x, y = torch.rand(1000, 3).to(dtype), torch.rand(700, 3).to(dtype)
+    a, b = torch.full((1000,), 1 / 1000).to(dtype), torch.full((700,), 1 / 700).to(dtype)
+    assert abs(float(b.double().sum()) - 1) > 1e-5  # more than float32's tolerance
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", otreg.ConvergenceWarning)
+        assert torch.isfinite(otreg.sinkhorn_divergence(x, y, a, b, blur=0.1))
+    with pytest.raises(ValueError, match="needs equal masses"):
+        otreg.sinkhorn_divergence(x, y, a, 1.05 * b, blur=0.1)
