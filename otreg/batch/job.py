@@ -214,6 +214,8 @@ def run_job(
     if options.points is not None:  # the metrics are the decimated fit's
         res.warped = res.transform(full)
     folder = Path(folder)
+    for name in PICTURES.values():  # an earlier run's, which this one's would not replace
+        (folder / name).unlink(missing_ok=True)
     res.save(folder)
     files = dict(OUTPUTS)
     if options.picture:

@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..io import VOLUME_EXTS, atomic_write
+from .._checks import warn
+from ..io import VOLUME_EXTS, atomic_write, same_file
 from .job import JobOptions
 
 __all__ = [
@@ -288,6 +289,16 @@ def pairs_to_template(
     """
     subjects = _subjects(subjects, "pairs_to_template")
     template = str(Path(template).expanduser().absolute())
+    itself = [sid for sid, f in subjects.items() if f == template or same_file(f, template)]
+    if itself:  # a glob of the subjects' files that caught the template too
+        warn(
+            f"pairs_to_template: {', '.join(itself)} is the template itself ({template}); "
+            "left out rather than registered onto itself",
+            UserWarning,
+        )
+        subjects = {sid: f for sid, f in subjects.items() if sid not in itself}
+    if not subjects:
+        raise ValueError("pairs_to_template: no subject left besides the template")
     return [
         Pair(
             f"{sid}_to_{template_id}",

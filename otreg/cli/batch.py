@@ -14,6 +14,7 @@ from .._checks import check_progress
 from ..batch import all_pairs, pairs_to_template, read_manifest, write_manifest
 from ..batch.engine import check_memory_limit, describe, plan_batch, run_batch
 from ..batch.manifest import check_pair_id
+from ..batch.records import find_records, unreadable_records
 from ..batch.report import build_report
 from ._common import (
     given_registration_options,
@@ -270,5 +271,11 @@ def all_pairs_cmd(files: tuple[str, ...], symmetric: bool, id_from, output):
 @click.argument("folder", type=click.Path(file_okay=False, exists=True))
 def report(folder: str) -> None:
     """Rebuild a batch folder's group page (index.html) from its per-pair records."""
+    if not find_records(folder) and not unreadable_records(folder):
+        raise click.BadParameter(
+            f"{folder} holds no batch records (a pair's metrics.json or error.json below "
+            "it): give the -o folder of otreg batch, or the OUTPUT_DIR of otreg bids",
+            param_hint="FOLDER",
+        )
     path = build_report(folder)
     click.echo(f"wrote {path}")

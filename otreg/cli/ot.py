@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import warnings
 
@@ -17,6 +18,9 @@ from ..registration.prealign import check_scales
 from ._common import check_volume_options, stdout_to_stderr, volume_options, warnings_as_lines
 
 __all__: list[str] = []
+
+#: Exit code of a value printed though the solver did not converge (0: converged, 1: usage).
+NOT_CONVERGED = 3
 
 
 class _Relaxation(click.ParamType):
@@ -99,7 +103,9 @@ def distance(
 ) -> None:
     """Sinkhorn divergence between two shapes' measures (area-weighted, normalised).
 
-    SOURCE and TARGET are meshes, point clouds or volumes (with --label or --level).
+    SOURCE and TARGET are meshes, point clouds or volumes (with --label or --level). Exit 0:
+    converged; 1: usage error; 3: the value is printed (and "converged": false in --json)
+    but the solver stopped short of --tol, a warning on stderr says why.
     """
     check_volume_options(label, level, [source, target])
     with stdout_to_stderr(as_json), warnings_as_lines():
@@ -139,12 +145,12 @@ def distance(
     }
     if as_json:
         click.echo(json.dumps(out))
-        return
-    click.echo(
-        f"Sinkhorn divergence {value:.4f} mm^2 (sqrt(2 S) = {out['sqrt_2d_mm']:.3f} mm, "
-        f"a W2-like distance), blur {blur} mm, {res.n_iter} iterations, "
-        f"{out['seconds']:.1f} s"
-    )
+    else:
+        click.echo(
+            f"Sinkhorn divergence {value:.4f} mm^2 (sqrt(2 S) = {out['sqrt_2d_mm']:.3f} mm, "
+            f"a W2-like distance), blur {blur} mm, {res.n_iter} iterations, "
+            f"{out['seconds']:.1f} s"
+        )
     if not res.converged:
         hint = {
             "stalled": "it stopped decreasing (the rounding floor): raise --tol or --blur",
@@ -155,3 +161,4 @@ def distance(
         else:
             what = f"marginal error {res.marginal_error:.2e} >= tol {tol:g}"
         click.echo(f"warning: not converged: {what}: {hint}", err=True)
+        sys.exit(NOT_CONVERGED)

@@ -19,6 +19,8 @@ from ._common import (
     output_folder,
     progress_option,
     registration_options,
+    set_threads,
+    threads_option,
     volume_options,
     warnings_as_lines,
 )
@@ -38,6 +40,7 @@ __all__: list[str] = []
 )
 @registration_options
 @volume_options
+@threads_option
 @progress_option
 def register_cmd(
     source: str,
@@ -45,11 +48,13 @@ def register_cmd(
     output: str,
     label: float | None,
     level: float | None,
+    threads: int | None,
     progress: bool | None,
     **registration,
 ) -> None:
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
     check_volume_options(label, level, [source, target])
+    set_threads(threads)
     options = job_options(registration)
     progress = check_progress("otreg register", progress)
     with output_folder(output, [source, target]) as folder, warnings_as_lines():
@@ -141,12 +146,20 @@ def _print_outputs(m: dict, folder: Path) -> None:
     type=click.IntRange(min=100),
     help="Decimate both surfaces to about this many vertices (a quick run).",
 )
+@threads_option
 @progress_option
 def demo(
-    output: str, pair: str, hemi: str, surface: str, points: int | None, progress: bool | None
+    output: str,
+    pair: str,
+    hemi: str,
+    surface: str,
+    points: int | None,
+    threads: int | None,
+    progress: bool | None,
 ) -> None:
     """Register two real brain surfaces (by default fsaverage5 onto Conte69) and write the
     warped surface, the parameters, the metrics and a picture."""
+    set_threads(threads)
     with output_folder(output, [], ("source.vtk", "target.vtk")) as folder:
         try:
             source, target, truth, what = _demo_pair(pair, hemi, surface, points)

@@ -271,3 +271,12 @@ def test_a_folder_given_as_an_input_is_named_as_a_folder(tmp_path):
     (tmp_path / "t.vtk").write_text("t")
     (p,) = plan_batch([Pair("p", str(tmp_path / "sub.vtk"), str(tmp_path / "t.vtk"))], tmp_path)
     assert p.state == "missing input" and p.why.endswith("sub.vtk is a folder")
+
+
+def test_the_template_among_the_subjects_files_is_left_out(tmp_path):
+    files = {s: write(tmp_path / f"{s}.vtk", s) for s in ("a", "b", "tpl")}
+    with pytest.warns(UserWarning, match="tpl is the template itself"):
+        pairs = pairs_to_template(files, files["tpl"], "tpl")
+    assert [p.pair_id for p in pairs] == ["a_to_tpl", "b_to_tpl"]
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="no subject left"):
+        pairs_to_template({"tpl": files["tpl"]}, files["tpl"])

@@ -411,6 +411,13 @@ def test_usage_errors_exit_1_and_name_the_problem(subjects, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_report_refuses_a_folder_that_holds_no_batch(tmp_path):
+    (tmp_path / "notes").mkdir()
+    r = run("report", tmp_path / "notes")
+    assert r.returncode == 1 and "holds no batch records" in r.stderr
+    assert not (tmp_path / "notes" / "index.html").exists()
+
+
 def test_manifest_helpers_write_what_batch_reads(subjects, tmp_path):
     files = sorted(str(p) for p in subjects.glob("s[1-4].vtk"))
     r = run("manifest", "to-template", subjects / "s0.vtk", *files, "-o", tmp_path / "t.csv")

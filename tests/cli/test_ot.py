@@ -26,10 +26,15 @@ def test_distance_says_why_it_did_not_converge(two_meshes):
     refused = CliRunner().invoke(main, [*args, "1"])
     steps = re.search(r"schedule alone has (\d+) steps", refused.output).group(1)
     short = run(*args, steps)  # every iteration spent on the eps-scaling
-    assert short.exit_code == 0
+    assert short.exit_code == 3
     assert "eps-scaling used all of --max-iter" in short.output and "nan" not in short.output
     cut = run("distance", *two_meshes, "--blur", "0.5", "--tol", "1e-9", "--max-iter", "40")
     assert re.search(r"not converged: marginal error \S+ >= tol 1e-09", cut.output), cut.output
+    assert cut.exit_code == 3
+    as_json = run("distance", *two_meshes, "--blur", "0.5", "--tol", "1e-9", "--max-iter", "40",
+                  "--json")  # fmt: skip
+    assert as_json.exit_code == 3 and json.loads(as_json.stdout)["converged"] is False
+    assert "warning: not converged" in as_json.stderr
 
 
 def test_distance_reports_bad_files(two_meshes, tmp_path):

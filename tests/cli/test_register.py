@@ -192,3 +192,30 @@ def test_register_progress_is_off_without_a_terminal_unless_asked(
         result = CliRunner().invoke(main, args)  # CliRunner's stderr is not a terminal
         assert result.exit_code == 0, result.output
         assert seen[-1] is expected
+
+
+def test_a_second_run_without_pictures_leaves_none_of_the_first(two_meshes, tmp_path, monkeypatch):
+    import torch
+
+    from otreg.batch import job
+
+    out = str(tmp_path / "out")
+    base = ["register", *two_meshes, "-o", out, "--model", "rigid"]
+    assert run(*base).exit_code == 0
+    assert (tmp_path / "out" / "picture.png").is_file()
+    threads = []
+    real = job.register
+
+    def register(*args, **kwargs):
+        threads.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(job, "register", register)
+    before = torch.get_num_threads()
+    try:
+        assert run(*base, "--no-picture", "--threads", "1").exit_code == 0
+    finally:
+        torch.set_num_threads(before)
+    assert threads == [1]
+    assert not (tmp_path / "out" / "picture.png").exists()  # not the first run's, stale
+    assert not (tmp_path / "out" / "history.png").exists()
