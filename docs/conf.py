@@ -29,7 +29,7 @@ extensions = [
 root_doc = "index"
 exclude_patterns = ["_build", "README.md", "notebooks/conftest.py", "**/.ipynb_checkpoints"]
 # The notebooks are committed without outputs and run while the site builds, at the size
-# OTREG_NOTEBOOK_SIZE says (scripts/docs.sh: small unless told otherwise); the tests run them
+# OTREG_NOTEBOOK_SIZE says (scripts/docs.sh: full, the sizes the text quotes); the tests run them
 # separately (pytest --nbmake) and build the site with OTREG_DOCS_EXECUTE=off.
 nb_execution_mode = os.environ.get("OTREG_DOCS_EXECUTE", "force")
 nb_execution_timeout = 1800

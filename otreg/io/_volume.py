@@ -98,6 +98,31 @@ def _mask(data: np.ndarray, label, level, path: Path, caller: str) -> np.ndarray
     )
 
 
+def _without_fins(faces: np.ndarray) -> np.ndarray:
+    """Marching cubes' triangles without the fins it leaves at some saddle voxels: a
+    triangle and its reverse on the same three vertices (no area between them, both counted
+    in the measures). Both go; a repeated triangle of one orientation keeps one copy."""
+    key = np.sort(faces, axis=1)
+    _, inverse, counts = np.unique(key, axis=0, return_inverse=True, return_counts=True)
+    if (counts == 1).all():
+        return faces
+    # the orientation of a triangle: whether it is an even permutation of its sorted key
+    even = (
+        ((faces[:, 0] == key[:, 0]) & (faces[:, 1] == key[:, 1]))
+        | ((faces[:, 1] == key[:, 0]) & (faces[:, 2] == key[:, 1]))
+        | ((faces[:, 2] == key[:, 0]) & (faces[:, 0] == key[:, 1]))
+    )
+    inverse = inverse.reshape(-1)
+    n_even = np.bincount(inverse, weights=even, minlength=len(counts))
+    n_odd = counts - n_even
+    net = n_even - n_odd  # +1, -1: one triangle of that orientation is left; 0: none
+    keep = counts[inverse] == 1
+    for group in np.flatnonzero((counts > 1) & (net != 0)):  # a few dozen
+        members = np.flatnonzero(inverse == group)
+        keep[next(k for k in members if even[k] == (net[group] > 0))] = True
+    return faces[keep]
+
+
 def volume_to_shape(
     path: Path, caller: str, label=None, level=None, step_size: int = 1, dtype=torch.float32
 ) -> Shape:
@@ -117,7 +142,7 @@ def volume_to_shape(
     )
     verts = verts - 1.0  # undo the padding: voxel indices of the original grid
     world = nib.affines.apply_affine(affine, verts)
-    faces = faces.astype(np.int64)
+    faces = _without_fins(faces.astype(np.int64))
     shape = Shape(torch.as_tensor(world, dtype=torch.float64), torch.as_tensor(faces))
     if float(shape.volume) < 0:  # outward normals in world space, whatever the affine
         faces = faces[:, [0, 2, 1]]

@@ -129,7 +129,17 @@ class Relaxation:
     def __init__(self, setting: float | str) -> None:
         self.auto = setting == "auto"
         self.w = 1.0 if self.auto else float(setting)
+        self.w_max = self.W_MAX
+        self.backed_off = 0
         self._errors: list[float] = []
+
+    def back_off(self) -> None:
+        """After an update that overflowed: w halfway back to 1, and never above that again
+        (the loop goes back to its best potentials)."""
+        self.backed_off += 1
+        self.w_max = 1 + (self.w - 1) / 2 if self.w > 1.02 else 1.0
+        self._set(self.w_max)
+        self._errors = []
 
     def _set(self, w: float) -> None:
         self.w, self._errors = w, self._errors[-1:]
@@ -147,7 +157,7 @@ class Relaxation:
             return
         r, w = (e[-1] / e[-1 - self.WINDOW]) ** (1 / self.WINDOW), self.w
         theta = min((r + w - 1) ** 2 / (r * w * w), 1.0)
-        best = min(self.W_MAX, 2 / (1 + math.sqrt(1 - theta)))
+        best = min(self.w_max, 2 / (1 + math.sqrt(1 - theta)))
         if best >= w + self.MIN_STEP:
             self._set(best)
 

@@ -14,6 +14,7 @@ unrolled gradients.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -151,13 +152,16 @@ def _anneal(p: Problem, kernel, init):
 def _final_pair(p: Problem, kernel, f, g, n_iter: int):
     """Alternating updates at the final eps until the rule stops: extrapolated by Anderson
     mixing (``relaxation="anderson"``; over-relaxed adaptively if the mixing fails) or
-    over-relaxed when w > 1. Also returns what accelerated them."""
+    over-relaxed when w > 1. An accelerated update whose marginal error is NaN or infinite
+    (an overflow in float32 far from the optimum: one far outlier at a small blur) is
+    undone: the loop goes back to the best potentials so far and goes on with plain updates,
+    which cannot overflow in the log form. Also returns what accelerated them."""
     eps, lam = p.eps, p.damping(p.eps)
     anderson = Anderson(kernel.b, eps) if p.relaxation == "anderson" else None
     relax = Relaxation("auto" if anderson else p.relaxation)
     rule = _rule(p, kernel)
     probe = _probe(p, kernel) if rule.accuracy is not None else None
-    first = n_iter
+    first, best = n_iter, (math.inf, f, g)
     while n_iter < p.max_iter:
         if n_iter > first and (n_iter - first) % kernel.refresh_every == 0:
             kernel.refresh(f, g, eps)
@@ -169,6 +173,15 @@ def _final_pair(p: Problem, kernel, f, g, n_iter: int):
         err = float(residual(p, eps, kernel.b, g, sg).max())
         update = lam * sg if w == 1 else torch.lerp(g, lam * sg, w)
         n_iter += 1
+        if not math.isfinite(err) and (mixing or w != 1):  # an overflow: undo it
+            if mixing:
+                anderson.failed = True  # over-relaxation from here
+            else:
+                relax.back_off()  # a smaller weight, or plain updates
+            _, f, g = best
+            continue
+        if err < best[0]:
+            best = (err, f.clone(), g.clone())
         if rule.stop(
             err,
             lambda f=f, g=update: rounding_floor(eps, f, g),
@@ -186,13 +199,17 @@ def _final_pair(p: Problem, kernel, f, g, n_iter: int):
 
 def _acceleration(p: Problem, anderson: Anderson | None, relax: Relaxation) -> str:
     """What sped up the final updates, in words, for the result."""
+    backed = f", its weight halved after {relax.backed_off} overflow(s)" if relax.backed_off else ""
     if anderson is not None:
         if anderson.failed:
-            return f"anderson, then over-relaxation after {anderson.resets} resets"
+            why = f"{anderson.resets} resets" if anderson.resets else "an overflow"
+            return f"anderson, then over-relaxation after {why} (w = {relax.w:.2f}){backed}"
         return "anderson" if not anderson.resets else f"anderson ({anderson.resets} resets)"
     if p.relaxation == "auto":
-        return f"over-relaxation (w = {relax.w:.2f})"
-    return "none" if relax.w == 1 else f"over-relaxation (w = {relax.w:.2f}, fixed)"
+        return f"over-relaxation (w = {relax.w:.2f}){backed}"
+    if relax.w == 1 and not relax.backed_off:
+        return "none"
+    return f"over-relaxation (w = {relax.w:.2f}, fixed){backed}"
 
 
 def _final_symmetric(p: Problem, kernel, f, g, n_iter: int):

@@ -29,7 +29,11 @@ def test_fsaverage5_pial_left():
 
 
 def test_mni_white_matter_gives_a_closed_surface():
-    wm = datasets.mni152_surface("wm", threshold=0.5)
+    import warnings
+
+    with warnings.catch_warnings():  # marching cubes' fins are removed: no duplicate to warn of
+        warnings.simplefilter("error")
+        wm = datasets.mni152_surface("wm", threshold=0.5)
     assert wm.n_points > 10000
     counts = edge_counts(wm.faces)
     assert (counts % 2 == 0).all()  # no boundary edge: closed (watertight)
