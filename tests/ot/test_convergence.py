@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import otreg
 from otreg.ot.convergence import Anderson, Relaxation, StoppingRule
 
 
@@ -71,3 +72,23 @@ def test_anderson_history_is_bounded_and_its_step_is_exact_on_a_linear_map():
         g = mixer.step(g, update, float((update - g).norm()))
         assert mixer.filled <= mixer.memory
     torch.testing.assert_close(g[0], fixed, rtol=0, atol=1e-9)
+
+
+def test_an_update_that_overflows_is_undone_not_the_end_of_the_solve():
+    """Forty points and one 42 units away at blur 0.1, float32: an extrapolated update
+    overflowed and the solve ended 'diverged' at a value off in the second digit. The
+    update is undone and the weight halved; the solve goes on to float32's rounding floor."""
+    import warnings
+
+    g = torch.Generator().manual_seed(24)
+    x = torch.randn(40, 2, generator=g)
+    y = torch.cat([x + torch.tensor([1.0, 0.0]), torch.tensor([[30.0, 30.0]])])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", otreg.ConvergenceWarning)
+        res = otreg.sinkhorn(x, y, blur=0.1, max_iter=5000)
+    ref = otreg.sinkhorn(
+        x.double(), y.double(), blur=0.1, tol=1e-6, max_iter=20_000, relaxation="auto"
+    )
+    assert ref.converged and res.stopped in ("tol", "stalled")
+    assert "halved after 1 overflow" in res.acceleration
+    assert float(res.cost) == pytest.approx(float(ref.cost), rel=1e-4)
