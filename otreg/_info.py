@@ -8,7 +8,6 @@ import sys
 import torch
 
 from . import reductions
-from .costs import get_cost
 
 __all__ = ["info"]
 
@@ -23,21 +22,13 @@ def package_version(name: str) -> str:
         return "not installed"
 
 
-def _try_backend(name: str) -> str:
-    x = torch.rand(1, 5, 3)
-    try:
-        out = reductions.softmin(x, x, torch.zeros(1, 5), 0.1, get_cost("sqeuclidean"), name)
-        return "ok" if bool(torch.isfinite(out).all()) else "gives non-finite values"
-    except Exception as err:
-        return f"fails: {type(err).__name__}: {str(err)[:200]}"
-
-
 def info(check_keops: bool = True, file=None) -> dict:
     """Print and return what otreg runs on here.
 
     Args:
-        check_keops: compile and run one small KeOps formula (about 10 s the first time,
-            cached afterwards) to tell whether the keops backend works.
+        check_keops: whether KeOps works here: otreg's formulas compiled and run in a child
+            process (a minute or two the first time on a machine, cached afterwards), so that
+            a crashing pykeops cannot take this process down.
         file: where to print (default ``sys.stdout``); ``False`` prints nothing.
 
     Returns:
@@ -62,16 +53,26 @@ def info(check_keops: bool = True, file=None) -> dict:
     }
     status = reductions.status()
     ok, reason = status["keops"]
-    if ok:
-        report["keops cache"] = status["keops build folder"]
+    report["keops check file"] = status["keops check file"]
     report["compiled loops cache"] = status["fused cache folder"]
     backends = {"tensorized": "ok", "blocked": "ok"}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not ok:
         backends["keops"] = f"unavailable: {reason}"
-    elif check_keops:
-        backends["keops"] = _try_backend("keops")
+    elif check_keops:  # compiled and run in a child process (once a machine)
+        ok, reason = reductions.keops_status(device)
+        backends["keops"] = (
+            f"ok on {device.type} (checked in a child process)" if ok else f"off: {reason}"
+        )
     else:
-        backends["keops"] = "importable (not compiled: check_keops=False)"
+        backends["keops"] = "installed (not checked: check_keops=False)"
+    triton = status["triton"]
+    backends["triton"] = (
+        ("ok: the default above the dense size on CUDA" if device.type == "cuda" else
+         "installed (its kernels run on CUDA tensors)")
+        if triton == "ok"
+        else f"unavailable: {triton}"
+    )  # fmt: skip
     key = "blocked, fused loops"
     if status["fused"]:
         backends[key] = f"off: {status['fused']}"
@@ -83,7 +84,7 @@ def info(check_keops: bool = True, file=None) -> dict:
         )
     report["backends"] = backends
     report["auto backend for large problems"] = reductions.resolve_backend(
-        "auto", reductions.TENSORIZED_MAX_PAIRS + 1, torch.device("cpu")
+        "auto", reductions.TENSORIZED_MAX_PAIRS + 1, device
     )
     if file is not False:
         out = file or sys.stdout

@@ -1,7 +1,14 @@
+import os
 import warnings
 
 import pytest
 import torch
+
+# Without a GPU, Triton's interpreter runs the GPU kernels on the CPU (tests/reductions/
+# test_triton.py). It must be chosen before triton is first imported, which
+# otreg.reductions.status() and otreg.info() do: here, before any test.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 warnings.filterwarnings("ignore", message=".*CUDA libraries not found.*")
 

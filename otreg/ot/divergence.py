@@ -24,7 +24,7 @@ from .._checks import warn
 from .gradient import differentiate, dual_value, first_order_only
 from .large_blur import check_range, closed_form_applies
 from .loop import closed_form_solution, solve
-from .problem import Problem, SinkhornOptions, resolve_options
+from .problem import Problem, SinkhornOptions, no_autocast, resolve_options
 from .result import SinkhornResult, make_result, report_convergence, unbatch
 
 __all__ = ["sinkhorn_divergence", "SinkhornLoss"]
@@ -61,7 +61,9 @@ def divergence(
     ``warm``: a dict of the potentials of a previous call (``f``, ``g``, ``f_aa``, ``g_bb``),
     used as warm starts where their shapes fit (skipping the eps-scaling) and updated.
     ``default_blur``: the caller did not choose the blur (a warning when the data span
-    more than :data:`DEFAULT_BLUR_SPAN` times it, as brain surfaces in mm do).
+    more than :data:`DEFAULT_BLUR_SPAN` times it, as brain surfaces in mm do). Half
+    precision inputs (an autocast model's) are computed in float32, with autocast off, and
+    the value returned in their dtype.
     """
     if options.backward_kind == "unroll":
         raise ValueError(
@@ -70,6 +72,15 @@ def divergence(
             "For unrolled iterations use otreg.sinkhorn(..., backward=otreg.Unroll(...))"
         )
     p = Problem.build(caller, x, y, a, b, options)
+    with no_autocast(p.x.device):
+        value, result = _divergence(caller, p, options, debias, warm, default_blur)
+    return value.to(p.out_dtype), result
+
+
+def _divergence(
+    caller: str, p: Problem, options: SinkhornOptions, debias: bool, warm, default_blur: bool
+) -> tuple[torch.Tensor, SinkhornResult]:
+    """:func:`divergence` once its problem is built."""
     if default_blur and p.size > DEFAULT_BLUR_SPAN * options.blur:
         warn(
             f"{caller}: blur is the default {options.blur:g}, in the points' units, but the "

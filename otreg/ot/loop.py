@@ -152,10 +152,11 @@ def _anneal(p: Problem, kernel, init):
 def _final_pair(p: Problem, kernel, f, g, n_iter: int):
     """Alternating updates at the final eps until the rule stops: extrapolated by Anderson
     mixing (``relaxation="anderson"``; over-relaxed adaptively if the mixing fails) or
-    over-relaxed when w > 1. An accelerated update whose marginal error is NaN or infinite
-    (an overflow in float32 far from the optimum: one far outlier at a small blur) is
-    undone: the loop goes back to the best potentials so far and goes on with plain updates,
-    which cannot overflow in the log form. Also returns what accelerated them."""
+    over-relaxed when w > 1. An automatic acceleration's update whose marginal error is NaN
+    or infinite (an overflow in float32 far from the optimum: one far outlier at a small
+    blur) is undone: the loop goes back to the best potentials so far and goes on with the
+    over-relaxation (after Anderson) or half its weight (a weight the caller fixed is kept,
+    and such an error stops the loop, 'diverged'). Also returns what accelerated them."""
     eps, lam = p.eps, p.damping(p.eps)
     anderson = Anderson(kernel.b, eps) if p.relaxation == "anderson" else None
     relax = Relaxation("auto" if anderson else p.relaxation)
@@ -173,7 +174,7 @@ def _final_pair(p: Problem, kernel, f, g, n_iter: int):
         err = float(residual(p, eps, kernel.b, g, sg).max())
         update = lam * sg if w == 1 else torch.lerp(g, lam * sg, w)
         n_iter += 1
-        if not math.isfinite(err) and (mixing or w != 1):  # an overflow: undo it
+        if not math.isfinite(err) and (mixing or (relax.auto and w != 1)):  # undo it
             if mixing:
                 anderson.failed = True  # over-relaxation from here
             else:

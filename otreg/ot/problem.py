@@ -42,6 +42,9 @@ from .multiscale import auto_cluster_scale, multiscale_unfit, worthwhile
 __all__ = ["SinkhornOptions", "Implicit", "Unroll", "Multiscale", "Accuracy"]
 
 FORMS = ("log", "scaling")
+#: Half-precision dtypes (autocast's): their points are computed in float32 (8 or 11 bits of
+#: mantissa cannot resolve the scores at a useful blur), values returned in their dtype.
+HALF = (torch.float16, torch.bfloat16)
 BACKWARDS = ("envelope", "implicit", "unroll")
 #: the named ``relaxation`` settings (a number in [1, 2) fixes the over-relaxation weight)
 RELAXATIONS = ("anderson", "auto")
@@ -345,6 +348,7 @@ class Problem:
     multiscale: Multiscale | None  # resolved: None when every pair is summed
     options: SinkhornOptions
     size: float  # the data's bounding-box diagonal, in the points' units
+    out_dtype: torch.dtype  # the inputs' dtype: float16/bfloat16 are computed in float32
 
     @property
     def eps(self) -> float:
@@ -376,6 +380,11 @@ class Problem:
                 f"dimension {y.shape[-1]}; both need the same D"
             )
         check_same_device_dtype(caller, {"x": x, "y": y})
+        out_dtype = x.dtype
+        if out_dtype in HALF:  # an autocast model's: computed in float32, returned as given
+            x, y = x.float(), y.float()
+            a, b = (w.float() if isinstance(w, torch.Tensor) and w.dtype == out_dtype else w
+                    for w in (a, b))  # fmt: skip
         if options.backend == "keops":
             try:
                 reductions.resolve_backend("keops", 0, x.device, dtype=x.dtype)
@@ -401,7 +410,7 @@ class Problem:
             # epsilon, so normalised bfloat16 weights may sum to 1 +- 0.4%
             ma, mb = a.detach().double().sum(1), b.detach().double().sum(1)
             rel = ((ma - mb).abs() / torch.maximum(ma, mb)).max()
-            if float(rel) > max(1e-5, torch.finfo(a.dtype).eps):
+            if float(rel) > max(1e-5, torch.finfo(out_dtype).eps):
                 raise ValueError(
                     f"{caller}: a has total mass {ma.max().item():.6g} and b "
                     f"{mb.max().item():.6g}; balanced OT (reach=None) needs "
@@ -426,6 +435,7 @@ class Problem:
             multiscale,
             o,
             size,
+            out_dtype,
         )
 
 
@@ -451,3 +461,9 @@ def _resolve_multiscale(
     if setting.auto and (unfit or not worthwhile(x.shape[1] * y.shape[1], dim, o.blur, scale)):
         return None
     return dataclasses.replace(setting, cluster_scale=scale)
+
+
+def no_autocast(device: torch.device):
+    """A block where torch.autocast is off on ``device``: the solver's reductions stay in
+    the problem's dtype (float32 or float64) inside a mixed-precision model."""
+    return torch.autocast(device_type=device.type, enabled=False)

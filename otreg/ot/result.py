@@ -146,9 +146,9 @@ def make_result(
     backend = solved[-1] if solved else "closed form"
     plan = TransportPlan(*params, f, g, p.eps, p.cost, p.backend, p.batched)
     return SinkhornResult(
-        f=unbatch(f, p.batched),
-        g=unbatch(g, p.batched),
-        cost=unbatch(value, p.batched),
+        f=unbatch(f, p.batched).to(p.out_dtype),
+        g=unbatch(g, p.batched).to(p.out_dtype),
+        cost=unbatch(value, p.batched).to(p.out_dtype),
         n_iter=sol.n_iter,
         converged=converged,
         marginal_error=sol.rule.error,

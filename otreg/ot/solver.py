@@ -48,6 +48,7 @@ from .problem import (
     Problem,
     SinkhornOptions,
     Unroll,
+    no_autocast,
     resolve_options,
 )
 from .result import SinkhornResult, make_result, report_convergence
@@ -69,6 +70,8 @@ def check_init(caller: str, init, p: Problem):
             raise TypeError(f"{caller}: init's {name} must be a tensor, got {type(t).__name__}")
         t = t.detach()
         t = t if p.batched else t.unsqueeze(0)
+        if t.dtype == p.out_dtype != like.dtype:  # half potentials of an earlier result
+            t = t.to(like.dtype)
         if t.shape != like.shape:
             raise ValueError(
                 f"{caller}: init's {name} has shape "
@@ -196,8 +199,9 @@ def sinkhorn(
     init = check_init(caller, init, p)
     check_range(caller, p)
     budget = options.backward.memory if isinstance(options.backward, Unroll) else None
-    # the budget counts from here: what the solve keeps is charged to its loop
-    with within_budget(caller, budget, p.x.device):
+    # the budget counts from here: what the solve keeps is charged to its loop; autocast
+    # (a model's mixed precision) would round the scores to half: off, the inputs are float32
+    with within_budget(caller, budget, p.x.device), no_autocast(p.x.device):
         return _solve_and_differentiate(caller, p, options, init)
 
 

@@ -45,9 +45,10 @@ import torch
 from .._checks import warn
 from ..costs import Cost, get_cost
 from ..loops.budget import charge_one_offs_to_budgets, fit_one_offs_to_budgets
-from . import _compiled, _dense, _keops
+from . import _compiled, _dense, _keops, _triton
 from ._blocked import blocked_reduction
 from ._keops import KeOpsUnavailable
+from ._triton import triton_reduction
 
 # a budgeted loop's planner compiles the fused reductions it will use before measuring it,
 # and a budget too small for torch's compiler keeps them uncompiled
@@ -67,13 +68,14 @@ __all__ = [
     "resolve_backend",
     "keops_status",
     "status",
+    "fast_all_pairs",
     "track",
     "softmin",
     "kernel_product",
     "softmax_average",
 ]
 
-BACKENDS = ("auto", "keops", "tensorized", "blocked")
+BACKENDS = ("auto", "keops", "tensorized", "blocked", "triton")
 #: ``auto`` uses the dense path up to this many pairs B * N * M (about 16 MB in float32).
 TENSORIZED_MAX_PAIRS = 4_000_000
 #: ... or up to this many when autograd records the call: the dense path keeps its N x M
@@ -143,7 +145,8 @@ def status() -> dict:
     """
     return {
         "keops": _keops.status(),
-        "keops build folder": _keops.build_folder() if _keops.status()[0] else None,
+        "keops check file": str(_keops.cache_file()),
+        "triton": _triton.unavailable() or "ok",
         "fused": (
             "off (otreg.reductions.COMPILED = False)" if not COMPILED else _compiled.failure()
         ),
@@ -154,8 +157,11 @@ def status() -> dict:
     }
 
 
-def keops_status() -> tuple[bool, str]:
-    """Whether pykeops imports here, and a reason when it does not (compiles are not tried).
+def keops_status(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether KeOps can be used: without ``device``, whether pykeops is installed (nothing
+    is imported); with it, the verdict of the check that compiles and runs otreg's formulas
+    on that device in a child process (once a machine; cached on disk), so that a crash in
+    pykeops never takes this process down.
 
     Example:
         >>> from otreg.reductions import keops_status
@@ -163,7 +169,9 @@ def keops_status() -> tuple[bool, str]:
         >>> isinstance(ok, bool) and isinstance(reason, str)
         True
     """
-    return _keops.status()
+    if device is None:
+        return _keops.status()
+    return _keops.verdict(torch.device(device))
 
 
 #: The dtypes KeOps computes in (float16 on GPUs only).
@@ -193,14 +201,57 @@ def resolve_backend(
             f"backend='keops' computes in float32 or float64 (float16 on a GPU); the points "
             f"are {dtype}: convert them (x.float()) or use backend='auto'"
         )
+    if backend == "triton":
+        _check_triton(device, dtype)
     if backend != "auto":
         return backend
     if pairs <= (TENSORIZED_MAX_PAIRS_RECORDED if recorded else TENSORIZED_MAX_PAIRS):
         return "tensorized"
+    if device.type == "cuda" and dtype in _triton.DTYPES and _triton.unavailable() is None:
+        return "triton"
     if (device.type == "cpu" and not KEOPS_ON_CPU) or not keops_dtype:
         return "blocked"
-    ok, _ = _keops.status()
+    ok, reason = _keops.verdict(device)
+    if not ok:
+        _keops_fallback(reason)
     return "keops" if ok else "blocked"
+
+
+def _keops_fallback(reason: str) -> None:
+    """Warn once a process that ``auto`` uses the blocked backend where KeOps failed."""
+    global _keops_warned
+    if not _keops_warned:
+        _keops_warned = True
+        warn(
+            f"otreg: {reason}; using the 'blocked' torch backend instead, which is slower "
+            f"(backend='blocked' chooses it without this warning). {_keops.HELP}",
+            RuntimeWarning,
+        )
+
+
+def _check_triton(device: torch.device, dtype: torch.dtype) -> None:
+    """backend='triton' on tensors it cannot take: an error that says why."""
+    why = _triton.unavailable()
+    if why is not None:
+        raise KeOpsUnavailable(  # a GPU library that failed: the same class of error
+            f"backend='triton' but {why}; Triton ships with torch's CUDA wheels"
+        )
+    if dtype not in _triton.DTYPES:
+        raise TypeError(
+            f"backend='triton' computes in float32 or float64; the points are {dtype}: "
+            "convert them (x.float()) or use backend='auto'"
+        )
+    if device.type != "cuda" and not _triton.interpreted():
+        raise ValueError(
+            f"backend='triton' runs on CUDA tensors; these are on {device} (the tests run "
+            "its kernels on the CPU with TRITON_INTERPRET=1)"
+        )
+
+
+def fast_all_pairs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a GPU kernel sums every pair here (``auto`` picks the ``triton`` backend), so
+    that truncating them (multiscale) pays only on far larger problems."""
+    return device.type == "cuda" and dtype in _triton.DTYPES and _triton.unavailable() is None
 
 
 _IMPLEMENTATIONS = {
@@ -233,7 +284,6 @@ def _check_shapes(kind: str, x, y, rest: tuple) -> None:
 def _run(
     kind: str, backend: str, x: torch.Tensor, y: torch.Tensor, *rest, eps: float, cost: Cost
 ) -> torch.Tensor:
-    global _keops_warned
     _check_shapes(kind, x, y, rest)
     dense_fn, keops_fn = _IMPLEMENTATIONS[kind]
     recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, *rest))
@@ -242,8 +292,11 @@ def _run(
     if chosen == "tensorized":
         _note_backend(chosen)
         return dense_fn(x, y, *rest, eps, cost)
+    if chosen == "triton":
+        _note_backend(chosen)
+        return triton_reduction(kind, x, y, *rest, eps=eps, cost=cost)
     if chosen == "keops":
-        ok, reason = _keops.status()
+        ok, reason = _keops.verdict(x.device)  # a child process tried it: no crash here
         if ok:
             try:
                 out = keops_fn(x, y, *rest, eps, cost)
@@ -258,13 +311,7 @@ def _run(
                 reason = _keops.record_failure(err)
         elif backend == "keops":
             raise KeOpsUnavailable(f"{kind}: backend='keops' but {reason}. {_keops.HELP}")
-        if not _keops_warned:
-            _keops_warned = True
-            warn(
-                f"otreg: {reason}; using the 'blocked' torch backend instead, "
-                f"which is slower. {_keops.HELP}",
-                RuntimeWarning,
-            )
+        _keops_fallback(reason)
     fused = (
         COMPILED
         and kind != "softmax_average"

@@ -179,7 +179,9 @@ class _BlockedReduction(torch.autograd.Function):
         x, y, h, v, out = ctx.saved_tensors
         needs = ctx.needs_input_grad[5:]
         if torch.is_grad_enabled():  # create_graph: differentiate the dense formulas
-            grads = _autograd_backward(ctx, x, y, h, v, grad_out, needs)
+            grads = dense_backward(
+                ctx.kind, ctx.eps, ctx.cost, x, y, h, v, grad_out, needs, ctx.block_elements
+            )
             return (None, None, None, None, None, *grads)
         w, need_w = (h, needs[2]) if v is None else (v, needs[3])
 
@@ -206,15 +208,20 @@ class _BlockedReduction(torch.autograd.Function):
         return (None, None, None, None, None, *grads)
 
 
-def _autograd_backward(ctx, x, y, h, v, grad_out, needs) -> list:
-    dense = _DENSE[ctx.kind]
+def dense_backward(
+    kind, eps, cost, x, y, h, v, grad_out, needs, block_elements: int = 2**21
+) -> list:
+    """The gradients in (x, y, h, v) by autograd through the dense formulas, a block of
+    rows at a time, with ``create_graph``: what a second derivative differentiates (the
+    hand-written and the GPU backward passes are not differentiable)."""
+    dense = _DENSE[kind]
     rest = [t for t in (h, v) if t is not None]
     inputs = [x, y, *rest]
-    rows = max(1, ctx.block_elements // max(1, x.shape[0] * y.shape[1]))
+    rows = max(1, block_elements // max(1, x.shape[0] * y.shape[1]))
     total = [None] * len(inputs)
     for start in range(0, x.shape[1], rows):
         sl = slice(start, start + rows)
-        out_b = dense(x[:, sl], y, *rest, ctx.eps, ctx.cost)
+        out_b = dense(x[:, sl], y, *rest, eps, cost)
         wanted = [t for t, need in zip(inputs, needs) if need]
         got = iter(
             torch.autograd.grad(

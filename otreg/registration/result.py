@@ -96,13 +96,24 @@ class Registration:
         with torch.no_grad():
             return self.apply(what.detach().double()).to(dtype)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the fitted transform lives (its parameters' device)."""
+        for part in (self.deformation, self.linear):
+            if part is not None:
+                return next(iter(part.buffers())).device
+        return self.warped.points.device
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """The whole transform of points ``(N, 3)``, differentiable in x (for Jacobians)."""
+        """The whole transform of points ``(N, 3)``, differentiable in x (for Jacobians),
+        computed on the transform's device and returned on x's."""
+        where = x.device
+        x = x.to(self.device)
         if self.linear is not None:
             x = self.linear(x)
         if self.deformation is not None:
             x = self.deformation(x)
-        return x
+        return x.to(where)
 
     def jacobians(self, points: torch.Tensor) -> torch.Tensor:
         """The Jacobian matrices of the whole transform at ``points`` (N, 3), float64:
@@ -237,6 +248,10 @@ def transform_jacobians(linear, deformation: LDDMM | None, points) -> torch.Tens
     (either may be None) at ``points`` (N, 3): the linear map's matrix times the
     deformation's Jacobians at the moved points, no gradient."""
     x = torch.as_tensor(points).detach().double()
+    for part in (deformation, linear):  # computed where the transform lives
+        if part is not None:
+            x = x.to(next(iter(part.buffers())).device)
+            break
     A = None
     if linear is not None:
         with torch.no_grad():

@@ -116,7 +116,7 @@ def plot_plan(x, y, plan, path: str | Path, max_lines: int = 400) -> Path:
     mass, flat = pi.flatten().topk(k)
     i, j = flat // pi.shape[1], flat % pi.shape[1]
     alpha = (mass / mass.max().clamp_min(1e-300)).clamp(0.05, 1.0).numpy()
-    segments = torch.stack([xs[i], ys[j]], dim=1).numpy()
+    segments = torch.stack([xs[i], ys[j]], dim=1).cpu().numpy()
     fig = Figure(figsize=(6, 6))
     ax = fig.subplots()
     colours = [(0.3, 0.3, 0.3, float(a)) for a in alpha]

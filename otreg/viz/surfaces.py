@@ -204,7 +204,7 @@ def plot_registration(
     result = _registration("plot_registration", result)
     folder = Path(folder)
     warped = result.warped
-    dist = point_to_surface_distances(warped.points.detach().double().numpy(), target)
+    dist = point_to_surface_distances(warped.points.detach().cpu().double().numpy(), target)
     name = "warped (distance to target)"
     out = {
         "picture": plot_shapes(
@@ -257,7 +257,7 @@ def plot_jacobian(
             plotter,
             warped.to_pyvista(),
             "Jacobian determinant",
-            det.numpy(),
+            det.cpu().numpy(),
             "coolwarm",
             clim=(1 - spread, 1 + spread),
             fmt="%.2f",
@@ -303,9 +303,9 @@ def plot_momenta(
         c = q.mean(0)
         v = deformation.kernel(q - c, q - c, p)
     moved = source if result.linear is None else source.with_points(_linear(result, source))
-    arrows = pv.PolyData(q.numpy())
-    arrows["velocity (mm)"] = v.numpy()
-    arrows["speed (mm)"] = v.norm(dim=1).numpy()
+    arrows = pv.PolyData(q.cpu().numpy())
+    arrows["velocity (mm)"] = v.cpu().numpy()
+    arrows["speed (mm)"] = v.norm(dim=1).cpu().numpy()
     glyphs = arrows.glyph(orient="velocity (mm)", scale="speed (mm)", factor=1.0)
 
     def draw(plotter):
@@ -383,7 +383,7 @@ def animate_flow(
             _set_view(plotter, view)
             plotter.reset_camera()
             for k, pts in enumerate(frames_points):
-                mesh.points = pts.detach().numpy()
+                mesh.points = pts.detach().cpu().numpy()
                 plotter.add_text(f"t = {k / (len(frames_points) - 1):.2f}", name="time")
                 plotter.render()
                 frames.append(Image.fromarray(plotter.screenshot(return_img=True)))

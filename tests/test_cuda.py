@@ -1,0 +1,89 @@
+"""On a GPU (skipped without CUDA): every backend and dtype against a float64 CPU
+reference, the compiled Triton kernels, register on CUDA shapes, SinkhornLoss under
+autocast, a budgeted loop's peak. These ran only where a GPU was lent (see the notes in
+docs/benchmarks.md, "otreg on a GPU")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import otreg
+from otreg.costs import get_cost
+from otreg.reductions import _dense, kernel_product, softmax_average, softmin
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("backend", ["tensorized", "blocked", "triton", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["softmin", "kernel_product", "softmax_average"])
+def test_every_backend_on_cuda_equals_a_float64_cpu_reference(backend, dtype, kind):
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 300, 3, generator=g), torch.randn(2, 500, 3, generator=g)
+    h, v = torch.randn(2, 500, generator=g), torch.randn(2, 500, 4, generator=g)
+    rest = {"softmin": (h,), "kernel_product": (v,), "softmax_average": (h, v)}[kind]
+    fn = {"softmin": softmin, "kernel_product": kernel_product,
+          "softmax_average": softmax_average}[kind]  # fmt: skip
+    cost = get_cost("sqeuclidean")
+    inputs = [t.to("cuda", dtype).requires_grad_(True) for t in (x, y, *rest)]
+    out = fn(*inputs, 0.5, cost, backend)
+    exact = [t.double().requires_grad_(True) for t in (x, y, *rest)]
+    ref = getattr(_dense, kind)(*exact, 0.5, cost)
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad(out, inputs, w.to("cuda", dtype))
+    want = torch.autograd.grad(ref, exact, w)
+    tol = 1e-9 if dtype == torch.float64 else 5e-5
+    for a, b in zip((out, *got), (ref, *want)):
+        assert float((a.double().cpu() - b).abs().max() / b.abs().max()) < tol
+
+
+def test_auto_on_cuda_runs_the_gpu_kernels():
+    pytest.importorskip("triton")
+    x = torch.rand(3000, 3, device="cuda", requires_grad=True)
+    y = torch.rand(3000, 3, device="cuda")
+    res = otreg.sinkhorn(x, y, blur=0.3, multiscale=False)
+    assert res.backend == res.gradient_backend == "triton"
+    res.cost.backward()
+    assert x.grad.device.type == "cuda" and torch.isfinite(x.grad).all()
+
+
+def test_register_on_cuda_shapes():
+    pv = pytest.importorskip("pyvista")
+    ball = otreg.Shape.from_pyvista(pv.Sphere(radius=20)).to(torch.float64)
+    egg = ball.with_points(ball.points * torch.tensor([1.2, 0.9, 1.0], dtype=torch.float64))
+    res = otreg.register(ball.to("cuda"), egg.to("cuda"), progress=False)
+    assert res.metrics["mean_mm"] < 0.3 * res.metrics["before_mean_mm"]
+    moved = res.transform(ball.points)  # CPU points in, CPU points out
+    assert moved.device.type == "cpu" and res.device.type == "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sinkhorn_loss_in_an_autocast_model(dtype):
+    model = torch.nn.Linear(3, 3).cuda()
+    x = torch.rand(2000, 3, device="cuda")
+    y = torch.rand(2000, 3, device="cuda") + 0.2
+    loss = otreg.SinkhornLoss(blur=0.05)
+    with torch.autocast("cuda", dtype=dtype):
+        out = model(x)
+        value = loss(out, y)
+    value.backward()
+    assert out.dtype == dtype and value.dtype == dtype
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_a_budgeted_loop_on_cuda_stays_within_its_budget():
+    from otreg.loops import iterate
+
+    w = torch.tensor(0.5, device="cuda", requires_grad=True)
+    x0 = torch.ones(2_000_000, device="cuda")  # 8 MB a state
+
+    def step(x, w):
+        return x + 0.01 * torch.tanh(w * x)
+
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = iterate(step, x0, 200, (w,), strategy="checkpoint", memory="100MB")
+    out.sum().backward()
+    assert torch.cuda.max_memory_allocated() - base < 1.25 * 100e6 + 30e6
