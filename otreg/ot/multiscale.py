@@ -66,6 +66,11 @@ FIRST_MARGIN = 2.0
 #: two noisy spheres at blur 0.01 (benchmarks/sinkhorn_peers.py, 1,000 iterations): 2.2 times
 #: as fast as every pair at 4e6 pairs (N = 2,000), 3.8 at 9e6, 2.9 at 2.5e7 (it was 1e8)
 MIN_PAIRS = 4_000_000
+#: ... or from this many where a GPU kernel sums every pair (``reductions.fast_all_pairs``):
+#: at the kernel's 0.5 to 1 T pairs/s, all pairs of N = 1e5 take 10 to 20 ms a reduction,
+#: which the truncated reductions (torch, not yet GPU kernels) do not beat. Not measured: a
+#: GPU run of benchmarks/gpu.py should set it.
+MIN_PAIRS_GPU = 10_000_000_000
 #: the search for a first pattern goes through coarser clusters above this many cluster pairs
 HIERARCHY_MIN_PAIRS = 1 << 24
 #: the coarse stage runs while the blur is above this fraction of the cluster scale
@@ -80,10 +85,12 @@ def auto_cluster_scale(diameter: float, n_points: int, dim: int) -> float:
     return diameter * n_points ** (-1.0 / max(dim, 1))
 
 
-def worthwhile(n_pairs: int, dim: int, blur: float, scale: float) -> bool:
-    """Whether truncation pays: at least ``MIN_PAIRS`` pairs, D <= 3, and a blur below
+def worthwhile(
+    n_pairs: int, dim: int, blur: float, scale: float, min_pairs: int = MIN_PAIRS
+) -> bool:
+    """Whether truncation pays: at least ``min_pairs`` pairs, D <= 3, and a blur below
     ``JUMP`` times the cell side (the coarse stage then has steps to take)."""
-    return dim <= 3 and n_pairs >= MIN_PAIRS and blur < JUMP * scale
+    return dim <= 3 and n_pairs >= min_pairs and blur < JUMP * scale
 
 
 def multiscale_unfit(cost, form: str, backward: str) -> str | None:

@@ -37,7 +37,13 @@ from ..costs import Cost, epsilon_schedule, get_cost
 from ..costs import diameter as bounding_diameter
 from ..loops.budget import parse_bytes
 from ..loops.iterate import STRATEGIES
-from .multiscale import auto_cluster_scale, multiscale_unfit, worthwhile
+from .multiscale import (
+    MIN_PAIRS,
+    MIN_PAIRS_GPU,
+    auto_cluster_scale,
+    multiscale_unfit,
+    worthwhile,
+)
 
 __all__ = ["SinkhornOptions", "Implicit", "Unroll", "Multiscale", "Accuracy"]
 
@@ -458,7 +464,9 @@ def _resolve_multiscale(
         )
     n, dim = max(x.shape[1], y.shape[1]), x.shape[-1]
     scale = setting.cluster_scale or auto_cluster_scale(diam, n, dim)
-    if setting.auto and (unfit or not worthwhile(x.shape[1] * y.shape[1], dim, o.blur, scale)):
+    least = MIN_PAIRS_GPU if reductions.fast_all_pairs(x.device, x.dtype) else MIN_PAIRS
+    pairs = x.shape[1] * y.shape[1]
+    if setting.auto and (unfit or not worthwhile(pairs, dim, o.blur, scale, least)):
         return None
     return dataclasses.replace(setting, cluster_scale=scale)
 

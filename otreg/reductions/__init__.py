@@ -13,8 +13,13 @@ Three primitives serve every solver (all batched: x ``(B, N, D)``, y ``(B, M, D)
 
 Backends (the solvers never know which one runs):
 
+- ``"triton"``: GPU kernels (:mod:`otreg.reductions._triton`): online log-sum-exp over
+  tiles, never stores N x M, gradients by one row and one column pass; CUDA tensors
+  (Triton's interpreter runs them on the CPU for the tests).
 - ``"keops"``: pykeops LazyTensors; compiled on first use of each formula, never stores N x M.
-  :mod:`otreg.reductions._keops` is the only module that imports pykeops.
+  :mod:`otreg.reductions._keops` is the only module that imports pykeops, and only after a
+  child process compiled and ran otreg's formulas on that device (a crashing pykeops then
+  ends that process, not this one; the verdict is cached on disk).
 - ``"tensorized"``: dense torch; fast for small problems, the reference for tests.
 - ``"blocked"``: dense torch on blocks of rows with hand-written gradients that recompute
   each block (:mod:`otreg.reductions._blocked`): memory O(block + N + M), no autograd graph. Its
@@ -24,10 +29,11 @@ Backends (the solvers never know which one runs):
   compile.
 - ``"auto"``: tensorized up to ``TENSORIZED_MAX_PAIRS`` pairs (``TENSORIZED_MAX_PAIRS_RECORDED``
   when autograd records the call, since the dense path then keeps its matrices for
-  backward); above, blocked on the CPU
-  (measured 5 to 8 times faster than pykeops' CPU backend here, see docs/benchmarks.md) and
-  keops on a GPU. If pykeops is missing or fails to compile, ``auto`` warns once, says how
-  to fix it, and uses the blocked path; an explicit ``backend="keops"`` raises that error.
+  backward); above, blocked on the CPU (measured 5 to 8 times faster than pykeops' CPU
+  backend here, see docs/benchmarks.md) and triton on a GPU (keops where Triton is
+  missing and KeOps passed its check). Where KeOps fails its check, ``auto`` warns once,
+  says how to fix it, and uses the blocked path; an explicit ``backend="keops"`` raises
+  that error.
 
 Every primitive supports autograd with respect to x, y, h and v. :func:`track` records which
 backends the reductions of a block of code actually ran (results report it, rather than
