@@ -11,7 +11,7 @@ from .._info import info as show_info
 from .batch import batch, manifest, report
 from .bids import bids
 from .ot import distance
-from .register import demo, register_cmd
+from .register import demo, register_cmd, transfer
 
 __all__ = ["main"]
 
@@ -29,5 +29,5 @@ def info(no_keops: bool) -> None:
     show_info(check_keops=not no_keops)
 
 
-for command in (distance, register_cmd, demo, batch, bids, manifest, report):
+for command in (distance, register_cmd, demo, transfer, batch, bids, manifest, report):
     main.add_command(command)

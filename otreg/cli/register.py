@@ -1,6 +1,7 @@
 """``otreg register`` (two surfaces or segmentations) and ``otreg demo`` (the main job: two
 real brain surfaces): each runs one job (:func:`~otreg.batch.job.run_job`), as a batch
-worker does, and prints its metrics."""
+worker does, and prints its metrics. ``otreg transfer`` carries per-vertex values through a
+saved registration."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import click
 from .. import datasets
 from .._checks import check_progress
 from ..batch.job import InputError, JobOptions, run_job
-from ..io import save_shape
+from ..io import load_shape, load_values, same_file, save_shape, save_values
+from ..registration import Registration
 from ._common import (
     check_volume_options,
     job_options,
@@ -197,3 +199,57 @@ def _demo_pair(pair: str, hemi: str, surface: str, points: int | None):
     (subject,) = datasets.synthetic_subjects(source, n=1, seed=0)
     what = f"fsaverage5 {hemi} {surface} -> a synthetic subject (known deformation)"
     return source, subject.shape, subject.shape.points, what
+
+
+@click.command()
+@click.argument("result", type=click.Path(exists=True))
+@click.argument("values", type=click.Path())
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False), help="The file to write."
+)
+@click.option(
+    "--to",
+    default="target",
+    show_default=True,
+    type=click.Choice(["target", "source"]),
+    help="target: VALUES are at the source's vertices; source: at the target's.",
+)
+@click.option(
+    "--kind",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "map", "labels"]),
+    help="map: barycentric interpolation; labels: the majority of the nearest triangle's "
+    "vertices; auto: labels for integer values.",
+)
+@click.option(
+    "--target",
+    "target_file",
+    default=None,
+    type=click.Path(dir_okay=False, exists=True),
+    help="The target surface, where its recorded file has moved.",
+)
+def transfer(
+    result: str, values: str, output: str, to: str, kind: str, target_file: str | None
+) -> None:
+    """Carry per-vertex VALUES (.func.gii, .label.gii, .annot, lh.curv, .npy) through the
+    registration in RESULT (its folder, or one of its files) onto the other surface, and
+    write them as OUTPUT (the format of its name; labels keep their table)."""
+    with warnings_as_lines():
+        try:
+            res = Registration.load(result)
+            given = load_values(values)
+            target = None if target_file is None else load_shape(target_file)
+            out = res.transfer(given, to=to, kind=kind, target=target)
+            if same_file(output, values) or any(
+                same_file(output, p) for p in res.inputs.values() if p
+            ):
+                raise ValueError(f"{output} is an input; otreg never overwrites one")
+            save_values(out, output)
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            raise click.ClickException(str(err)) from err
+    what = "labels" if out.is_labels else "a map"
+    conf = ""
+    if out.confidence is not None:
+        conf = f"; confidence below 0.5 at {int((out.confidence < 0.5).sum()):,} vertices"
+    click.echo(f"wrote {output}: {what} at {out.n_vertices:,} {to} vertices{conf}")

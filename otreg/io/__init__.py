@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..shapes import Shape
-from . import _files, _volume
+from . import _files, _values, _volume
 from ._files import (
     atomic_write,
     atomic_write_all,
@@ -35,6 +35,9 @@ from ._files import (
 )
 
 __all__ = [
+    "VertexValues",
+    "load_values",
+    "save_values",
     "load_shape",
     "load_input",
     "save_shape",
@@ -50,6 +53,7 @@ __all__ = [
 ]
 
 VOLUME_EXTS = (".nii", ".nii.gz", ".mgz")
+VertexValues = _values.VertexValues
 MESH_EXTS = (*_files.PYVISTA_EXTS, ".gii", ".gii.gz", ".csv", ".npy")
 
 
@@ -229,3 +233,53 @@ def load_input(
     if points is not None:
         shape = dataclasses.replace(shape.decimate(points), source=shape.source)
     return shape
+
+
+def load_values(path: str | Path) -> VertexValues:
+    """Per-vertex values from a file: a map (``(N,)`` or ``(N, C)`` floats) or labels
+    (``(N,)`` integers with their label table).
+
+    Formats: GIFTI ``.func.gii`` / ``.shape.gii`` (maps) and ``.label.gii`` (labels and
+    their table), FreeSurfer ``.annot`` (labels; its colour table becomes the label table,
+    -1 unknown) and morphometry files (``lh.curv``, ``lh.thickness``...), NumPy ``.npy``.
+
+    Example:
+        >>> import tempfile, pathlib, torch
+        >>> from otreg.io import VertexValues, load_values, save_values
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "lh.aparc.label.gii"
+        >>> table = {0: ("unknown", (0, 0, 0, 0)), 5: ("V1", (1.0, 0.0, 0.0, 1.0))}
+        >>> _ = save_values(VertexValues(torch.tensor([0, 5, 5]), table), path)
+        >>> back = load_values(path)
+        >>> back.values.tolist(), back.label_table[5][0]
+        ([0, 5, 5], 'V1')
+    """
+    caller = "load_values"
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"{caller}: path must be a str or Path, got {type(path).__name__}")
+    path = Path(path).expanduser()
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"{caller}: {path} {what}")
+    return _values.read_values(path, caller)
+
+
+def save_values(values: VertexValues | torch.Tensor, path: str | Path) -> Path:
+    """Write per-vertex values atomically, in the format of ``path``'s name (see
+    :func:`load_values`); a tensor is a map (floats) or labels (integers, no table).
+    See :func:`load_values` for an example."""
+    caller = "save_values"
+    if isinstance(values, torch.Tensor):
+        values = VertexValues(values)
+    if not isinstance(values, VertexValues):
+        raise TypeError(
+            f"{caller}: values must be a VertexValues or a tensor, got {type(values).__name__}"
+        )
+    path = Path(path).expanduser()
+    kind = _values.suffix(path)
+    if kind in (".label.gii", ".annot") and not values.is_labels:
+        raise ValueError(
+            f"{caller}: {path.name} holds labels but the values are {values.values.dtype}: "
+            "give integers, or a .func.gii / .npy name for a map"
+        )
+    atomic_write(path, lambda tmp: _values.write_values(values, tmp, kind))
+    return path

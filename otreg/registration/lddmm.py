@@ -192,6 +192,42 @@ class LDDMM(nn.Module):
         """Deformed positions of ``points`` (N, 3) at t = 1."""
         return self.shoot(points)[2].to(points.dtype)
 
+    def inverse(self, points: torch.Tensor, tol: float = 1e-10, max_iter: int = 50) -> torch.Tensor:
+        """The inverse of :meth:`forward` at ``points`` (N, D), no gradient: the time steps
+        undone from the last to the first, each by solving ``step(z) = y`` for z with the
+        fixed-point iteration ``z <- z - (step(z) - y)`` (it contracts while the step moves
+        points by less than their spacing changes: h |Dv| < 1). The inverse of the discrete
+        map :meth:`forward` applies, to ``tol`` times the points' size.
+
+        Example:
+            >>> import torch
+            >>> from otreg.registration import LDDMM
+            >>> phi = LDDMM(torch.randn(30, 3) * 10, sigma=8.0).double()
+            >>> with torch.no_grad():
+            ...     _ = phi.momenta.normal_()
+            >>> x = torch.randn(100, 3, dtype=torch.float64) * 10
+            >>> bool((phi.inverse(phi(x)) - x).abs().max() < 1e-8)
+            True
+        """
+        with torch.no_grad():
+            q = self.control_points.to(self.momenta.dtype)
+            p = self.momenta.detach()
+            y = points.detach().to(q.dtype)
+            states = [(q, p)]
+            for _ in range(self.n_steps - 1):
+                q, p, _ = self._step((q, p, y[:0]))
+                states.append((q, p))
+            scale = float(y.abs().max()) if y.numel() else 1.0
+            for q, p in reversed(states):
+                z = y
+                for _ in range(max_iter):
+                    moved = self._step((q, p, z))[2]
+                    z, change = z - (moved - y), float((moved - y).abs().max())
+                    if change <= tol * max(scale, 1.0):
+                        break
+                y = z
+        return y.to(points.dtype)
+
     def trajectory(self, points: torch.Tensor) -> list[torch.Tensor]:
         """Positions of ``points`` at every time step (n_steps + 1 tensors), no gradient."""
         with torch.no_grad():

@@ -326,7 +326,7 @@ def register(
         name: None if s.source is None else os.path.abspath(s.source)
         for name, s in (("source", source), ("target", target))
     }
-    return Registration(warped, linear, deformation, history, found, plan.record(), inputs)
+    return Registration(warped, linear, deformation, history, found, plan.record(), inputs, target)
 
 
 def _fit_deformation(

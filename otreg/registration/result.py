@@ -12,9 +12,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._checks import check_choice
 from ..io import (
+    VertexValues,
     atomic_write_all,
     check_writable_folder,
+    load_shape,
     read_pyvista_mesh,
     remove_stale_temps,
     same_file,
@@ -50,6 +53,8 @@ class Registration:
         options: the effective options of the run (the option objects' fields).
         inputs: the files the source and target were read from (``{"source": path or
             None, "target": ...}``, absolute paths); :meth:`save` never writes over them.
+        target: the target surface (in memory after :func:`register`; after :meth:`load`,
+            read from ``inputs`` when :meth:`transfer` needs it).
 
     Example:
         >>> import pyvista as pv, torch, otreg, tempfile
@@ -69,6 +74,7 @@ class Registration:
     metrics: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict, repr=False)
     inputs: dict = field(default_factory=dict, repr=False)
+    target: Shape | None = field(default=None, repr=False)
 
     @property
     def momenta(self) -> torch.Tensor | None:
@@ -114,6 +120,130 @@ class Registration:
         if self.deformation is not None:
             x = self.deformation(x)
         return x.to(where)
+
+    def inverse_transform(self, what: torch.Tensor | np.ndarray | Shape) -> torch.Tensor | Shape:
+        """Carry points ``(N, 3)`` (tensor or NumPy array) or a Shape of the target's space
+        back to the source's: the deformation's flow undone step by step
+        (:meth:`~otreg.registration.LDDMM.inverse`), then the pre-alignment's inverse.
+        ``inverse_transform(transform(x))`` is x to 1e-10 of its size.
+
+        Example:
+            >>> import pyvista as pv, torch, otreg
+            >>> ball = otreg.Shape.from_pyvista(pv.Sphere(radius=20)).to(torch.float64)
+            >>> res = otreg.register(ball, ball.with_points(ball.points * 1.1), progress=False)
+            >>> x = ball.points[:5]
+            >>> bool((res.inverse_transform(res.transform(x)) - x).abs().max() < 1e-6)
+            True
+        """
+        if isinstance(what, Shape):
+            return what.with_points(self.inverse_transform(what.points))
+        if isinstance(what, np.ndarray):
+            return self.inverse_transform(torch.as_tensor(what)).numpy()
+        if not isinstance(what, torch.Tensor) or what.dim() != 2 or what.shape[1] != 3:
+            shape = tuple(what.shape) if isinstance(what, torch.Tensor) else type(what).__name__
+            raise ValueError(
+                f"Registration.inverse_transform: give points (N, 3) as a tensor or array, or "
+                f"a Shape; got {shape}"
+            )
+        dtype = what.dtype if what.is_floating_point() else torch.float64
+        x = what.detach().double().to(self.device)
+        with torch.no_grad():
+            if self.deformation is not None:
+                x = self.deformation.inverse(x)
+            if self.linear is not None:
+                x = self.linear.inverse(x)
+        return x.to(what.device, dtype)
+
+    def transfer(
+        self,
+        values: torch.Tensor | np.ndarray | str | VertexValues,
+        to: str = "target",
+        kind: str = "auto",
+        *,
+        target: Shape | None = None,
+    ) -> VertexValues:
+        """Carry per-vertex values from one surface onto the other's vertices.
+
+        ``to="target"``: values at the source's vertices land on the target's: each target
+        vertex takes them from the nearest point of the warped source surface (its
+        triangle's three vertices, weighted by the point's barycentric coordinates).
+        ``to="source"``: values at the target's vertices land on the source's: each warped
+        source vertex takes them from the nearest point of the target surface. Every vertex
+        receives a value.
+
+        Args:
+            values: ``(N,)`` or ``(N, C)`` values at the vertices of the surface they come
+                from, a :class:`~otreg.io.VertexValues` (its label table is kept), or the
+                name of a per-vertex array that surface carries in ``data``.
+            to: ``"target"`` or ``"source"``.
+            kind: ``"map"`` (barycentric interpolation: thickness, activation), ``"labels"``
+                (the label with the largest barycentric weight, whose weight is returned as
+                the vertex's confidence, in [1/3, 1]) or ``"auto"`` (labels for integers).
+            target: the target surface, where the result does not hold it (loaded from
+                files whose target file moved).
+
+        Returns:
+            :class:`~otreg.io.VertexValues` at the destination's vertices: the values'
+            dtype and label table, and for labels a ``confidence`` per vertex.
+
+        Example:
+            >>> import pyvista as pv, torch, otreg
+            >>> ball = otreg.Shape.from_pyvista(pv.Sphere(radius=20)).to(torch.float64)
+            >>> res = otreg.register(ball, ball.with_points(ball.points + 2.0), model="rigid",
+            ...                      progress=False)
+            >>> z = ball.points[:, 2]                    # a map on the source: its height
+            >>> moved = res.transfer(z, to="target")     # on the target: the same height
+            >>> float((moved.values - z).abs().max()) < 0.3
+            True
+        """
+        caller = "Registration.transfer"
+        check_choice(caller, "to", to, ("target", "source"))
+        check_choice(caller, "kind", kind, ("auto", "map", "labels"))
+        goal = self._target(caller, target)
+        origin, onto = (self.warped, goal) if to == "target" else (goal, self.warped)
+        given = _vertex_values(caller, values, origin, "source" if to == "target" else "target")
+        labels = given.is_labels if kind == "auto" else kind == "labels"
+        data = given.values
+        if labels and data.is_floating_point():
+            raise ValueError(
+                f"{caller}: kind='labels' but the values are {data.dtype}; labels are integers"
+            )
+        if not labels and not bool(torch.isfinite(data.double()).all()):
+            bad = int((~torch.isfinite(data.double())).sum())
+            raise ValueError(
+                f"{caller}: values hold {bad} NaN or infinite entries; a map is interpolated "
+                "and they would spread: fill them first"
+            )
+        corners, weights = nearest_triangles(onto.points, origin)
+        picked = data[torch.as_tensor(corners)]  # (M, 3) or (M, 3, C)
+        w = torch.as_tensor(weights, dtype=torch.float64)
+        if not labels:
+            w = w.to(picked.dtype) if picked.is_floating_point() else w
+            out = (picked.double() * (w[..., None] if picked.dim() == 3 else w)).sum(1)
+            return VertexValues(out.to(data.dtype if data.is_floating_point() else torch.float64),
+                                given.label_table)  # fmt: skip
+        votes = torch.stack([(w * (picked == picked[:, k : k + 1])).sum(1) for k in range(3)], 1)
+        best = votes.argmax(1)
+        out = picked.gather(1, best[:, None])[:, 0]
+        return VertexValues(out, given.label_table, confidence=votes.max(1).values.float())
+
+    def _target(self, caller: str, given: Shape | None) -> Shape:
+        """The target surface: given, kept since :func:`register`, or read from its file."""
+        if given is not None:
+            if not isinstance(given, Shape) or given.n_faces == 0:
+                raise TypeError(f"{caller}: target must be a surface Shape, got {given!r}")
+            return given
+        if self.target is not None:
+            return self.target
+        path = self.inputs.get("target")
+        if path and Path(path).is_file():
+            self.target = load_shape(path)
+            return self.target
+        raise FileNotFoundError(
+            f"{caller}: this result does not hold its target surface, and its file "
+            f"({path or 'not recorded'}) is not there: give target= (the surface registered "
+            "onto)"
+        )
 
     def jacobians(self, points: torch.Tensor) -> torch.Tensor:
         """The Jacobian matrices of the whole transform at ``points`` (N, 3), float64:
@@ -241,6 +371,60 @@ def _locate(caller: str, path: Path) -> tuple[Path, str]:
             "file of the one to load"
         )
     return path, ""  # nothing there: the missing file is named next
+
+
+def _vertex_values(caller: str, values, surface: Shape, role: str) -> VertexValues:
+    """``values`` checked against the surface they come from (its vertex count)."""
+    if isinstance(values, str):
+        if values not in surface.data:
+            have = ", ".join(sorted(surface.data)) or "none"
+            raise ValueError(
+                f"{caller}: the {role} carries no per-vertex array {values!r} (its arrays: {have})"
+            )
+        values = surface.data[values]
+    if isinstance(values, np.ndarray):
+        values = torch.as_tensor(values)
+    if isinstance(values, torch.Tensor):
+        values = VertexValues(values.detach().cpu())
+    if not isinstance(values, VertexValues):
+        raise TypeError(
+            f"{caller}: values must be a tensor, an array, a VertexValues or the name of a "
+            f"per-vertex array; got {type(values).__name__}"
+        )
+    if values.values.dim() not in (1, 2) or values.n_vertices != surface.n_points:
+        raise ValueError(
+            f"{caller}: values have shape {tuple(values.values.shape)}; the {role} has "
+            f"{surface.n_points} vertices: give (N,) or (N, C) with N = {surface.n_points}"
+        )
+    return values
+
+
+def nearest_triangles(points: torch.Tensor, surface: Shape) -> tuple[np.ndarray, np.ndarray]:
+    """For each point ``(M, 3)``, the three vertices of the surface's nearest triangle
+    ``(M, 3)`` and the barycentric coordinates of the nearest point on it ``(M, 3)`` (VTK's
+    closest-cell search; the nearest vertex, weight 1, without pyvista)."""
+    pts = points.detach().cpu().double().numpy()
+    try:
+        mesh = surface.to_pyvista()
+    except ImportError:  # pragma: no cover - pyvista missing: the nearest vertex
+        from scipy.spatial import cKDTree
+
+        tree = cKDTree(surface.points.detach().cpu().double().numpy())
+        nearest = tree.query(pts)[1]
+        return np.repeat(nearest[:, None], 3, 1), np.tile([1.0, 0.0, 0.0], (len(pts), 1))
+    cells, closest = mesh.find_closest_cell(pts, return_closest_point=True)
+    faces = surface.faces.cpu().numpy()[cells]
+    corners = surface.points.detach().cpu().double().numpy()[faces]  # (M, 3, 3)
+    a, b, c = corners[:, 0], corners[:, 1], corners[:, 2]
+    v0, v1, v2 = b - a, c - a, closest - a
+    d00, d01, d11 = (v0 * v0).sum(1), (v0 * v1).sum(1), (v1 * v1).sum(1)
+    d20, d21 = (v2 * v0).sum(1), (v2 * v1).sum(1)
+    den = d00 * d11 - d01 * d01
+    den = np.where(np.abs(den) > 1e-30, den, 1.0)  # a degenerate triangle: its first vertex
+    wb, wc = (d11 * d20 - d01 * d21) / den, (d00 * d21 - d01 * d20) / den
+    w = np.clip(np.stack([1 - wb - wc, wb, wc], 1), 0.0, 1.0)
+    w /= np.maximum(w.sum(1, keepdims=True), 1e-30)
+    return faces, w
 
 
 def transform_jacobians(linear, deformation: LDDMM | None, points) -> torch.Tensor:

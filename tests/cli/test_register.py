@@ -219,3 +219,31 @@ def test_a_second_run_without_pictures_leaves_none_of_the_first(two_meshes, tmp_
     assert threads == [1]
     assert not (tmp_path / "out" / "picture.png").exists()  # not the first run's, stale
     assert not (tmp_path / "out" / "history.png").exists()
+
+
+def test_transfer_carries_a_label_file_through_a_saved_registration(tmp_path):
+    import pyvista as pv
+
+    from otreg import Shape, save_shape
+    from otreg.io import VertexValues, load_values, save_values
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    src = save_shape(ball, tmp_path / "src.vtk")
+    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
+    assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
+               "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    labels = (ball.points[:, 2] > 0).long() + 1
+    table = {1: ("south", (0.0, 0.0, 1.0, 1.0)), 2: ("north", (1.0, 0.0, 0.0, 1.0))}
+    save_values(VertexValues(labels, table), tmp_path / "src.label.gii")
+    out = tmp_path / "on-target.label.gii"
+    r = run("transfer", str(tmp_path / "r"), str(tmp_path / "src.label.gii"), "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert f"labels at {ball.n_points:,} target vertices" in r.output
+    back = load_values(out)
+    assert back.label_table[2][0] == "north"
+    assert float((back.values == labels).double().mean()) > 0.95  # a 1 mm shift
+    r = run("transfer", str(tmp_path / "r"), str(tmp_path / "src.label.gii"), "-o",
+            str(tmp_path / "src.label.gii"))  # fmt: skip
+    assert r.exit_code == 1 and "never overwrites" in r.output
+    r = run("transfer", str(tmp_path / "r"), str(tmp_path / "nope.func.gii"), "-o", str(out))
+    assert r.exit_code == 1 and "nope.func.gii does not exist" in r.output

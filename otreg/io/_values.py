@@ -1,0 +1,137 @@
+"""Per-vertex values in files, through nibabel: GIFTI functional and shape files
+(``.func.gii``, ``.shape.gii``), GIFTI label files (``.label.gii``, with their label table),
+FreeSurfer ``.annot`` (labels and colour table) and morphometry files (``lh.curv``,
+``lh.thickness``, ``*.curv``...), and NumPy ``.npy``.
+
+An ``.annot`` stores each vertex's colour, not a label number: its labels come back as
+indices into its colour table (names and colours kept), and a vertex whose colour is black
+(0, 0, 0) as -1, unknown, as FreeSurfer reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+#: A label table: label value -> (name, RGBA colour in [0, 1]).
+LabelTable = dict[int, tuple[str, tuple[float, float, float, float]]]
+
+
+@dataclass
+class VertexValues:
+    """Values at the vertices of a surface: ``values`` ``(N,)`` or ``(N, C)`` (a map, float)
+    or ``(N,)`` integers (labels, with their ``label_table``); labels carried from another
+    surface also have a ``confidence`` per vertex, in [0, 1].
+
+    Example:
+        >>> import torch
+        >>> from otreg.io import VertexValues
+        >>> v = VertexValues(torch.tensor([1, 1, 2]), {1: ("V1", (1.0, 0, 0, 1)), 2: ("V2",
+        ...                  (0, 1.0, 0, 1))})
+        >>> v.is_labels, v.n_vertices
+        (True, 3)
+    """
+
+    values: torch.Tensor
+    label_table: LabelTable | None = field(default=None)
+    confidence: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def is_labels(self) -> bool:
+        """Whether these are labels (integers), not a map."""
+        return not self.values.is_floating_point()
+
+    @property
+    def n_vertices(self) -> int:
+        """The number of vertices they are given at."""
+        return int(self.values.shape[0])
+
+
+def suffix(path: Path) -> str:
+    """The kind of a values file, from its name: label.gii, gii, annot, npy, morph."""
+    name = path.name.lower()
+    for ext in (".label.gii", ".func.gii", ".shape.gii", ".gii", ".annot", ".npy"):
+        if name.endswith(ext):
+            return {".func.gii": ".gii", ".shape.gii": ".gii"}.get(ext, ext)
+    return "morph"  # FreeSurfer's curv, thickness, sulc, area... files have no extension
+
+
+def read_values(path: Path, caller: str) -> VertexValues:
+    """The values in a file (errors name it and the format expected)."""
+    import nibabel as nib
+
+    kind = suffix(path)
+    try:
+        if kind == ".npy":
+            return VertexValues(torch.as_tensor(np.load(path, allow_pickle=False)))
+        if kind == ".annot":
+            labels, ctab, names = nib.freesurfer.read_annot(str(path))
+            table = {
+                int(k): (
+                    name.decode() if isinstance(name, bytes) else str(name),
+                    tuple(float(c) / 255 for c in ctab[k, :3]) + (1.0,),
+                )
+                for k, name in enumerate(names)
+            }
+            return VertexValues(torch.as_tensor(labels.astype(np.int64)), table)
+        if kind == "morph":
+            data = nib.freesurfer.read_morph_data(str(path))  # big-endian on disk
+            return VertexValues(torch.as_tensor(data.astype(np.float32)))
+        img = nib.load(str(path))
+        arrays = [d.data for d in img.darrays]
+        data = arrays[0] if len(arrays) == 1 else np.stack(arrays, axis=1)
+        if kind == ".label.gii" or np.issubdtype(data.dtype, np.integer):
+            table = {
+                int(lab.key): (str(lab.label), tuple(float(c) for c in lab.rgba))
+                for lab in img.labeltable.labels
+            }
+            return VertexValues(torch.as_tensor(data.astype(np.int64)), table or None)
+        return VertexValues(torch.as_tensor(np.asarray(data)))
+    except Exception as err:  # nibabel's readers raise many kinds (XML, zip, struct...)
+        raise ValueError(
+            f"{caller}: {path} could not be read as per-vertex values ({type(err).__name__}: "
+            f"{err}); otreg reads GIFTI (.func.gii, .shape.gii, .label.gii), FreeSurfer "
+            ".annot and morphometry files (lh.curv...), and .npy"
+        ) from err
+
+
+def write_values(values: VertexValues, path: Path, kind: str) -> None:
+    """Write values in the format ``kind`` (:func:`suffix` of the final name) at ``path``
+    (the temporary file the caller renames into place)."""
+    import nibabel as nib
+
+    data = values.values.detach().cpu().numpy()
+    if kind == ".npy":
+        with open(path, "wb") as f:
+            np.save(f, data)
+    elif kind == ".annot":
+        table = values.label_table or {int(k): (f"label{k}", (0.5, 0.5, 0.5, 1.0)) for k in
+                                       np.unique(data)}  # fmt: skip
+        keys = sorted(table)
+        index = {k: i for i, k in enumerate(keys)}
+        ctab = np.array([[round(255 * c) for c in table[k][1][:3]] + [0] for k in keys])
+        names = [table[k][0] for k in keys]
+        labels = np.array([index.get(int(v), -1) for v in data], dtype=np.int32)
+        nib.freesurfer.write_annot(str(path), labels, ctab, names, fill_ctab=True)
+    elif kind == "morph":
+        nib.freesurfer.write_morph_data(str(path), data.astype(np.float32))
+    else:
+        labels = values.is_labels
+        columns = data[:, None] if data.ndim == 1 else data
+        intent = "NIFTI_INTENT_LABEL" if labels else "NIFTI_INTENT_NONE"
+        dtype = np.int32 if labels else np.float32
+        img = nib.GiftiImage(
+            darrays=[
+                nib.gifti.GiftiDataArray(np.ascontiguousarray(c.astype(dtype)), intent=intent)
+                for c in columns.T
+            ]
+        )
+        if labels and values.label_table:
+            for key, (name, rgba) in sorted(values.label_table.items()):
+                lab = nib.gifti.GiftiLabel(key=int(key), red=rgba[0], green=rgba[1],
+                                           blue=rgba[2], alpha=rgba[3])  # fmt: skip
+                lab.label = name
+                img.labeltable.labels.append(lab)
+        nib.save(img, str(path))

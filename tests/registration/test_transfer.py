@@ -1,0 +1,151 @@
+"""Carrying values between registered surfaces (both ways), the inverse map, and the files
+values come in."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import otreg
+from otreg.io import VertexValues, load_values, save_values
+
+pv = pytest.importorskip("pyvista")
+D = torch.float64
+
+
+@pytest.fixture(scope="module")
+def ball():
+    """An ellipsoid (axes 26, 20, 16 mm): no rotation maps it onto itself but its own."""
+    sphere = otreg.Shape.from_pyvista(pv.Sphere(radius=20, theta_resolution=30)).to(D)
+    return sphere.with_points(sphere.points * torch.tensor([1.3, 1.0, 0.8], dtype=D))
+
+
+def rotated(shape, angle=0.3, shift=(2.0, -1.0, 0.5)):
+    c, s = math.cos(angle), math.sin(angle)
+    R = torch.tensor([[c, -s, 0], [s, c, 0], [0, 0, 1.0]], dtype=D)
+    return shape.with_points(shape.points @ R.T + torch.tensor(shift, dtype=D)), R
+
+
+def linear_function(points):
+    return points @ torch.tensor([0.3, -0.7, 1.1], dtype=D) + 5.0
+
+
+def test_a_linear_function_carried_by_a_registration_to_itself_is_exact(ball):
+    res = otreg.register(ball, ball, prealign="none", model="rigid", progress=False)
+    moved = res.transfer(linear_function(ball.points), to="target")
+    torch.testing.assert_close(moved.values, linear_function(ball.points), rtol=0, atol=1e-4)
+
+
+def test_a_linear_function_through_a_moved_copy_lands_where_it_belongs(ball):
+    """On a translated copy, the target vertex y takes the value of the source point
+    y - t: a linear function is carried exactly, up to the fit (the target's vertices are
+    the source's, moved)."""
+    shift = torch.tensor([2.0, -1.0, 0.5], dtype=D)
+    target = ball.with_points(ball.points + shift)
+    res = otreg.register(ball, target, model="rigid", progress=False)
+    moved = res.transfer(linear_function(ball.points), to="target")
+    truth = linear_function(target.points - shift)
+    assert float((moved.values - truth).abs().max()) < 1e-3 * float(truth.abs().max())
+    home = res.transfer(moved.values, to="source")  # and back
+    assert float((home.values - linear_function(ball.points)).abs().max()) < 0.05
+
+
+def test_labels_go_both_ways_every_vertex_assigned_with_a_confidence(ball):
+    target, _ = rotated(ball)
+    res = otreg.register(ball, target, model="rigid", progress=False)
+    labels = (torch.atan2(ball.points[:, 1], ball.points[:, 0]) * 3).floor().long() + 20
+    table = {int(k): (f"region {k}", (0.1, 0.2, 0.3, 1.0)) for k in labels.unique()}
+    there = res.transfer(VertexValues(labels, table), to="target")
+    assert there.values.dtype == torch.int64 and there.label_table == table
+    assert there.values.shape == (target.n_points,) and set(there.values.tolist()) <= set(table)
+    assert there.confidence.min() >= 1 / 3 and there.confidence.max() <= 1
+    back = res.transfer(there, to="source")
+    assert float((back.values == labels).double().mean()) > 0.98  # borders may shift a vertex
+
+
+def test_the_inverse_map_undoes_the_registration(ball):
+    egg = ball.with_points(ball.points * torch.tensor([1.2, 0.9, 1.0], dtype=D) + 1.0)
+    res = otreg.register(ball, egg, progress=False)
+    x = ball.points
+    assert float((res.inverse_transform(res.transform(x)) - x).abs().max()) < 1e-8
+    y = egg.points
+    assert float((res.transform(res.inverse_transform(y)) - y).abs().max()) < 1e-8
+    moved = res.inverse_transform(egg)  # a Shape, on the source's side
+    assert isinstance(moved, otreg.Shape) and moved.n_points == egg.n_points
+
+
+def test_a_saved_result_finds_its_target_or_asks_for_it(ball, tmp_path):
+    tgt_path = otreg.save_shape(ball.with_points(ball.points + 1.0), tmp_path / "t.vtk")
+    res = otreg.register(ball, otreg.load_shape(tgt_path).to(D), model="rigid", progress=False)
+    back = otreg.Registration.load(res.save(tmp_path / "out"))
+    z = ball.points[:, 2]
+    assert torch.allclose(back.transfer(z).values, res.transfer(z).values, atol=1e-4)
+    tgt_path.unlink()
+    again = otreg.Registration.load(tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="give target="):
+        again.transfer(z)
+    assert again.transfer(z, target=res.target).values.shape == (res.target.n_points,)
+
+
+@pytest.mark.parametrize(
+    "values, match, error",
+    [
+        (torch.zeros(7), "values have shape \\(7,\\); the source has", ValueError),
+        ("thickness", "the source carries no per-vertex array 'thickness'", ValueError),
+        ([1, 2], "values must be a tensor", TypeError),
+    ],
+)
+def test_bad_values_are_named(ball, values, match, error):
+    res = otreg.register(ball, ball, model="rigid", progress=False)
+    with pytest.raises(error, match=match):
+        res.transfer(values)
+
+
+def test_nan_in_a_map_and_a_wrong_direction_are_refused(ball):
+    res = otreg.register(ball, ball, model="rigid", progress=False)
+    bad = torch.zeros(ball.n_points, dtype=D)
+    bad[3] = float("nan")
+    with pytest.raises(ValueError, match="1 NaN or infinite entries"):
+        res.transfer(bad)
+    with pytest.raises(ValueError, match="to is 'sideways'"):
+        res.transfer(bad, to="sideways")
+    with pytest.raises(ValueError, match="kind='labels' but the values are torch.float64"):
+        res.transfer(torch.zeros(ball.n_points, dtype=D), kind="labels")
+
+
+@pytest.mark.parametrize("name", ["lh.aparc.label.gii", "lh.aparc.annot", "labels.npy"])
+def test_label_files_keep_their_table(tmp_path, name):
+    table = {1: ("V1", (1.0, 0.0, 0.0, 1.0)), 2: ("V2", (0.0, 1.0, 0.0, 1.0)),
+             7: ("MT", (0.0, 0.0, 1.0, 1.0))}  # fmt: skip
+    labels = torch.tensor([1, 1, 2, 7, 7, 2])
+    back = load_values(save_values(VertexValues(labels, table), tmp_path / name))
+    if name.endswith(".npy"):
+        assert torch.equal(back.values, labels) and back.label_table is None
+        return
+    # GIFTI keeps the label values; an annot, indices into its colour table
+    names = [back.label_table[int(v)][0] for v in back.values]
+    assert names == [table[int(v)][0] for v in labels]
+    for v in back.values.unique().tolist():
+        key = next(k for k in table if table[k][0] == back.label_table[v][0])
+        assert np.allclose(back.label_table[v][1][:3], table[key][1][:3], atol=1 / 255)
+
+
+@pytest.mark.parametrize("name", ["thick.func.gii", "lh.thickness", "map.npy", "two.func.gii"])
+def test_map_files_round_trip(tmp_path, name):
+    values = torch.rand(50, 2 if name.startswith("two") else 1).squeeze(1)
+    back = load_values(save_values(values, tmp_path / name))
+    torch.testing.assert_close(back.values.float(), values.float())
+    assert not back.is_labels
+
+
+def test_value_files_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.func.gii does not exist"):
+        load_values(tmp_path / "nope.func.gii")
+    (tmp_path / "junk.label.gii").write_text("not xml")
+    with pytest.raises(ValueError, match="junk.label.gii could not be read as per-vertex"):
+        load_values(tmp_path / "junk.label.gii")
+    with pytest.raises(ValueError, match="holds labels but the values are torch.float32"):
+        save_values(torch.rand(3), tmp_path / "x.label.gii")
