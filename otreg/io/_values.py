@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+__all__ = ["VertexValues"]
+
 #: A label table: label value -> (name, RGBA colour in [0, 1]).
 LabelTable = dict[int, tuple[str, tuple[float, float, float, float]]]
 
