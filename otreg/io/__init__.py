@@ -266,7 +266,18 @@ def load_values(path: str | Path) -> VertexValues:
 def save_values(values: VertexValues | torch.Tensor, path: str | Path) -> Path:
     """Write per-vertex values atomically, in the format of ``path``'s name (see
     :func:`load_values`); a tensor is a map (floats) or labels (integers, no table).
-    See :func:`load_values` for an example."""
+    Returns the path written.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from pathlib import Path
+        >>> from otreg.io import load_values, save_values
+        >>> path = Path(tempfile.mkdtemp()) / "thickness.func.gii"
+        >>> save_values(torch.tensor([2.5, 3.0, 1.75]), path).name
+        'thickness.func.gii'
+        >>> load_values(path).values.tolist()
+        [2.5, 3.0, 1.75]
+    """
     caller = "save_values"
     if isinstance(values, torch.Tensor):
         values = VertexValues(values)

@@ -256,7 +256,14 @@ def _check_triton(device: torch.device, dtype: torch.dtype) -> None:
 
 def fast_all_pairs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a GPU kernel sums every pair here (``auto`` picks the ``triton`` backend), so
-    that truncating them (multiscale) pays only on far larger problems."""
+    that truncating them (multiscale) pays only on far larger problems.
+
+    Example:
+        >>> import torch
+        >>> from otreg.reductions import fast_all_pairs
+        >>> fast_all_pairs(torch.device("cpu"), torch.float32)
+        False
+    """
     return device.type == "cuda" and dtype in _triton.DTYPES and _triton.unavailable() is None
 
 

@@ -196,7 +196,7 @@ class LDDMM(nn.Module):
         """The inverse of :meth:`forward` at ``points`` (N, D), no gradient: the time steps
         undone from the last to the first, each by solving ``step(z) = y`` for z with the
         fixed-point iteration ``z <- z - (step(z) - y)`` (it contracts while the step moves
-        points by less than their spacing changes: h |Dv| < 1). The inverse of the discrete
+        points by less than their spacing changes: ``h |Dv| < 1``). The inverse of the discrete
         map :meth:`forward` applies, to ``tol`` times the points' size.
 
         Example:
