@@ -179,14 +179,14 @@ def _path(value, name: str, caller: str) -> Path:
     return Path(value).expanduser().absolute()
 
 
-def _strings(value, name: str) -> list:
+def _strings(value, name: str, caller: str = "find_inputs") -> list:
     value = [value] if isinstance(value, str) else value
     if not isinstance(value, (Sequence, set, frozenset)) or not all(
         isinstance(v, str) for v in value
     ):
-        raise TypeError(f"find_inputs: {name} must be a string or a list of strings, got {value!r}")
+        raise TypeError(f"{caller}: {name} must be a string or a list of strings, got {value!r}")
     if not value:
-        raise ValueError(f"find_inputs: {name} is empty")
+        raise ValueError(f"{caller}: {name} is empty")
     return list(value)
 
 
@@ -345,6 +345,8 @@ def bids_pairs(
     template_id: str,
     *,
     options: Mapping[str, object] | None = None,
+    carry: str | Sequence[str] = (),
+    template_values: str | os.PathLike | Sequence | Mapping | None = None,
 ) -> list[Pair]:
     """Each input registered onto the template, with outputs named as BIDS derivatives.
 
@@ -363,6 +365,13 @@ def bids_pairs(
         template_id: the ``space-`` label: letters and digits (``fsaverage``, ``fsLR``).
         options: registration options of every pair (fields of
             :class:`~otreg.batch.job.JobOptions`).
+        carry: names of each subject's per-vertex files to carry onto the template
+            (written as ``..._desc-otreg_to-target_<name>.<ext>``): BIDS
+            ``sub-01_hemi-L_<name>.shape.gii`` (or ``.func.gii``, ``.label.gii``) beside the
+            surface; FreeSurfer ``surf/lh.<name>`` or ``label/lh.<name>.annot``.
+        template_values: files of per-vertex values on the template to carry onto each
+            subject (an atlas's labels; written as ``..._to-source_<name>``): a file or a
+            list of files for one template, ``{"L": files, "R": files}`` for two.
 
     Raises:
         FileNotFoundError: a template file does not exist.
@@ -406,6 +415,10 @@ def bids_pairs(
     options = {} if options is None else options
     JobOptions.from_mapping(options, f"{caller}: options")
     templates = _templates(template, {i.hemisphere for i in inputs}, caller)
+    carry = tuple(_strings(carry, "carry", caller)) if carry else ()
+    if carry and any(i.kind == "dseg" for i in inputs):
+        raise ValueError(f"{caller}: carry applies to surfaces, not segmentations")
+    on_template = _template_values(template_values, set(templates), caller)
     names = _bids_labels(sorted({i.subject for i in inputs}), caller)
     pairs, seen = [], {}
     for i in inputs:
@@ -433,9 +446,65 @@ def bids_pairs(
                 options=dict(options),
                 folder=folder,
                 prefix=prefix,
+                source_values=tuple(_carried(i, name, caller) for name in carry),
+                target_values=on_template.get(i.hemisphere, ()),
             )
         )
     return pairs
+
+
+def _carried(i: SubjectInput, name: str, caller: str) -> str:
+    """The file of ``i``'s subject holding the per-vertex values ``name`` (see
+    :func:`bids_pairs`), or FileNotFoundError naming where it looked."""
+    if not re.match(r"^[A-Za-z0-9.]+$", name):
+        raise ValueError(f"{caller}: carry name {name!r} must be letters, digits and dots")
+    if i.path.parent.name == "surf":  # FreeSurfer
+        hemi = {"L": "lh", "R": "rh"}[i.hemisphere]
+        looked = [
+            i.path.parent / f"{hemi}.{name}",
+            i.path.parent.parent / "label" / f"{hemi}.{name}.annot",
+        ]
+    else:
+        entities = i.path.name.rsplit("_", 1)[0]
+        looked = [
+            i.path.parent / f"{entities}_{name}{ext}"
+            for ext in (".shape.gii", ".func.gii", ".label.gii")
+        ]
+    found = [str(p) for p in looked if p.is_file()]
+    if not found:
+        raise FileNotFoundError(
+            f"{caller}: no {name!r} values for {i.path.name}; looked for "
+            + ", ".join(str(p) for p in looked)
+        )
+    return found[0]
+
+
+def _template_values(given, hemis: set, caller: str) -> dict:
+    """Hemisphere -> the template's values files (every hemisphere for one template)."""
+    if given is None:
+        return {}
+    if isinstance(given, Mapping):
+        if set(given) - {"L", "R"} or hemis - set(given):
+            raise ValueError(
+                f"{caller}: template_values has the keys {sorted(given, key=str)}; it needs "
+                f"{sorted(hemis, key=str)}"
+            )
+        per = {h: given[h] for h in hemis}
+    else:
+        if {"L", "R"} <= hemis:
+            raise ValueError(
+                f"{caller}: two templates (L and R) take their values as {{'L': files, 'R': files}}"
+            )
+        per = dict.fromkeys(hemis, given)
+    out = {}
+    for h, files in per.items():
+        files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+        paths = [_path(f, "template_values", caller) for f in files]
+        for path in paths:
+            if not path.is_file():
+                raise FileNotFoundError(f"{caller}: template_values {path} does not exist")
+        out[h] = tuple(str(p) for p in paths)
+    return out
 
 
 def _templates(template, hemis: set, caller: str) -> dict:

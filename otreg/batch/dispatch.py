@@ -97,7 +97,7 @@ class Cluster:
                     threads_per_worker=1,
                     processes=True,
                     host="127.0.0.1",
-                    dashboard_address=None,
+                    dashboard_address="127.0.0.1:0",  # a free port: no clash with another batch
                     memory_limit=self.memory_limit,
                     local_directory=str(self.out / ".dask"),
                     silence_logs=logging.CRITICAL,

@@ -160,13 +160,15 @@ def plan_batch(
     planned = []
     for pair in pairs:
         opts = effective_options(options, pair)
-        pair_files = (pair.source, pair.target)
+        pair_files = (pair.source, pair.target, *pair.source_values, *pair.target_values)
         try:
             d = [digests.get(f) or digests.setdefault(f, file_digest(f)) for f in pair_files]
         except FileNotFoundError as err:
             planned.append(Planned(pair, "missing input", str(err), options=opts))
             continue
-        key, parts = pair_key(d[0], d[1], opts)
+        n = len(pair.source_values)
+        values = {"source": d[2 : 2 + n], "target": d[2 + n :]}
+        key, parts = pair_key(d[0], d[1], opts, values)
         done = read_record(record_path(out, pair, "done"))
         failed = read_record(record_path(out, pair, "failed"))
         if done is not None and done.get("key") == key:

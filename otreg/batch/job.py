@@ -7,14 +7,14 @@ batch of one.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .._checks import check_choice, check_int, check_positive
-from ..io import load_input
+from ..io import load_input, load_values, save_values
 from ..registration import LBFGSOptions, LDDMMOptions, PrealignOptions, register
 from ..registration.losses import LOSSES, SINKHORN_TERM
 from ..registration.options import MODELS, PREALIGNS
@@ -145,6 +145,24 @@ class JobOutput:
     files: dict[str, str]
 
 
+def carried_name(path: str | Path) -> str:
+    """The name of a carried values file in a job's folder, without the ``to-<side>_`` that
+    :func:`run_job` puts first: the file's name, less its BIDS entities (``sub-01_hemi-L_
+    thickness.shape.gii`` -> ``thickness.shape.gii``; a FreeSurfer ``lh.thickness`` stays).
+
+    Example:
+        >>> from otreg.batch.job import carried_name
+        >>> carried_name("/d/sub-01_hemi-L_thickness.shape.gii"), carried_name("/d/lh.sulc")
+        ('thickness.shape.gii', 'lh.sulc')
+    """
+    name = Path(path).name
+    parts = name.split("_")
+    suffix = parts[-1].split(".")[0]
+    if len(parts) > 1 and "-" not in suffix and all("-" in part for part in parts[:-1]):
+        return parts[-1]
+    return name
+
+
 class InputError(ValueError):
     """An input of a job cannot be registered: unreadable, not a surface, a bad label."""
 
@@ -181,6 +199,8 @@ def run_job(
     level: float | None = None,
     truth: torch.Tensor | None = None,
     progress: bool | None = False,
+    source_values: Sequence[str | Path] = (),
+    target_values: Sequence[str | Path] = (),
 ) -> JobOutput:
     """Register ``source`` onto ``target`` (files, or Shapes) and write the result into
     ``folder`` (the files of :data:`JOB_FILES`).
@@ -188,6 +208,12 @@ def run_job(
     ``label``/``level`` select a structure of the inputs that are volumes; with
     ``options.points`` both surfaces are decimated first, and the warped surface written is
     the full source carried through the fitted map.
+
+    ``source_values`` (files of :func:`~otreg.io.load_values` at the source's vertices) are
+    carried onto the target's vertices (:meth:`~otreg.Registration.transfer`) and written as
+    ``to-target_<name>`` in the same format, ``<name>`` from :func:`carried_name`;
+    ``target_values`` onto the source's as ``to-source_<name>``. Labels keep their table; their
+    confidence goes beside them as ``to-<side>_<name>_confidence.npy``.
 
     Example:
         >>> import tempfile, pathlib, pyvista as pv, otreg
@@ -218,7 +244,33 @@ def run_job(
         (folder / name).unlink(missing_ok=True)
     res.save(folder)
     files = dict(OUTPUTS)
+    for to, given in (("target", source_values), ("source", target_values)):
+        for path in given:
+            files.update(_carry(res, to, path, full_target, folder))
     if options.picture:
         for role, path in plot_registration(res, src, tgt, folder).items():
             files[role] = Path(path).name
     return JobOutput(res, src, tgt, full, files)
+
+
+def _carry(res, to: str, path: str | Path, target: Shape, folder: Path) -> dict[str, str]:
+    """Carry the values of file ``path`` onto the ``to`` side; write them (and a labels'
+    confidence) into ``folder``; their files by role."""
+    side = "source" if to == "target" else "target"
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{side} values {path} does not exist")
+    try:
+        values = load_values(path)
+        moved = res.transfer(values, to=to, target=target)
+    except (ValueError, TypeError, OSError) as err:
+        raise InputError(f"{side} values {path}: {err}") from err
+    name = f"to-{to}_{carried_name(path)}"
+    save_values(moved, folder / name)
+    files = {f"to-{to}:{carried_name(path)}": name}
+    if moved.confidence is not None:
+        exts = (".label.gii", ".func.gii", ".shape.gii", ".gii", ".annot", ".npy")
+        stem = next((name[: -len(e)] for e in exts if name.lower().endswith(e)), name)
+        confidence = folder / f"{stem}_confidence.npy"
+        save_values(moved.confidence, confidence)
+        files[f"to-{to}:{carried_name(path)}:confidence"] = confidence.name
+    return files

@@ -1,9 +1,10 @@
 """Resume keys: a pair is done when its record carries the key of what would be run now.
 
-The key hashes the inputs' content (SHA-256 of the files' bytes), the effective registration
-options (the batch's and the row's, with every default filled in, including the library's
-option objects) and the output format version. Not paths, modification times, worker or
-thread counts: moving the batch folder or changing ``--workers`` reruns nothing.
+The key hashes the inputs' content (SHA-256 of the files' bytes, the values files to carry
+across included), the effective registration options (the batch's and the row's, with every
+default filled in, including the library's option objects) and the output format version.
+Not paths, modification times, worker or thread counts: moving the batch folder or changing
+``--workers`` reruns nothing.
 """
 
 from __future__ import annotations
@@ -46,14 +47,19 @@ def _digest_json(value: object) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def pair_key(source_digest: str, target_digest: str, options: Mapping) -> tuple[str, dict]:
-    """The resume key (hex) and its parts: ``{"source", "target", "options", "format"}``."""
+def pair_key(
+    source_digest: str, target_digest: str, options: Mapping, values: Mapping | None = None
+) -> tuple[str, dict]:
+    """The resume key (hex) and its parts: ``{"source", "target", "options", "format"}``,
+    and ``"values"`` (the digests of the files carried across, by side) where there are any."""
     parts = {
         "source": source_digest,
         "target": target_digest,
         "options": _digest_json(options),
         "format": FORMAT,
     }
+    if values and any(values.values()):
+        parts["values"] = _digest_json(values)
     return _digest_json(parts), parts
 
 
@@ -66,6 +72,8 @@ def why_rerun(record: Mapping, parts: Mapping, options: Mapping) -> str:
     for role in ("source", "target"):
         if old.get(role) != parts[role]:
             reasons.append(f"{role} file content changed")
+    if old.get("values") != parts.get("values"):
+        reasons.append("the values to carry changed")
     if old.get("options") != parts["options"]:
         before = record.get("options") or {}
         changed = [

@@ -2,9 +2,11 @@
 
 A manifest has the columns ``pair_id, source, target`` and, optionally, ``label``, ``level``
 (for volumes), ``hemisphere``, ``source_subject``, ``target_subject`` (for the group report's
-subject-by-subject views) and ``options`` (a JSON object of registration options for that row:
-fields of :class:`~otreg.batch.job.JobOptions`, checked when the manifest is read). Relative
-paths resolve from the manifest's folder.
+subject-by-subject views), ``options`` (a JSON object of registration options for that row:
+fields of :class:`~otreg.batch.job.JobOptions`, checked when the manifest is read) and
+``source_values``, ``target_values`` (per-vertex maps or labels to carry across: files of
+:func:`otreg.io.load_values`, separated by ``;``; the source's land on the target, the
+target's on the source). Relative paths resolve from the manifest's folder.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._checks import warn
-from ..io import VOLUME_EXTS, atomic_write, same_file
-from .job import JobOptions
+from ..io import MESH_EXTS, VOLUME_EXTS, atomic_write, same_file
+from .job import JobOptions, carried_name
 
 __all__ = [
     "Pair",
@@ -41,6 +43,8 @@ COLUMNS = (
     "source_subject",
     "target_subject",
     "options",
+    "source_values",
+    "target_values",
 )
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
@@ -61,6 +65,9 @@ class Pair:
             batch before it starts).
         folder: the output folder, relative to the batch folder (default ``pairs/<id>``).
         prefix: prepended to every output file name (BIDS derivative names), default "".
+        source_values, target_values: files of per-vertex values on the source (carried onto
+            the target) and on the target (carried onto the source); see
+            :func:`~otreg.batch.job.run_job`.
 
     Example:
         >>> from otreg.batch import Pair
@@ -79,9 +86,14 @@ class Pair:
     options: Mapping[str, object] = field(default_factory=dict)
     folder: str = ""
     prefix: str = ""
+    source_values: tuple[str, ...] = ()
+    target_values: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_pair_id(self.pair_id)
+        for side in ("source", "target"):
+            name = f"{side}_values"
+            object.__setattr__(self, name, _values_files(getattr(self, name), self.pair_id, name))
         if not self.folder:
             object.__setattr__(self, "folder", f"pairs/{self.pair_id}")
         JobOptions.from_mapping(self.options, f"pair {self.pair_id}: options")
@@ -112,6 +124,38 @@ def check_pair_id(pair_id: object) -> str:
             "'+' or '-', starting with a letter or digit, without '..'"
         )
     return pair_id
+
+
+def _values_files(files: object, pair_id: str, name: str) -> tuple[str, ...]:
+    """The files of ``name`` as a tuple of strings: per-vertex values (not a surface or a
+    volume), whose outputs do not collide."""
+    if isinstance(files, (str, Path)) or not isinstance(files, Sequence):
+        raise TypeError(
+            f"pair {pair_id}: {name} must be a list of files, got {type(files).__name__}"
+        )
+    out, names = [], {}
+    for f in files:
+        if not isinstance(f, (str, Path)):
+            raise TypeError(f"pair {pair_id}: {name} holds {f!r}, not a file name")
+        f = str(f)
+        lower = f.lower()
+        values_ext = lower.endswith((".gii", ".gii.gz", ".npy")) and not lower.endswith(
+            (".surf.gii", ".surf.gii.gz")
+        )
+        if lower.endswith(VOLUME_EXTS) or (lower.endswith(MESH_EXTS) and not values_ext):
+            raise ValueError(
+                f"pair {pair_id}: {name} {f} is a surface or a volume; it takes per-vertex "
+                "values (.func.gii, .shape.gii, .label.gii, .annot, FreeSurfer curv files, .npy)"
+            )
+        out_name = carried_name(f)
+        if out_name in names:
+            raise ValueError(
+                f"pair {pair_id}: {name} has {names[out_name]} and {f}, which would both be "
+                f"written as {out_name}"
+            )
+        names[out_name] = f
+        out.append(f)
+    return tuple(out)
 
 
 def _check_relative_folder(folder: str, pair_id: str) -> None:
@@ -185,6 +229,8 @@ def read_manifest(path: str | Path) -> list[Pair]:
                     source_subject=row.get("source_subject") or None,
                     target_subject=row.get("target_subject") or None,
                     options=options,
+                    source_values=_files(base, row.get("source_values")),
+                    target_values=_files(base, row.get("target_values")),
                 )
             )
         except json.JSONDecodeError as err:
@@ -199,6 +245,12 @@ def read_manifest(path: str | Path) -> list[Pair]:
 def _resolve(base: Path, value: str) -> Path:
     p = Path(value).expanduser()
     return p if p.is_absolute() else (base / p)
+
+
+def _files(base: Path, value: str | None) -> tuple[str, ...]:
+    """A ``;``-separated list of files, resolved from the manifest's folder."""
+    parts = [v.strip() for v in (value or "").split(";")]
+    return tuple(str(_resolve(base, v)) for v in parts if v)
 
 
 def _number(value: str | None, name: str) -> float | None:
@@ -227,8 +279,8 @@ def write_manifest(pairs: Sequence[Pair], path: str | Path) -> Path:
         >>> from otreg.batch import Pair, write_manifest
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "pairs.csv"
         >>> path = write_manifest([Pair("a_to_b", "/data/a.vtk", "/data/b.vtk")], path)
-        >>> path.read_text().split()[0]
-        'pair_id,source,target,label,level,hemisphere,source_subject,target_subject,options'
+        >>> path.read_text().split()[0].split(",")[:4]
+        ['pair_id', 'source', 'target', 'label']
     """
     if not pairs:
         raise ValueError("write_manifest: pairs is empty")
@@ -249,6 +301,8 @@ def write_manifest(pairs: Sequence[Pair], path: str | Path) -> Path:
                 "source_subject": p.source_subject or "",
                 "target_subject": p.target_subject or "",
                 "options": json.dumps(dict(p.options), sort_keys=True) if p.options else "",
+                "source_values": ";".join(p.source_values),
+                "target_values": ";".join(p.target_values),
             }
         )
     path = Path(path)

@@ -268,7 +268,16 @@ def _register(spec: dict, pair: Pair, staging: Path) -> dict:
     options = JobOptions.from_mapping(
         {k: spec["options"][k] for k in JOB_OPTION_NAMES}, f"pair {pair.pair_id}: options"
     )
-    out = run_job(pair.source, pair.target, staging, options, label=pair.label, level=pair.level)
+    out = run_job(
+        pair.source,
+        pair.target,
+        staging,
+        options,
+        label=pair.label,
+        level=pair.level,
+        source_values=pair.source_values,
+        target_values=pair.target_values,
+    )
     metrics = dict(out.registration.metrics)
     metrics["source_vertices"] = out.source.n_points
     metrics["target_vertices"] = out.target.n_points

@@ -67,6 +67,22 @@ __all__: list[str] = []
     help="Folder for pybids' index, built once and reused (delete it when the dataset "
     "changes); saves minutes a call on large datasets.",
 )
+@click.option(
+    "--carry",
+    multiple=True,
+    help="Per-vertex values of each subject to carry onto the template, by name: "
+    "sub-XX_hemi-L_NAME.shape.gii (.func.gii, .label.gii) beside the surface, or FreeSurfer's "
+    "surf/lh.NAME or label/lh.NAME.annot; written as ..._desc-otreg_to-target_NAME.*; "
+    "repeatable.",
+)
+@click.option(
+    "--template-values",
+    multiple=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="Per-vertex values on the template (an atlas's labels) to carry onto each subject, "
+    "written as ..._desc-otreg_to-source_NAME.*; repeatable. With a template per hemisphere, "
+    "each file's name says its hemisphere (lh./rh., hemi-L/hemi-R, .L./.R.).",
+)
 @runner_options
 def bids(
     bids_dir: str,
@@ -81,6 +97,8 @@ def bids(
     template_right,
     template_id,
     bids_database,
+    carry,
+    template_values,
     **kw,
 ) -> None:
     """BIDS-Apps entry point: register each subject's surfaces (fMRIPrep/sMRIPrep
@@ -116,7 +134,13 @@ def bids(
             templates, tid = _bids_template(
                 inputs, surface, template, template_left, template_right, template_id, label
             )
-            pairs = bids_pairs(inputs, templates, tid)
+            pairs = bids_pairs(
+                inputs,
+                templates,
+                tid,
+                carry=carry,
+                template_values=_by_hemisphere(template_values, templates),
+            )
         except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
             raise click.UsageError(str(err)) from err
         if not kw["dry_run"]:
@@ -124,6 +148,34 @@ def bids(
             write_dataset_description(out, bids_dir)
             write_manifest(pairs, out / "otreg_pairs.csv")
     run_engine(pairs, out, kw, tables=False)
+
+
+def _by_hemisphere(files: tuple[str, ...], templates) -> object:
+    """The template's values files as :func:`~otreg.batch.bids_pairs` takes them: as given
+    for one template, by the hemisphere their names say for two."""
+    if not files:
+        return None
+    if not isinstance(templates, dict) or len(templates) < 2:
+        return list(files)
+    by: dict[str, list[str]] = {"L": [], "R": []}
+    for f in files:
+        name = Path(f).name
+        hemi = [
+            h
+            for h, pattern in (
+                ("L", r"(^lh\.|hemi-L|\.L\.|left)"),
+                ("R", r"(^rh\.|hemi-R|\.R\.|right)"),
+            )
+            if re.search(pattern, name)
+        ]
+        if len(hemi) != 1:
+            raise click.BadParameter(
+                f"{f}: with a template per hemisphere, a values file's name must say which "
+                "(lh./rh., hemi-L/hemi-R, .L./.R.)",
+                param_hint="--template-values",
+            )
+        by[hemi[0]].append(f)
+    return by
 
 
 def _bids_template(inputs, surface, template, left, right, template_id, label):

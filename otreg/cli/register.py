@@ -12,7 +12,8 @@ import click
 
 from .. import datasets
 from .._checks import check_progress
-from ..batch.job import InputError, JobOptions, run_job
+from ..batch.job import InputError, JobOptions, carried_name, run_job
+from ..batch.manifest import Pair
 from ..io import load_shape, load_values, same_file, save_shape, save_values
 from ..registration import Registration
 from ._common import (
@@ -40,6 +41,21 @@ __all__: list[str] = []
     type=click.Path(file_okay=False),
     help="Folder for warped.vtk, parameters.npz, registration.json and pictures.",
 )
+@click.option(
+    "--source-values",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Per-vertex values on SOURCE (a map or labels: .func.gii, .shape.gii, .label.gii, "
+    ".annot, a FreeSurfer curv file, .npy) to carry onto TARGET, written as "
+    "to-target_<name>; repeatable.",
+)
+@click.option(
+    "--target-values",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Per-vertex values on TARGET (an atlas's labels, a template's map) to carry onto "
+    "SOURCE, written as to-source_<name>; repeatable.",
+)
 @registration_options
 @volume_options
 @threads_option
@@ -48,6 +64,8 @@ def register_cmd(
     source: str,
     target: str,
     output: str,
+    source_values: tuple[str, ...],
+    target_values: tuple[str, ...],
     label: float | None,
     level: float | None,
     threads: int | None,
@@ -59,10 +77,28 @@ def register_cmd(
     set_threads(threads)
     options = job_options(registration)
     progress = check_progress("otreg register", progress)
-    with output_folder(output, [source, target]) as folder, warnings_as_lines():
+    try:  # the checks of a manifest row's values files
+        Pair("register", source, target, source_values=source_values, target_values=target_values)
+    except ValueError as err:
+        raise click.BadParameter(str(err).removeprefix("pair register: ")) from err
+    carried = [
+        f"to-{to}_{carried_name(f)}"
+        for to, files in (("target", source_values), ("source", target_values))
+        for f in files
+    ]
+    inputs = [source, target, *source_values, *target_values]
+    with output_folder(output, inputs, tuple(carried)) as folder, warnings_as_lines():
         try:
             out = run_job(
-                source, target, folder, options, label=label, level=level, progress=progress
+                source,
+                target,
+                folder,
+                options,
+                label=label,
+                level=level,
+                progress=progress,
+                source_values=source_values,
+                target_values=target_values,
             )
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(str(err)) from err

@@ -488,3 +488,50 @@ def test_an_interrupted_index_leaves_no_database(derivatives, tmp_path, monkeypa
     assert [p.name for p in (tmp_path / "cache").iterdir()] == []
     monkeypatch.setattr(BIDSLayoutIndexer, "__call__", index_all)
     assert len(find_inputs(derivatives, ["01"], database=db)) == 2
+
+
+# ----------------------------------------------------------------------------- carried values
+
+
+def test_pairs_carry_each_subjects_values_and_the_templates(derivatives, templates, tmp_path):
+    """carry finds each subject's named per-vertex file beside its surface; the template's
+    values go to every pair of their hemisphere; a subject without the file is named."""
+    inputs = find_inputs(derivatives, ["01"])
+    for i in inputs:
+        stem = i.path.name.rsplit("_", 1)[0]
+        nib.save(
+            nib.GiftiImage(darrays=[nib.gifti.GiftiDataArray(np.ones(4, np.float32))]),
+            str(i.path.parent / f"{stem}_thickness.shape.gii"),
+        )
+    atlas = {h: tmp_path / f"atlas.{h}.label.gii" for h in ("L", "R")}
+    for path in atlas.values():
+        path.write_bytes(b"read by the job")
+    pairs = bids_pairs(
+        inputs, {"L": templates["L"], "R": templates["R"]}, "tpl", carry="thickness",
+        template_values={"L": [atlas["L"]], "R": str(atlas["R"])},
+    )  # fmt: skip
+    assert [Path(p.source_values[0]).name for p in pairs] == [
+        "sub-01_hemi-L_thickness.shape.gii",
+        "sub-01_hemi-R_thickness.shape.gii",
+    ]
+    assert [p.target_values for p in pairs] == [(str(atlas["L"]),), (str(atlas["R"]),)]
+    with pytest.raises(FileNotFoundError, match="no 'curv' values for sub-01_hemi-L_pial"):
+        bids_pairs(inputs, {"L": templates["L"], "R": templates["R"]}, "tpl", carry=["curv"])
+    with pytest.raises(ValueError, match=r"template_values has the keys \['L'\]; it needs"):
+        bids_pairs(
+            inputs, {"L": templates["L"], "R": templates["R"]}, "tpl", template_values={"L": []}
+        )
+    with pytest.raises(ValueError, match="two templates .* take their values as"):
+        bids_pairs(inputs, {"L": templates["L"], "R": templates["R"]}, "tpl", template_values=[])
+    with pytest.raises(ValueError, match="carry name '../x' must be letters"):
+        bids_pairs(inputs, {"L": templates["L"], "R": templates["R"]}, "tpl", carry="../x")
+
+
+def test_freesurfer_subjects_carry_curvature_files_and_annotations(tmp_path, templates):
+    root = freesurfer_tree(tmp_path / "subjects")
+    (root / "sub-01" / "surf" / "lh.thickness").write_bytes(b"x")
+    (root / "sub-01" / "label").mkdir()
+    (root / "sub-01" / "label" / "lh.aparc.annot").write_bytes(b"x")
+    inputs = find_inputs(root, ["sub-01"], hemispheres="L")
+    (pair,) = bids_pairs(inputs, templates["L"], "fsaverage", carry=["thickness", "aparc"])
+    assert [Path(f).name for f in pair.source_values] == ["lh.thickness", "lh.aparc.annot"]

@@ -3,6 +3,7 @@ before it starts), and ``otreg register`` as a batch of one (the same files and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -14,10 +15,12 @@ import torch
 from click.testing import CliRunner
 
 from otreg import LBFGSOptions, LDDMMOptions, Shape, load_shape, save_shape
-from otreg.batch import JobOptions, read_manifest, run_job
+from otreg.batch import JobOptions, Pair, plan_batch, read_manifest, run_job, write_manifest
 from otreg.batch.engine import run_batch
 from otreg.cli import main
+from otreg.io import VertexValues, load_values, save_values
 from otreg.registration import Registration
+from otreg.registration.result import OUTPUTS
 
 pv = pytest.importorskip("pyvista")
 
@@ -139,3 +142,130 @@ def test_run_job_refuses_what_is_not_a_surface(tmp_path):
         run_job(mesh, tmp_path / "nope.vtk", tmp_path / "out")
     with pytest.raises(TypeError, match="options must be a JobOptions, got dict"):
         run_job(mesh, mesh, tmp_path / "out", {"model": "rigid"})
+
+
+def _values(tmp_path: Path, shape_file: str, stem: str) -> tuple[str, str]:
+    """A map (the height z, .func.gii) and labels (the upper half, .label.gii with a table)
+    at the vertices of a saved surface."""
+    z = load_shape(shape_file).points[:, 2]
+    table = {1: ("lower", (0.0, 0.0, 1.0, 1.0)), 2: ("upper", (1.0, 0.0, 0.0, 1.0))}
+    height = save_values(z, tmp_path / f"{stem}_height.func.gii")
+    labels = save_values(VertexValues((z > 0).long() + 1, table), tmp_path / f"{stem}.label.gii")
+    return str(height), str(labels)
+
+
+def test_a_job_carries_values_both_ways(tmp_path):
+    """Values on the source land on the target and the target's on the source: a map close
+    to the same function there, labels with their table and a confidence."""
+    src = _sphere(tmp_path / "src.vtk", 20.0, 0.0)
+    tgt = _sphere(tmp_path / "tgt.vtk", 20.0, 1.0)
+    src_values = _values(tmp_path, src, "sub-01_hemi-L")
+    tgt_values = _values(tmp_path, tgt, "atlas")
+    out = run_job(
+        src,
+        tgt,
+        tmp_path / "out",
+        JobOptions("rigid", picture=False),
+        source_values=src_values,
+        target_values=tgt_values[1:],
+    )
+    assert out.files["to-target:height.func.gii"] == "to-target_height.func.gii"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [
+            *OUTPUTS.values(),
+            "to-target_height.func.gii",
+            "to-target_sub-01_hemi-L.label.gii",
+            "to-target_sub-01_hemi-L_confidence.npy",
+            "to-source_atlas.label.gii",
+            "to-source_atlas_confidence.npy",
+        ]
+    )
+    target_z = load_shape(tgt).points[:, 2]
+    height = load_values(tmp_path / "out" / "to-target_height.func.gii")
+    assert height.n_vertices == target_z.numel()
+    assert float((height.values - (target_z - 1.0)).abs().max()) < 1.0  # shifted by 1 mm
+    labels = load_values(tmp_path / "out" / "to-source_atlas.label.gii")
+    assert labels.label_table[2][0] == "upper" and labels.n_vertices == load_shape(src).n_points
+    source_z = load_shape(src).points[:, 2]
+    agree = (labels.values == (source_z + 1.0 > 0).long() + 1).float().mean()
+    assert float(agree) > 0.97
+    confidence = np.load(tmp_path / "out" / "to-source_atlas_confidence.npy")
+    assert confidence.min() >= 1 / 3 - 1e-6 and confidence.max() <= 1 + 1e-6
+
+
+def test_a_batch_of_two_pairs_writes_the_carried_values_under_its_names(tmp_path):
+    """A manifest's values columns: each pair writes its carried files beside its warped
+    surface, with the pair's prefix (BIDS derivative names), listed in its record."""
+    pytest.importorskip("distributed")
+    tgt = _sphere(tmp_path / "tpl.vtk", 21.0, 0.5)
+    (atlas,) = _values(tmp_path, tgt, "tpl")[1:]
+    pairs = []
+    for sub, shift in (("01", 0.0), ("02", 1.0)):
+        src = _sphere(tmp_path / f"sub-{sub}.vtk", 20.0, shift)
+        height, _ = _values(tmp_path, src, f"sub-{sub}_hemi-L")
+        prefix = f"sub-{sub}_hemi-L_space-tpl_desc-otreg_"
+        pair = Pair(f"sub-{sub}_hemi-L", src, tgt, folder=f"sub-{sub}/anat", prefix=prefix)
+        pairs.append(dataclasses.replace(pair, source_values=(height,), target_values=(atlas,)))
+    write_manifest(pairs, tmp_path / "pairs.csv")
+    back = read_manifest(tmp_path / "pairs.csv")
+    assert [p.source_values for p in back] == [p.source_values for p in pairs]
+    batch = run_batch(
+        pairs,
+        tmp_path / "out",
+        {"model": "rigid", "picture": False},
+        workers=1,
+        threads=torch.get_num_threads(),
+        report=False,
+    )
+    assert batch.exit_code == 0, batch.records
+    for sub in ("01", "02"):
+        folder = tmp_path / "out" / f"sub-{sub}" / "anat"
+        prefix = f"sub-{sub}_hemi-L_space-tpl_desc-otreg_"
+        record = json.loads((folder / f"{prefix}metrics.json").read_text())
+        assert record["files"]["to-target:height.func.gii"] == f"{prefix}to-target_height.func.gii"
+        for name in ("to-target_height.func.gii", "to-source_tpl.label.gii"):
+            assert (folder / f"{prefix}{name}").is_file(), name
+        assert load_values(folder / f"{prefix}to-source_tpl.label.gii").label_table[1][0] == "lower"
+    again = plan_batch(pairs, tmp_path / "out", {"model": "rigid", "picture": False})
+    assert [p.state for p in again] == ["done", "done"]
+    save_values(torch.zeros(load_shape(tgt).n_points), atlas.replace(".label.gii", ".npy"))
+    other = (atlas.replace(".label.gii", ".npy"),)
+    changed = [dataclasses.replace(p, target_values=other) for p in pairs]
+    again = plan_batch(changed, tmp_path / "out", {"model": "rigid", "picture": False})
+    assert [p.state for p in again] == ["rerun", "rerun"]
+    assert "the values to carry changed" in again[0].why
+
+
+@pytest.mark.parametrize(
+    "cell, match",
+    [
+        ("lh.pial.vtk", "source_values .*lh.pial.vtk is a surface or a volume"),
+        ("aseg.nii.gz", "source_values .*aseg.nii.gz is a surface or a volume"),
+        (
+            "sub-01_thick.func.gii;sub-02_thick.func.gii",
+            "source_values has .* which would both be written as thick.func.gii",
+        ),
+    ],
+)
+def test_a_bad_values_cell_is_refused_when_the_manifest_is_read(tmp_path, cell, match):
+    (tmp_path / "pairs.csv").write_text(
+        f"pair_id,source,target,source_values\nok,a.vtk,b.vtk,\nbad,a.vtk,b.vtk,{cell}\n"
+    )
+    with pytest.raises(ValueError, match=f"line 3: pair bad: {match}"):
+        read_manifest(tmp_path / "pairs.csv")
+
+
+def test_register_carries_values_and_refuses_bad_ones(tmp_path):
+    src = _sphere(tmp_path / "src.vtk", 20.0, 0.0)
+    tgt = _sphere(tmp_path / "tgt.vtk", 20.0, 1.0)
+    height, _ = _values(tmp_path, src, "src")
+    args = ["register", src, tgt, "-o", str(tmp_path / "o"), "--model", "rigid", "--no-picture"]
+    result = CliRunner().invoke(main, [*args, "--source-values", height])
+    assert result.exit_code == 0, result.output
+    assert "to-target_src_height.func.gii" in result.output
+    result = CliRunner().invoke(main, [*args, "--target-values", tgt])
+    assert result.exit_code == 2 and "is a surface or a volume" in result.output
+    short = save_values(torch.zeros(5), tmp_path / "short.npy")
+    result = CliRunner().invoke(main, [*args, "--target-values", str(short)])
+    assert result.exit_code == 1 and f"target values {short}" in result.output
+    assert "5" in result.output

@@ -129,3 +129,46 @@ def test_output_dir_equal_to_bids_dir_is_refused_before_any_work(tmp_path):
         assert r.returncode == 1, r.stderr
         assert "is BIDS_DIR itself" in r.stderr and "Traceback" not in r.stderr
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
+def test_bids_carries_a_subjects_map_and_a_templates_labels(tmp_path):
+    """--carry and --template-values: the subject's thickness onto the template and the
+    template's labels onto the subject, written as BIDS derivatives beside the warped surface."""
+    import nibabel as nib
+    import numpy as np
+
+    from otreg import load_shape
+    from otreg.io import VertexValues, load_values, save_values
+
+    root = tmp_path / "fmriprep"
+    root.mkdir()
+    (root / "dataset_description.json").write_text(
+        json.dumps({"Name": "x", "BIDSVersion": "1.8.0", "DatasetType": "derivative"})
+    )
+    surface = gifti_sphere(root / "sub-01" / "anat" / "sub-01_hemi-L_pial.surf.gii", 40, 14)
+    n = load_shape(surface).n_points
+    thickness = np.linspace(1.0, 4.0, n, dtype=np.float32)
+    image = nib.GiftiImage(darrays=[nib.gifti.GiftiDataArray(thickness)])
+    nib.save(image, str(surface.parent / "sub-01_hemi-L_thickness.shape.gii"))
+    tpl = gifti_sphere(tmp_path / "tpl_hemi-L.surf.gii", 41, 16, 1.0)
+    z = load_shape(tpl).points[:, 2]
+    table = {0: ("inferior", (0.0, 0.0, 1.0, 1.0)), 1: ("superior", (1.0, 0.0, 0.0, 1.0))}
+    atlas = save_values(VertexValues((z > 0).long(), table), tmp_path / "atlas.label.gii")
+    out = tmp_path / "otreg"
+    r = run(
+        "bids", root, out, "participant", "--hemi", "L", "--template-left", tpl,
+        "--template-id", "tpl", "--carry", "thickness", "--template-values", atlas,
+        "--model", "rigid", *FAST,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    prefix = out / "sub-01" / "anat" / "sub-01_hemi-L_space-tpl_desc-otreg_"
+    moved = load_values(f"{prefix}to-target_thickness.shape.gii")
+    assert moved.n_vertices == load_shape(tpl).n_points
+    assert 1.0 - 1e-5 <= float(moved.values.min()) and float(moved.values.max()) <= 4.0 + 1e-5
+    labels = load_values(f"{prefix}to-source_atlas.label.gii")
+    assert labels.n_vertices == n and labels.label_table[1][0] == "superior"
+    assert Path(f"{prefix}to-source_atlas_confidence.npy").is_file()
+    rows = list(csv.DictReader(open(out / "otreg_pairs.csv")))
+    assert rows[0]["target_values"] == str(atlas) and rows[0]["source_values"].endswith(
+        "sub-01_hemi-L_thickness.shape.gii"
+    )
