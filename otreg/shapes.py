@@ -142,6 +142,21 @@ class Shape:
             )
         return replace(self, points=points, source=None)
 
+    def with_data(self, **arrays: torch.Tensor | np.ndarray) -> Shape:
+        """A copy with these per-vertex arrays added to ``data`` (each with N rows; a
+        registration's ``transfer`` takes them by name).
+
+        Example:
+            >>> import torch, otreg
+            >>> s = otreg.Shape(torch.zeros(3, 3)).with_data(height=torch.tensor([0.0, 1, 2]))
+            >>> s.data["height"].tolist()
+            [0.0, 1.0, 2.0]
+        """
+        data = dict(self.data)
+        for key, value in arrays.items():
+            data[key] = torch.as_tensor(value, device=self.points.device)
+        return replace(self, data=data)
+
     def mirror(self, axis: int = 0) -> Shape:
         """The reflection through the plane ``coordinate[axis] = 0`` (x = 0: left <-> right
         in RAS/MNI space), with the triangles reoriented so that normals stay outward."""
@@ -339,7 +354,19 @@ class Shape:
         return cls(pts, faces, weights=weights, data=data, source=source)
 
     def decimate(self, target_points: int) -> Shape:
-        """A coarser surface of about ``target_points`` vertices (VTK quadric decimation)."""
+        """A coarser surface of about ``target_points`` vertices (VTK quadric decimation);
+        each of its vertices keeps the ``data`` of the nearest vertex of this surface (labels
+        stay labels).
+
+        Example:
+            >>> import torch
+            >>> from otreg import datasets
+            >>> s = datasets.fsaverage5("pial")
+            >>> s = s.with_data(sulc=torch.as_tensor(datasets.fsaverage5_map("sulc")))
+            >>> coarse = s.decimate(1000)
+            >>> coarse.data["sulc"].shape[0] == coarse.n_points
+            True
+        """
         self._need_faces("decimate")
         if not isinstance(target_points, int) or target_points < 4:
             raise ValueError(
@@ -350,7 +377,16 @@ class Shape:
         mesh = self.to_pyvista()
         reduction = 1.0 - target_points / self.n_points
         out = mesh.decimate(reduction)
-        return Shape.from_pyvista(out, dtype=self.points.dtype).to(self.points.device)
+        coarse = Shape.from_pyvista(out, dtype=self.points.dtype)
+        if self.data:
+            from scipy.spatial import cKDTree
+
+            points = self.points.detach().cpu().double().numpy()
+            nearest = cKDTree(points).query(coarse.points.double().numpy())[1]
+            index = torch.as_tensor(nearest, device=self.points.device)
+            data = {k: v[index] for k, v in self.data.items()}
+            coarse = replace(coarse, data=data)
+        return coarse.to(self.points.device)
 
     def smooth(self, n_iter: int = 20, pass_band: float = 0.1) -> Shape:
         """Taubin smoothing (shrinks far less than Laplacian smoothing), VTK's filter."""

@@ -86,3 +86,17 @@ def test_mirror_keeps_volume_positive_and_reflects():
     assert torch.allclose(m.mirror(0).points, t.points)
     with pytest.raises(ValueError, match="axis is 3"):
         t.mirror(3)
+
+
+def test_decimation_keeps_each_vertexs_data_from_the_nearest_old_vertex():
+    pv = pytest.importorskip("pyvista")
+    ball = Shape.from_pyvista(pv.Sphere(radius=10, theta_resolution=40, phi_resolution=40))
+    labels = (ball.points[:, 2] > 0).long()
+    coarse = ball.with_data(z=ball.points[:, 2], labels=labels).decimate(300)
+    assert coarse.n_points < ball.n_points
+    assert coarse.data["labels"].dtype == torch.int64
+    nearest = torch.cdist(coarse.points.double(), ball.points.double()).argmin(1)
+    assert torch.equal(coarse.data["labels"], labels[nearest])
+    assert torch.equal(coarse.data["z"], ball.points[nearest, 2])
+    with pytest.raises(ValueError, match=r"data\['z'\] has 4 rows but there are"):
+        ball.with_data(z=torch.zeros(4))
