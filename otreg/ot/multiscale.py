@@ -86,11 +86,13 @@ def auto_cluster_scale(diameter: float, n_points: int, dim: int) -> float:
 
 
 def worthwhile(
-    n_pairs: int, dim: int, blur: float, scale: float, min_pairs: int = MIN_PAIRS
+    n_pairs: int, dim: int, blur: float, scale: float, fast_all_pairs: bool = False
 ) -> bool:
-    """Whether truncation pays: at least ``min_pairs`` pairs, D <= 3, and a blur below
-    ``JUMP`` times the cell side (the coarse stage then has steps to take)."""
-    return dim <= 3 and n_pairs >= min_pairs and blur < JUMP * scale
+    """Whether truncation pays: at least ``MIN_PAIRS`` pairs (``MIN_PAIRS_GPU`` where a GPU
+    kernel sums every pair), D <= 3, and a blur below ``JUMP`` times the cell side (the
+    coarse stage then has steps to take)."""
+    least = MIN_PAIRS_GPU if fast_all_pairs else MIN_PAIRS
+    return dim <= 3 and n_pairs >= least and blur < JUMP * scale
 
 
 def multiscale_unfit(cost, form: str, backward: str) -> str | None:

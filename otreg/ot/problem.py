@@ -38,8 +38,6 @@ from ..costs import diameter as bounding_diameter
 from ..loops.budget import parse_bytes
 from ..loops.iterate import STRATEGIES
 from .multiscale import (
-    MIN_PAIRS,
-    MIN_PAIRS_GPU,
     auto_cluster_scale,
     multiscale_unfit,
     worthwhile,
@@ -464,9 +462,9 @@ def _resolve_multiscale(
         )
     n, dim = max(x.shape[1], y.shape[1]), x.shape[-1]
     scale = setting.cluster_scale or auto_cluster_scale(diam, n, dim)
-    least = MIN_PAIRS_GPU if reductions.fast_all_pairs(x.device, x.dtype) else MIN_PAIRS
+    fast = reductions.fast_all_pairs(x.device, x.dtype)
     pairs = x.shape[1] * y.shape[1]
-    if setting.auto and (unfit or not worthwhile(pairs, dim, o.blur, scale, least)):
+    if setting.auto and (unfit or not worthwhile(pairs, dim, o.blur, scale, fast)):
         return None
     return dataclasses.replace(setting, cluster_scale=scale)
 

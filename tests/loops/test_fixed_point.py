@@ -99,5 +99,7 @@ def test_sinkhorn_backward_options_are_checked():
     x, y, _, _ = clouds(n=5, m=6)
     with pytest.raises(ValueError, match="Unroll: strategy is 'sometimes'"):
         otreg.sinkhorn(x, y, backward=otreg.Unroll("sometimes"))
-    with pytest.raises(ValueError, match="sinkhorn_divergence: backward is 'implicit'"):
-        otreg.sinkhorn_divergence(x, y, backward="implicit")
+    with pytest.raises(ValueError, match="sinkhorn_divergence: backward is 'unroll'; the"):
+        otreg.sinkhorn_divergence(x, y, backward="unroll")
+    with pytest.raises(ValueError, match="backward is 'sometimes'; choose one of 'envelope'"):
+        otreg.sinkhorn_divergence(x, y, backward="sometimes")
