@@ -255,8 +255,8 @@ def _demo_pair(pair: str, hemi: str, surface: str, points: int | None):
     default="auto",
     show_default=True,
     type=click.Choice(["auto", "map", "labels"]),
-    help="map: barycentric interpolation; labels: the majority of the nearest triangle's "
-    "vertices; auto: labels for integer values.",
+    help="map: barycentric interpolation on the nearest triangle; labels: the label of the "
+    "nearest triangle's vertex with the largest weight; auto: labels for integer values.",
 )
 @click.option(
     "--target",

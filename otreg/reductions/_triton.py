@@ -106,6 +106,42 @@ def _kernels() -> types.SimpleNamespace:
         return s, factor
 
     @triton.jit
+    def _load_rows(X, b, rn, rd, mask_n, sxb, sxn, D: tl.constexpr):
+        """The tile of points x_i: (BN, DP), zero past N and D."""
+        return tl.load(
+            X + b * sxb + rn[:, None] * sxn + rd[None, :],
+            mask=mask_n[:, None] & (rd[None, :] < D),
+            other=0.0,
+        )
+
+    @triton.jit
+    def _load_columns(
+        Y, H, V, b, rm, rd, re, mask_m, syb, sym, shb, svb, svm,
+        KIND: tl.constexpr, D: tl.constexpr, E: tl.constexpr, BM: tl.constexpr,
+        EP: tl.constexpr,
+    ):  # fmt: skip
+        """The tiles of y_j (BM, DP), h_j (BM,) (0 for a kernel product) and v_j (BM, EP)
+        (0 for a softmin), zero past M, D and E."""
+        y = tl.load(
+            Y + b * syb + rm[:, None] * sym + rd[None, :],
+            mask=mask_m[:, None] & (rd[None, :] < D),
+            other=0.0,
+        )
+        if KIND == 1:
+            h = tl.sum(y, axis=1) * 0.0
+        else:
+            h = tl.load(H + b * shb + rm, mask=mask_m, other=0.0)
+        if KIND == 0:
+            v = tl.zeros((BM, EP), dtype=y.dtype)
+        else:
+            v = tl.load(
+                V + b * svb + rm[:, None] * svm + re[None, :],
+                mask=mask_m[:, None] & (re[None, :] < E),
+                other=0.0,
+            )
+        return y, h, v
+
+    @triton.jit
     def _forward(
         X, Y, H, V, OUT, LSE, N, M, inv_eps, eps,
         sxb, sxn, syb, sym, shb, svb, svm, sob, son,
@@ -116,11 +152,7 @@ def _kernels() -> types.SimpleNamespace:
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         rd, re = tl.arange(0, DP), tl.arange(0, EP)
         mask_n = rn < N
-        x = tl.load(
-            X + b * sxb + rn[:, None] * sxn + rd[None, :],
-            mask=mask_n[:, None] & (rd[None, :] < D),
-            other=0.0,
-        )
+        x = _load_rows(X, b, rn, rd, mask_n, sxb, sxn, D)
         zero = tl.sum(x, axis=1) * 0.0  # (BN,) zeros of the points' dtype
         m_i = zero + float("-inf")
         l_i = zero
@@ -128,22 +160,10 @@ def _kernels() -> types.SimpleNamespace:
         for start in range(0, M, BM):
             rm = start + tl.arange(0, BM)
             mask_m = rm < M
-            y = tl.load(
-                Y + b * syb + rm[:, None] * sym + rd[None, :],
-                mask=mask_m[:, None] & (rd[None, :] < D),
-                other=0.0,
+            y, h, v = _load_columns(
+                Y, H, V, b, rm, rd, re, mask_m, syb, sym, shb, svb, svm, KIND, D, E, BM, EP
             )
-            if KIND == 1:
-                h = tl.sum(y, axis=1) * 0.0
-            else:
-                h = tl.load(H + b * shb + rm, mask=mask_m, other=0.0)
             s, _ = _scores(x, y, h, inv_eps, mask_m, COST)
-            if KIND != 0:
-                v = tl.load(
-                    V + b * svb + rm[:, None] * svm + re[None, :],
-                    mask=mask_m[:, None] & (re[None, :] < E),
-                    other=0.0,
-                )
             if KIND == 1:
                 k = tl.exp(s)
                 acc += tl.sum(k[:, :, None] * v[None, :, :], axis=1)
@@ -193,11 +213,7 @@ def _kernels() -> types.SimpleNamespace:
         rd, re = tl.arange(0, DP), tl.arange(0, EP)
         mask_n = rn < N
         ne = mask_n[:, None] & (re[None, :] < (1 if KIND == 0 else E))
-        x = tl.load(
-            X + b * sxb + rn[:, None] * sxn + rd[None, :],
-            mask=mask_n[:, None] & (rd[None, :] < D),
-            other=0.0,
-        )
+        x = _load_rows(X, b, rn, rd, mask_n, sxb, sxn, D)
         g = tl.load(G + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
         out = tl.load(OUT + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
         if KIND == 1:
@@ -209,23 +225,9 @@ def _kernels() -> types.SimpleNamespace:
         for start in range(0, M, BM):
             rm = start + tl.arange(0, BM)
             mask_m = rm < M
-            y = tl.load(
-                Y + b * syb + rm[:, None] * sym + rd[None, :],
-                mask=mask_m[:, None] & (rd[None, :] < D),
-                other=0.0,
+            y, h, v = _load_columns(
+                Y, H, V, b, rm, rd, re, mask_m, syb, sym, shb, svb, svm, KIND, D, E, BM, EP
             )
-            if KIND == 1:
-                h = tl.sum(y, axis=1) * 0.0
-            else:
-                h = tl.load(H + b * shb + rm, mask=mask_m, other=0.0)
-            if KIND == 0:
-                v = tl.zeros((BM, EP), dtype=y.dtype)
-            else:
-                v = tl.load(
-                    V + b * svb + rm[:, None] * svm + re[None, :],
-                    mask=mask_m[:, None] & (re[None, :] < E),
-                    other=0.0,
-                )
             s, factor = _scores(x, y, h, inv_eps, mask_m, COST)
             w = _weights(s, lse, g, v, out, eps, KIND)
             w = tl.where(mask_m[None, :] & mask_n[:, None], w * factor, 0.0)
@@ -249,23 +251,9 @@ def _kernels() -> types.SimpleNamespace:
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rd, re = tl.arange(0, DP), tl.arange(0, EP)
         mask_m = rm < M
-        y = tl.load(
-            Y + b * syb + rm[:, None] * sym + rd[None, :],
-            mask=mask_m[:, None] & (rd[None, :] < D),
-            other=0.0,
+        y, h, v = _load_columns(
+            Y, H, V, b, rm, rd, re, mask_m, syb, sym, shb, svb, svm, KIND, D, E, BM, EP
         )
-        if KIND == 1:
-            h = tl.sum(y, axis=1) * 0.0
-        else:
-            h = tl.load(H + b * shb + rm, mask=mask_m, other=0.0)
-        if KIND == 0:
-            v = tl.zeros((BM, EP), dtype=y.dtype)
-        else:
-            v = tl.load(
-                V + b * svb + rm[:, None] * svm + re[None, :],
-                mask=mask_m[:, None] & (re[None, :] < E),
-                other=0.0,
-            )
         total = tl.sum(y, axis=1) * 0.0
         plain = tl.sum(y, axis=1) * 0.0
         weighted = y * 0.0
@@ -274,11 +262,7 @@ def _kernels() -> types.SimpleNamespace:
             rn = start + tl.arange(0, BN)
             mask_n = rn < N
             ne = mask_n[:, None] & (re[None, :] < (1 if KIND == 0 else E))
-            x = tl.load(
-                X + b * sxb + rn[:, None] * sxn + rd[None, :],
-                mask=mask_n[:, None] & (rd[None, :] < D),
-                other=0.0,
-            )
+            x = _load_rows(X, b, rn, rd, mask_n, sxb, sxn, D)
             g = tl.load(G + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
             out = tl.load(OUT + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
             if KIND == 1:
@@ -314,7 +298,9 @@ def _kernels() -> types.SimpleNamespace:
 
     # a kernel finds the jitted functions it calls among its module's globals, when it is
     # compiled (or interpreted): they are made here, on first use, so they go there now
-    globals().update(_scores=_scores, _weights=_weights)
+    globals().update(
+        _scores=_scores, _weights=_weights, _load_rows=_load_rows, _load_columns=_load_columns
+    )
     return types.SimpleNamespace(
         triton=triton,
         forward=_forward,
