@@ -9,7 +9,8 @@ into ``summary.csv`` and onto the group page, each with its reason.
 - **outlier**: a metric far from the batch's others, by robust statistics: beyond
   :data:`OUTLIER_MADS` times the median absolute deviation (scaled to a standard
   deviation) from the median, in the direction that is worse, once at least
-  :data:`OUTLIER_MIN_PAIRS` pairs are done.
+  :data:`OUTLIER_MIN_PAIRS` pairs are done; the label overlaps (``<labels>_dice``) where
+  the batch measured them.
 """
 
 from __future__ import annotations
@@ -123,7 +124,13 @@ def _duplicates(done: Mapping[str, dict]):
 def _outliers(done: Mapping[str, dict]):
     if len(done) < OUTLIER_MIN_PAIRS:
         return
-    for key, (worse, name, unit) in OUTLIER_METRICS.items():
+    overlaps = {
+        k: ("low", f"label overlap {k[:-5]} (Dice)", "")
+        for rec in done.values()
+        for k in rec.get("metrics") or {}
+        if k.endswith("_dice") and not k.startswith("before_")
+    }
+    for key, (worse, name, unit) in {**OUTLIER_METRICS, **overlaps}.items():
         values = {
             pid: float(v)
             for pid, rec in done.items()

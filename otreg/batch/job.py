@@ -7,6 +7,7 @@ batch of one.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,6 +243,7 @@ def run_job(
     folder = Path(folder)
     for name in PICTURES.values():  # an earlier run's, which this one's would not replace
         (folder / name).unlink(missing_ok=True)
+    res.metrics.update(_overlaps(res, full, full_target, source_values, target_values))
     res.save(folder)
     files = dict(OUTPUTS)
     for to, given in (("target", source_values), ("source", target_values)):
@@ -251,6 +253,30 @@ def run_job(
         for role, path in plot_registration(res, src, tgt, folder).items():
             files[role] = Path(path).name
     return JobOutput(res, src, tgt, full, files)
+
+
+def _overlaps(res, source: Shape, target: Shape, source_values, target_values) -> dict:
+    """For each labels file carried both ways under one name (:func:`carried_name`): the
+    mean Dice of the source's labels carried onto the target with the target's own, after
+    and before the registration (:meth:`~otreg.Registration.label_overlap`), as
+    ``<name>_dice`` and ``before_<name>_dice``, ``<name>`` the file's name less its
+    extension (``dseg.label.gii`` -> ``dseg``, ``lh.aparc.annot`` -> ``lh_aparc``)."""
+    theirs = {carried_name(p): p for p in target_values}
+    out = {}
+    for path in source_values:
+        name = carried_name(path)
+        if name not in theirs:
+            continue
+        try:
+            mine, own = load_values(path), load_values(theirs[name])
+            if not (mine.is_labels and own.is_labels):
+                continue
+            overlap = res.label_overlap(mine, own, source=source, target=target)
+        except (ValueError, TypeError, OSError) as err:
+            raise InputError(f"labels {name} (of {path} and {theirs[name]}): {err}") from err
+        key = re.sub(r"\W+", "_", _stem(name)).strip("_") or "labels"
+        out[f"{key}_dice"], out[f"before_{key}_dice"] = overlap["dice"], overlap["before_dice"]
+    return out
 
 
 def _carry(res, to: str, path: str | Path, target: Shape, folder: Path) -> dict[str, str]:
@@ -268,9 +294,13 @@ def _carry(res, to: str, path: str | Path, target: Shape, folder: Path) -> dict[
     save_values(moved, folder / name)
     files = {f"to-{to}:{carried_name(path)}": name}
     if moved.confidence is not None:
-        exts = (".label.gii", ".func.gii", ".shape.gii", ".gii", ".annot", ".npy")
-        stem = next((name[: -len(e)] for e in exts if name.lower().endswith(e)), name)
-        confidence = folder / f"{stem}_confidence.npy"
+        confidence = folder / f"{_stem(name)}_confidence.npy"
         save_values(moved.confidence, confidence)
         files[f"to-{to}:{carried_name(path)}:confidence"] = confidence.name
     return files
+
+
+def _stem(name: str) -> str:
+    """A values file's name less its extension (a FreeSurfer morph file has none)."""
+    exts = (".label.gii", ".func.gii", ".shape.gii", ".gii", ".annot", ".npy")
+    return next((name[: -len(e)] for e in exts if name.lower().endswith(e)), name)

@@ -81,10 +81,19 @@ _TABLE = (
 )
 
 
+def _dice_keys(rows: list[dict]) -> list[str]:
+    """The label overlaps the records hold (``<labels>_dice``, after the registration)."""
+    keys = {k for r in rows for k in r["metrics"] if k.endswith("_dice")}
+    return sorted(k for k in keys if not k.startswith("before_"))
+
+
 def _name(key: str) -> str:
     """A metric's name on the page (``sulc_correlation`` -> ``sulc correlation``)."""
     if key in _NAMES:
         return _NAMES[key]
+    if key.endswith("_dice"):
+        when = "before" if key.startswith("before_") else "after"
+        return f"label overlap {key.removeprefix('before_')[:-5]} (Dice) {when}"
     text = key.replace("_", " ")
     return text[:-3] + " (mm)" if text.endswith(" mm") else text
 
@@ -354,7 +363,8 @@ def _reason(err: dict) -> str:
 
 def _table(rows: list[dict]) -> str:
     """Every pair, its flags, and before and after side by side; flagged values marked."""
-    present = [c for c in _TABLE if any(c[2] in r["metrics"] for r in rows)]
+    overlaps = [(f"{k[:-5]} Dice", f"before_{k}", k) for k in _dice_keys(rows)]
+    present = [c for c in (*_TABLE, *overlaps) if any(c[2] in r["metrics"] for r in rows)]
     head = ['<th data-key="pair" data-type="text">pair</th>']
     head.append('<th data-key="status" data-type="text">status</th>')
     head.append('<th data-key="flags" data-type="text">flags</th>')
@@ -415,8 +425,9 @@ def _line(reason: object, limit: int = 400) -> str:
 def _strips(rows: list[dict]) -> str:
     """A strip plot per key metric, one dot per pair linked to its picture (or folder),
     flagged values in red; the other metrics' (not the bookkeeping) one click away."""
+    key_strips = (*_KEY_STRIPS, *_dice_keys(rows))
     keys = sorted(
-        {k for r in rows for k in r["metrics"]} - _BOOKKEEPING - set(_KEY_STRIPS),
+        {k for r in rows for k in r["metrics"]} - _BOOKKEEPING - set(key_strips),
         key=lambda k: (k not in _NAMES, _name(k)),
     )
 
@@ -430,7 +441,7 @@ def _strips(rows: list[dict]) -> str:
                 out.append(_strip(key, _name(key), pts))
         return out
 
-    shown = plots(_KEY_STRIPS)
+    shown = plots(key_strips)
     more = plots((*keys, "seconds", "peak_rss_mb"))
     if not shown and not more:
         return ""

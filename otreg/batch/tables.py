@@ -31,6 +31,10 @@ def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) 
     """``summary.csv`` (one row a pair) and ``failed.csv`` (the failed ones), atomically;
     returns the number of flagged pairs."""
     flags = flag_pairs({p.pair_id: records[p.pair_id] for p in pairs if p.pair_id in records})
+    overlaps = sorted(  # the label overlaps, before and after, where the batch measured them
+        {k for r in records.values() for k in r.get("metrics") or {} if k.endswith("_dice")},
+        key=lambda k: (k.removeprefix("before_"), not k.startswith("before_")),
+    )
     columns = [
         "pair_id",
         "status",
@@ -42,6 +46,7 @@ def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) 
         "host",
         "threads",
         *SUMMARY_METRICS,
+        *overlaps,
         "folder",
     ]
     rows, failed = [], []
@@ -60,7 +65,7 @@ def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) 
             "threads": rec.get("threads", ""),
             "folder": pair.folder,
         }
-        for m in SUMMARY_METRICS:
+        for m in (*SUMMARY_METRICS, *overlaps):
             row[m] = _num((rec.get("metrics") or {}).get(m))
         rows.append(row)
         if rec.get("status") == "failed":

@@ -25,6 +25,7 @@ from ..io import (
 from ..shapes import Shape
 from .lddmm import LDDMM
 from .linear import _Linear
+from .metrics import label_dice
 
 __all__ = ["Registration"]
 
@@ -214,18 +215,70 @@ class Registration:
                 f"{caller}: values hold {bad} NaN or infinite entries; a map is interpolated "
                 "and they would spread: fill them first"
             )
-        corners, weights = nearest_triangles(onto.points, origin)
-        picked = data[torch.as_tensor(corners)]  # (M, 3) or (M, 3, C)
-        w = torch.as_tensor(weights, dtype=torch.float64)
-        if not labels:
-            w = w.to(picked.dtype) if picked.is_floating_point() else w
-            out = (picked.double() * (w[..., None] if picked.dim() == 3 else w)).sum(1)
-            return VertexValues(out.to(data.dtype if data.is_floating_point() else torch.float64),
-                                given.label_table)  # fmt: skip
-        votes = torch.stack([(w * (picked == picked[:, k : k + 1])).sum(1) for k in range(3)], 1)
-        best = votes.argmax(1)
-        out = picked.gather(1, best[:, None])[:, 0]
-        return VertexValues(out, given.label_table, confidence=votes.max(1).values.float())
+        return _carry(given, origin, onto.points, labels)
+
+    def label_overlap(
+        self,
+        source_labels: torch.Tensor | np.ndarray | str | VertexValues,
+        target_labels: torch.Tensor | np.ndarray | str | VertexValues,
+        *,
+        source: Shape | None = None,
+        target: Shape | None = None,
+    ) -> dict[str, float]:
+        """How well the source's labels land on the target's own, before and after.
+
+        The source's labels are carried onto the target's vertices as :meth:`transfer` does,
+        from the warped source (after) and from the source as given (before: ``source``, or
+        the warped source brought back by :meth:`inverse_transform`), and compared with the
+        target's labels: the Dice overlap ``2|A ∩ B| / (|A| + |B|)`` of each label, averaged
+        over every label either side has (a label one side lacks scores 0).
+
+        Args:
+            source_labels: ``(N,)`` integer labels at the source's vertices (or a
+                :class:`~otreg.io.VertexValues`, or the name of an array in the warped
+                source's ``data``).
+            target_labels: ``(M,)`` integer labels at the target's vertices (or the name of
+                an array in the target's ``data``).
+            source: the source surface as given (default: recovered by the inverse map).
+            target: the target surface, where the result does not hold it.
+
+        Returns:
+            ``{"dice": after, "before_dice": before}``, each in [0, 1].
+
+        Example:
+            >>> import pyvista as pv, torch, otreg
+            >>> ball = otreg.Shape.from_pyvista(pv.Sphere(radius=20)).to(torch.float64)
+            >>> moved = ball.with_points(ball.points + torch.tensor([8.0, 0, 0]))
+            >>> res = otreg.register(ball, moved, model="rigid", progress=False)
+            >>> halves = (ball.points[:, 0] > 0).long()      # a label per hemisphere
+            >>> overlap = res.label_overlap(halves, halves)
+            >>> overlap["before_dice"] < 0.9 < overlap["dice"]
+            True
+        """
+        caller = "Registration.label_overlap"
+        goal = self._target(caller, target)
+        if source is not None and (not isinstance(source, Shape) or source.n_faces == 0):
+            raise TypeError(f"{caller}: source must be a surface Shape, got {source!r}")
+        if source is not None and source.n_points != self.warped.n_points:
+            raise ValueError(
+                f"{caller}: source has {source.n_points} vertices; the warped source has "
+                f"{self.warped.n_points}: give the surface that was registered"
+            )
+        given = _vertex_values(caller, source_labels, self.warped, "source")
+        own = _vertex_values(caller, target_labels, goal, "target")
+        for name, v in (("source_labels", given), ("target_labels", own)):
+            if not v.is_labels or v.values.dim() != 1:
+                raise ValueError(
+                    f"{caller}: {name} are {v.values.dtype} of shape "
+                    f"{tuple(v.values.shape)}; labels are one integer a vertex"
+                )
+        before = source if source is not None else self.inverse_transform(self.warped)
+        truth = own.values.numpy()
+        every = np.arange(goal.n_points)
+        return {
+            when: label_dice(_carry(given, shape, goal.points, True).values, truth, every, ())
+            for when, shape in (("dice", self.warped), ("before_dice", before))
+        }
 
     def _target(self, caller: str, given: Shape | None) -> Shape:
         """The target surface: given, kept since :func:`register`, or read from its file."""
@@ -397,6 +450,25 @@ def _vertex_values(caller: str, values, surface: Shape, role: str) -> VertexValu
             f"{surface.n_points} vertices: give (N,) or (N, C) with N = {surface.n_points}"
         )
     return values
+
+
+def _carry(given: VertexValues, origin: Shape, points: torch.Tensor, labels: bool) -> VertexValues:
+    """``given`` at the vertices of surface ``origin``, carried onto ``points`` ``(M, 3)``: maps
+    interpolated on the nearest triangle, labels by the largest barycentric weight (with it
+    as the confidence)."""
+    data = given.values
+    corners, weights = nearest_triangles(points, origin)
+    picked = data[torch.as_tensor(corners)]  # (M, 3) or (M, 3, C)
+    w = torch.as_tensor(weights, dtype=torch.float64)
+    if not labels:
+        w = w.to(picked.dtype) if picked.is_floating_point() else w
+        out = (picked.double() * (w[..., None] if picked.dim() == 3 else w)).sum(1)
+        return VertexValues(out.to(data.dtype if data.is_floating_point() else torch.float64),
+                            given.label_table)  # fmt: skip
+    votes = torch.stack([(w * (picked == picked[:, k : k + 1])).sum(1) for k in range(3)], 1)
+    best = votes.argmax(1)
+    out = picked.gather(1, best[:, None])[:, 0]
+    return VertexValues(out, given.label_table, confidence=votes.max(1).values.float())
 
 
 def nearest_triangles(points: torch.Tensor, surface: Shape) -> tuple[np.ndarray, np.ndarray]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -191,6 +192,27 @@ def test_a_job_carries_values_both_ways(tmp_path):
     assert float(agree) > 0.97
     confidence = np.load(tmp_path / "out" / "to-source_atlas_confidence.npy")
     assert confidence.min() >= 1 / 3 - 1e-6 and confidence.max() <= 1 + 1e-6
+
+
+def test_labels_carried_both_ways_under_one_name_are_scored_before_and_after(tmp_path):
+    """A source's and a target's labels files of one name (their BIDS entities aside): the
+    job records their overlap on the target, before and after, in the result's metrics."""
+    src = _sphere(tmp_path / "src.vtk", 20.0, 0.0)
+    tgt = _sphere(tmp_path / "tgt.vtk", 20.0, 6.0)  # 6 mm off: the halves overlap less before
+    _, mine = _values(tmp_path, src, "sub-01_hemi-L_dseg")
+    theirs = shutil.copy(mine, tmp_path / "tpl-x_dseg.label.gii")  # the same vertices' labels
+    _, other = _values(tmp_path, tgt, "tpl-x_atlas")  # another name: carried, not scored
+    out = run_job(src, tgt, tmp_path / "out", JobOptions("rigid", picture=False),
+                  source_values=(mine,), target_values=(theirs, other))  # fmt: skip
+    metrics = out.registration.metrics
+    assert sorted(k for k in metrics if k.endswith("_dice")) == ["before_dseg_dice", "dseg_dice"]
+    assert metrics["dseg_dice"] > 0.97 > 0.9 > metrics["before_dseg_dice"]
+    saved = json.loads((tmp_path / "out" / "registration.json").read_text())["metrics"]
+    assert saved["dseg_dice"] == metrics["dseg_dice"]
+    short = save_values(torch.ones(5, dtype=torch.long), tmp_path / "tpl-y_dseg.label.gii")
+    with pytest.raises(ValueError, match="labels dseg.label.gii .*the target has"):
+        run_job(src, tgt, tmp_path / "out2", JobOptions("rigid", picture=False),
+                source_values=(mine,), target_values=(short,))  # fmt: skip
 
 
 def test_a_batch_of_two_pairs_writes_the_carried_values_under_its_names(tmp_path):

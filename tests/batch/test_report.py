@@ -170,6 +170,35 @@ def test_bookkeeping_gets_no_strip_plot(tmp_path):
     assert "sulc correlation" in page and "sulc_correlation</b>" not in page
 
 
+def test_label_overlaps_get_columns_strips_flags_and_csv_columns(tmp_path):
+    """A batch that measured label overlaps: before and after side by side in the table,
+    the after among the key strips, a pair far below the others flagged, both in the CSV."""
+    from otreg.batch import Pair
+    from otreg.batch.tables import write_tables
+
+    afters = [0.85, 0.88, 0.86, 0.87, 0.855, 0.865, 0.41]
+    for i, after in enumerate(afters):
+        metrics = {"mean_mm": 1.0, "before_lh_aparc_dice": 0.6, "lh_aparc_dice": after}
+        record(tmp_path, f"s{i}", metrics=metrics)
+    page = build_report(tmp_path).read_text()
+    heads = re.findall(r'<th data-key="([^"]+)"', page)
+    assert heads.index("before_lh_aparc_dice") + 1 == heads.index("lh_aparc_dice")
+    shown = page.split('<details id="more-metrics">', 1)[0]
+    assert 'data-metric="lh_aparc_dice"' in shown  # among the key strips
+    assert "label overlap lh_aparc (Dice) after" in shown
+    assert "label overlap lh_aparc (Dice) before" in page
+    flagged = dict(re.findall(r'<tr class="flag" data-pair="([^"]+)" data-kind="([^"]+)"', page))
+    assert flagged == {"s6": "outlier"}
+    assert "label overlap lh_aparc (Dice) 0.41 (median 0.86)" in page
+    records_ = {p.name: json.loads((p / "metrics.json").read_text()) for p in
+                (tmp_path / "pairs").iterdir()}  # fmt: skip
+    write_tables(tmp_path, [Pair(pid, "/a", "/b") for pid in sorted(records_)], records_)
+    head, first = (tmp_path / "summary.csv").read_text().splitlines()[:2]
+    columns = head.split(",")
+    assert columns.index("before_lh_aparc_dice") + 1 == columns.index("lh_aparc_dice")
+    assert first.split(",")[columns.index("lh_aparc_dice")] == "0.85"
+
+
 def test_flagged_pairs_come_first_with_their_reasons(tmp_path):
     """A right hemisphere filed as left, two byte-identical sources and a far outlier: each
     in the attention list with its reason, marked in the table and in summary.csv."""

@@ -66,6 +66,28 @@ def test_labels_go_both_ways_every_vertex_assigned_with_a_confidence(ball):
     assert float((back.values == labels).double().mean()) > 0.98  # borders may shift a vertex
 
 
+def test_label_overlap_before_and_after(ball):
+    """Dice against brute force: after a rigid fit the labels land (near) exactly; before,
+    the moved copy's labels overlap as the nearest vertices' labels say."""
+    target, _ = rotated(ball, angle=0.0, shift=(6.0, 0.0, 0.0))
+    res = otreg.register(ball, target, model="rigid", progress=False)
+    labels = (torch.atan2(ball.points[:, 1], ball.points[:, 0]) * 2).floor().long() + 10
+    overlap = res.label_overlap(labels, labels)
+    assert overlap["dice"] > 0.97
+    nearest = torch.cdist(target.points, ball.points).argmin(1)  # before: the nearest vertex
+    carried = labels[nearest]
+    a, b = [(carried == k) for k in labels.unique()], [(labels == k) for k in labels.unique()]
+    dice = [2 * (x & y).sum() / (x.sum() + y.sum()) for x, y in zip(a, b)]
+    assert abs(overlap["before_dice"] - float(torch.stack(dice).mean())) < 0.03
+    assert overlap["before_dice"] < 0.8
+    given = res.label_overlap(labels, labels, source=ball)  # the source given: the same
+    assert abs(given["before_dice"] - overlap["before_dice"]) < 1e-9
+    with pytest.raises(ValueError, match="target_labels are torch.float64"):
+        res.label_overlap(labels, labels.double())
+    with pytest.raises(ValueError, match="source has [0-9]+ vertices; the warped source has"):
+        res.label_overlap(labels, labels, source=ball.decimate(4))
+
+
 def test_the_inverse_map_undoes_the_registration(ball):
     egg = ball.with_points(ball.points * torch.tensor([1.2, 0.9, 1.0], dtype=D) + 1.0)
     res = otreg.register(ball, egg, progress=False)
