@@ -10,8 +10,9 @@ label of the nearest cortical voxel.
 For each ordered pair (A onto B): register A's surface onto B's (decimated to ``--points``
 vertices; the defaults otherwise), carry A's labels onto B's vertices
 (``Registration.transfer``: the nearest triangle of the warped A, its largest barycentric
-weight) and score them against B's own labels, which the registration never saw: the Dice
-of each label over B's vertices, averaged over the labels. Rows: ``identity`` (the native
+weight) and score them against B's own labels, which the registration never saw
+(``Registration.label_overlap``): the Dice of each label over B's vertices, averaged over
+the labels. Rows: ``identity`` (the native
 spaces as they are), ``rigid``, ``affine`` (pre-alignment and fit by otreg's OT matching),
 ``lddmm`` (otreg's default: rigid pre-alignment, then LDDMM).
 
@@ -76,15 +77,6 @@ def donor_surface(donor: str):
     return shape.with_data(label=torch.as_tensor(vertex_labels))
 
 
-def dice(carried, truth) -> tuple[float, dict]:
-    """Mean over truth's labels of 2|carried = l and truth = l| / (|carried = l| + |truth = l|)."""
-    per = {}
-    for label in truth.unique().tolist():
-        a, b = carried == label, truth == label
-        per[label] = float(2 * (a & b).sum() / (a.sum() + b.sum()))
-    return statistics.fmean(per.values()), per
-
-
 def worker(source_donor: str, target_donor: str, points: int) -> dict:
     from otreg import register
     from otreg.registration import Registration
@@ -107,14 +99,13 @@ def worker(source_donor: str, target_donor: str, points: int) -> dict:
             kw = {"model": model} if model != "lddmm" else {}
             res = register(small_source, small_target, progress=False, **kw)
         seconds = time.perf_counter() - start
-        carried = res.transfer(
-            small_source.data["label"], to="target", kind="labels", target=target
-        ).values
-        mean, _ = dice(carried, target.data["label"])
+        overlap = res.label_overlap(
+            small_source.data["label"], target.data["label"], source=small_source, target=target
+        )
         distances = surface_distances(res.warped, small_target, to="surface")
         out[model] = {
             "seconds": seconds,
-            "dice": mean,
+            "dice": overlap["dice"],
             "mean_mm": distances["mean_mm"],
             "jacobian_min": res.metrics.get("jacobian_min"),
         }

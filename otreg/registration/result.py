@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .._checks import check_choice
+from .._checks import check_choice, check_positive
 from ..io import (
     VertexValues,
     atomic_write_all,
@@ -216,6 +216,75 @@ class Registration:
                 "and they would spread: fill them first"
             )
         return _carry(given, origin, onto.points, labels)
+
+    def label_probabilities(
+        self,
+        labels: torch.Tensor | np.ndarray | str | VertexValues,
+        to: str = "target",
+        *,
+        blur: float | None = None,
+        target: Shape | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Soft labels from a transport plan: each destination vertex's probability of
+        each label.
+
+        The entropic optimal transport plan ``pi`` between the two surfaces' area measures
+        (the warped source's and the target's, :func:`otreg.sinkhorn` at ``blur``) spreads
+        each vertex's mass over the other surface's vertices within about ``blur``; the
+        probability of label ``l`` at destination vertex ``j`` is the share of the mass it
+        receives from vertices labelled ``l``: ``sum_i pi_ij [label_i = l] / sum_i pi_ij``.
+        Where :meth:`transfer` picks one label from the nearest triangle, these say how
+        sure that is at the scale of ``blur`` (near a border: shared).
+
+        Args:
+            labels: ``(N,)`` integer labels at the vertices of the surface they come from
+                (or a :class:`~otreg.io.VertexValues`, or the name of an array in its
+                ``data``).
+            to: ``"target"`` or ``"source"``.
+            blur: mm; default the finest scale the fit used (its last level's).
+            target: the target surface, where the result does not hold it.
+
+        Returns:
+            ``(probabilities, values)``: ``(M, L)`` float64 rows summing to 1 at the
+            destination's ``M`` vertices, and the ``(L,)`` labels of the columns.
+
+        Example:
+            >>> import pyvista as pv, torch, otreg
+            >>> ball = otreg.Shape.from_pyvista(pv.Sphere(radius=20)).to(torch.float64)
+            >>> res = otreg.register(ball, ball, model="rigid", progress=False)
+            >>> halves = (ball.points[:, 2] > 0).long()
+            >>> p, values = res.label_probabilities(halves, blur=2.0)
+            >>> values.tolist(), bool(torch.allclose(p.sum(1), torch.ones(len(p), dtype=p.dtype)))
+            ([0, 1], True)
+            >>> float(p[ball.points[:, 2].argmax(), 1]) > 0.99     # the north pole: upper
+            True
+        """
+        from ..ot.solver import sinkhorn
+
+        caller = "Registration.label_probabilities"
+        check_choice(caller, "to", to, ("target", "source"))
+        goal = self._target(caller, target)
+        origin, onto = (self.warped, goal) if to == "target" else (goal, self.warped)
+        given = _vertex_values(caller, labels, origin, "source" if to == "target" else "target")
+        if not given.is_labels or given.values.dim() != 1:
+            raise ValueError(
+                f"{caller}: labels are {given.values.dtype} of shape "
+                f"{tuple(given.values.shape)}; labels are one integer a vertex"
+            )
+        if blur is None:
+            levels = self.options.get("levels") or []
+            if not levels:
+                raise ValueError(f"{caller}: this result records no fit's scale: give blur= (mm)")
+            blur = float(levels[-1]["scale"])
+        blur = check_positive(caller, "blur", blur)
+        values, index = torch.unique(given.values, return_inverse=True)
+        x, y = (s.points.detach().double().cpu() for s in (origin, onto))
+        a, b = (s.point_areas.detach().double().cpu() for s in (origin, onto))
+        with torch.no_grad():
+            plan = sinkhorn(x, y, a / a.sum(), b / b.sum(), blur=blur).plan
+            onehot = torch.nn.functional.one_hot(index, len(values)).double()
+            mass = plan.apply_t(onehot)  # (M, L): the mass each vertex gets from each label
+        return mass / mass.sum(1, keepdim=True).clamp_min(1e-300), values
 
     def label_overlap(
         self,

@@ -88,6 +88,34 @@ def test_label_overlap_before_and_after(ball):
         res.label_overlap(labels, labels, source=ball.decimate(4))
 
 
+def test_label_probabilities_are_the_plans_shares_by_label(ball):
+    """Against POT's converged log-domain Sinkhorn between the same area measures: the
+    share of each target vertex's mass coming from each label."""
+    ot = pytest.importorskip("ot")
+    target = ball.with_points(ball.points + torch.tensor([1.0, -0.5, 0.0], dtype=D))
+    res = otreg.register(ball, target, model="rigid", progress=False)
+    labels = (torch.atan2(ball.points[:, 1], ball.points[:, 0]) * 2).floor().long() + 10
+    p, values = res.label_probabilities(labels, blur=3.0)
+    assert values.tolist() == sorted(set(labels.tolist())) and p.shape == (target.n_points, 13)
+    x, y = res.warped.points.double(), target.points.double()
+    a, b = (s.point_areas.double() for s in (res.warped, target))
+    cost = torch.cdist(x, y) ** 2 / 2
+    plan = ot.sinkhorn(a / a.sum(), b / b.sum(), cost, 9.0, method="sinkhorn_log",
+                       numItermax=20_000, stopThr=1e-12)  # fmt: skip
+    onehot = torch.nn.functional.one_hot(labels - 4, 13).double()
+    truth = plan.T @ onehot / plan.sum(0)[:, None]
+    assert float((p - truth).abs().max()) < 2e-3
+    assert torch.allclose(p.sum(1), torch.ones(len(p), dtype=D))
+    picked = values[p.argmax(1)]  # agrees with the nearest-triangle labels but at borders
+    assert float((picked == res.transfer(labels).values).double().mean()) > 0.9
+    back, _ = res.label_probabilities(labels, to="source", blur=3.0)
+    assert back.shape == (ball.n_points, 13)
+    with pytest.raises(ValueError, match="labels are torch.float64"):
+        res.label_probabilities(labels.double(), blur=3.0)
+    with pytest.raises(ValueError, match="blur"):
+        res.label_probabilities(labels, blur=-1.0)
+
+
 def test_the_inverse_map_undoes_the_registration(ball):
     egg = ball.with_points(ball.points * torch.tensor([1.2, 0.9, 1.0], dtype=D) + 1.0)
     res = otreg.register(ball, egg, progress=False)

@@ -1,0 +1,245 @@
+"""The default Sinkhorn call against GeomLoss over a family of problems, not one.
+
+A converging solver's time depends on the problem (how many iterations its final blur
+needs), so one benchmark problem hides it. Problems (float32 data, the squared distance
+over 2 as cost, the divergence and its gradient in the first cloud):
+
+- ``spheres, shift S``: two noisy unit spheres (noise 0.02), centres S diameters apart;
+- ``spheres, radii 1 and 0.5``: a unit sphere and one of radius 0.5, centres 0.1 apart;
+- ``clusters vs ball``: eight tight clusters (std 0.02) against a uniform unit ball;
+- ``brains, blur B mm``: fsaverage5's left pial surface's vertices (10,242, nilearn's
+  wheel) against Conte69's left midthickness (32,492, brainspace's), in mm.
+
+The synthetic clouds have ``--sizes`` points each (5,000 by default) and ``--blur`` 0.01
+(0.005 of their diameter); the brains their own vertices and blurs 1 and 3 mm. Methods:
+``otreg.sinkhorn_divergence(x, y, blur=b)`` (the default call), GeomLoss's default call
+(``SamplesLoss("sinkhorn", p=2, blur=b)``, scaling 0.5) and its multiscale backend at
+scaling 0.5 and 0.9. Each call runs in a fresh process; the KeOps formulas GeomLoss uses
+are compiled first, untimed. Errors are against a float64 reference: otreg's solver
+iterated at the final blur to a marginal error of 1e-7 (Anderson mixing), saved in
+~/.cache/otreg-benchmarks/ and read back by later runs (``--fresh-reference`` recomputes).
+
+    python benchmarks/sinkhorn_family.py                   # every problem, N = 5,000
+    python benchmarks/sinkhorn_family.py --problems clusters
+    python benchmarks/sinkhorn_family.py --record          # into docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from _common import peak_rss_mb, publish, run_worker, table
+
+CACHE = Path.home() / ".cache" / "otreg-benchmarks"
+
+#: name: (kind, parameters); brains carry their own blur (mm).
+PROBLEMS = {
+    "spheres, shift 0.05": ("spheres", {"shift": 0.05, "radius": 1.0}),
+    "spheres, shift 0.25": ("spheres", {"shift": 0.25, "radius": 1.0}),
+    "spheres, shift 1": ("spheres", {"shift": 1.0, "radius": 1.0}),
+    "spheres, radii 1 and 0.5": ("spheres", {"shift": 0.05, "radius": 0.5}),
+    "clusters vs ball": ("clusters", {}),
+    "brains, blur 3 mm": ("brains", {"blur": 3.0}),
+    "brains, blur 1 mm": ("brains", {"blur": 1.0}),
+}
+METHODS = {
+    "reference (float64, marginal error 1e-7)": ("reference", {}),
+    "otreg default call": ("otreg", {}),
+    "GeomLoss default call": ("geomloss", {"backend": "auto", "scaling": 0.5}),
+    "GeomLoss multiscale, scaling 0.5": ("geomloss", {"backend": "multiscale", "scaling": 0.5}),
+    "GeomLoss multiscale, scaling 0.9": ("geomloss", {"backend": "multiscale", "scaling": 0.9}),
+}
+
+
+def data(problem: str, n: int, dtype):
+    """The two clouds of a problem, ``(N, 3)`` and ``(M, 3)``."""
+    import torch
+
+    from otreg import datasets
+
+    kind, p = PROBLEMS[problem]
+    if kind == "spheres":
+        x = datasets.noisy_sphere(n, seed=1, dtype=torch.float64)
+        y = datasets.noisy_sphere(
+            n, radius=p["radius"], center=(2.0 * p["shift"], 0, 0), seed=2, dtype=torch.float64
+        )
+    elif kind == "clusters":
+        g = torch.Generator().manual_seed(3)
+        centres = torch.randn(8, 3, generator=g, dtype=torch.float64)
+        centres = 0.7 * centres / centres.norm(dim=1, keepdim=True)
+        x = centres[torch.arange(n) % 8] + 0.02 * torch.randn(
+            n, 3, generator=g, dtype=torch.float64
+        )
+        ball = torch.randn(n, 3, generator=g, dtype=torch.float64)
+        radii = torch.rand(n, 1, generator=g, dtype=torch.float64) ** (1 / 3)
+        y = ball / ball.norm(dim=1, keepdim=True) * radii
+    else:
+        x = datasets.fsaverage5("pial", dtype=torch.float64).points
+        y = datasets.conte69(surface="midthickness", dtype=torch.float64).points
+    return x.to(dtype).contiguous(), y.to(dtype).contiguous()
+
+
+def blur_of(problem: str, blur: float) -> float:
+    kind, p = PROBLEMS[problem]
+    return p["blur"] if kind == "brains" else blur
+
+
+def worker(method: str, problem: str, n: int, blur: float) -> dict:
+    import torch
+
+    lib, opts = METHODS[method]
+    blur = blur_of(problem, blur)
+    x, y = data(problem, n, torch.float64 if lib == "reference" else torch.float32)
+    x.requires_grad_(True)
+    info: dict = {}
+    start = time.perf_counter()
+    if lib in ("otreg", "reference"):
+        import otreg
+        from otreg.ot.divergence import divergence
+
+        options = otreg.SinkhornOptions(blur=blur)
+        if lib == "reference":  # the default's annealing, then the final blur to 1e-7
+            options = otreg.SinkhornOptions(blur=blur, tol=1e-7, max_iter=50_000)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            # what otreg.sinkhorn_divergence(x, y, blur=blur) runs, with its result's counts
+            value, res = divergence("sinkhorn_divergence", x, y, None, None, options)
+        info = {"iters": res.n_iter, "backend": res.backend}
+        unconverged = [w for w in caught if issubclass(w.category, otreg.ConvergenceWarning)]
+        if unconverged:
+            info["note"] = "warned: " + str(unconverged[0].message)[:100]
+    else:
+        import geomloss
+
+        loss = geomloss.SamplesLoss("sinkhorn", p=2, blur=blur, **opts)
+        value = loss(x, y)
+    (grad,) = torch.autograd.grad(value, x)
+    return {
+        "seconds": time.perf_counter() - start,
+        "peak_rss_mb": peak_rss_mb(),
+        "value": float(value.detach()),
+        "grad": grad.double().flatten().tolist(),
+        **info,
+    }
+
+
+def reference_file(problem: str, n: int, blur: float) -> Path:
+    name = problem.replace(" ", "-").replace(",", "")
+    return CACHE / f"family_{name}_n{n}_blur{blur_of(problem, blur):g}.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--problems", nargs="*", default=list(PROBLEMS))
+    parser.add_argument("--sizes", type=int, nargs="*", default=[5000])
+    parser.add_argument("--blur", type=float, default=0.01, help="of the synthetic problems")
+    parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--fresh-reference", action="store_true")
+    parser.add_argument("--record", action="store_true")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        method, problem, n, blur = args.worker
+        print(json.dumps(worker(method, problem, int(n), float(blur))))
+        return
+    import numpy as np
+
+    problems = [p for name in args.problems for p in PROBLEMS if p == name or p.startswith(name)]
+    if not problems:
+        sys.exit(f"--problems: none of {args.problems} names a problem of {list(PROBLEMS)}")
+    for method in args.methods:  # KeOps compiles its formulas once, untimed
+        if METHODS[method][0] == "geomloss":
+            run_worker(__file__, [method, "spheres, shift 0.05", "500", "0.05"], args.timeout)
+    rows = []
+    for problem in problems:
+        sizes = [10_242] if PROBLEMS[problem][0] == "brains" else args.sizes
+        for n in sizes:
+            cached = reference_file(problem, n, args.blur)
+            ref = None
+            if cached.is_file() and not args.fresh_reference:
+                ref = json.loads(cached.read_text())
+            here = []
+            for method in args.methods:
+                if METHODS[method][0] == "reference" and ref is not None:
+                    here.append({**ref, "note": f"saved by an earlier run ({ref['date']})"})
+                    continue
+                out = run_worker(__file__, [method, problem, str(n), str(args.blur)], args.timeout)
+                shown = {k: v for k, v in out.items() if k != "grad"}
+                print(problem, n, method, shown, file=sys.stderr, flush=True)
+                row = {"problem": problem, "n": n, "method": method, **out}
+                if METHODS[method][0] == "reference" and "value" in out:
+                    ref = {**row, "date": time.strftime("%Y-%m-%d")}
+                    CACHE.mkdir(parents=True, exist_ok=True)
+                    cached.write_text(json.dumps(ref))
+                here.append(row)
+            fastest = min(
+                (
+                    r["seconds"]
+                    for r in here
+                    if r["method"].startswith("GeomLoss") and "seconds" in r
+                ),
+                default=None,
+            )
+            accurate = next(
+                (r for r in here if r["method"] == "GeomLoss multiscale, scaling 0.9"), None
+            )
+            for row in here:
+                is_ref = METHODS[row["method"]][0] == "reference"
+                if ref is not None and "value" in row and not is_ref:
+                    row["value_err"] = abs(row["value"] / ref["value"] - 1)
+                    g, gr = np.array(row["grad"]), np.array(ref["grad"])
+                    row["grad_err"] = float(np.linalg.norm(g - gr) / np.linalg.norm(gr))
+                if fastest and "seconds" in row and not is_ref:
+                    row["time_ratio"] = row["seconds"] / fastest
+            if accurate is not None and "grad_err" in accurate:
+                for row in here:
+                    if "grad_err" in row:
+                        row["err_ratio"] = row["grad_err"] / accurate["grad_err"]
+            rows += here
+    columns = [
+        ("problem", "problem", ""),
+        ("n", "N", "{:,}"),
+        ("method", "method", ""),
+        ("iters", "iterations", "{}"),
+        ("seconds", "time (s)", "{:.2f}"),
+        ("time_ratio", "time / GeomLoss's fastest", "{:.2f}"),
+        ("peak_rss_mb", "peak RSS (MB)", "{:.0f}"),
+        ("value_err", "value rel. err.", "{:.1e}"),
+        ("grad_err", "grad rel. err.", "{:.1e}"),
+        ("err_ratio", "grad err. / GeomLoss 0.9's", "{:.2f}"),
+        ("note", "note", ""),
+    ]
+    ours = [r for r in rows if r["method"] == "otreg default call" and "time_ratio" in r]
+    summary = ""
+    if ours:
+        times = [r["time_ratio"] for r in ours]
+        errs = [r["err_ratio"] for r in ours if "err_ratio" in r]
+        worst = max(ours, key=lambda r: r["time_ratio"])
+        summary = (
+            f"\n\nThe default call's time over GeomLoss's fastest: median "
+            f"{statistics.median(times):.2f}, worst {max(times):.2f} ({worst['problem']}); "
+            f"its gradient error over GeomLoss's accurate call's (scaling 0.9): median "
+            f"{statistics.median(errs):.2f}, worst {max(errs):.2f}."
+            if errs
+            else ""
+        )
+    body = table(rows, columns) + summary
+    defaults = parser.parse_args([])
+    variant = []
+    if problems != list(PROBLEMS):
+        variant.append("; ".join(problems))
+    if args.sizes != defaults.sizes or args.blur != defaults.blur:
+        variant.append(f"N = {', '.join(map(str, args.sizes))}, blur {args.blur:g}")
+    publish("Sinkhorn over a family of problems: the default call vs GeomLoss", body,
+            args.record, ", ".join(variant))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
