@@ -206,6 +206,8 @@ def check_progress(caller: str, progress: object) -> bool:
         raise TypeError(f"{caller}: progress is {progress!r}; it must be True, False or None")
     if progress is not None:
         return progress
-    if "ipykernel" in sys.modules:
+    ipython = sys.modules.get("IPython")  # a Jupyter kernel's shell has a kernel; a process
+    shell = ipython.get_ipython() if ipython is not None else None  # that imported one, not
+    if getattr(shell, "kernel", None) is not None:
         return True
     return sys.stderr.isatty() if hasattr(sys.stderr, "isatty") else False

@@ -262,13 +262,15 @@ def test_tol_is_relative_to_the_level_start(pial_small):
 
 def test_progress_bars_by_default_only_where_someone_watches(pial_small, monkeypatch, capsys):
     """register's default (progress=None): no bar when stderr is not a terminal (a log
-    file would keep every redraw), a bar on a terminal or in a Jupyter kernel."""
+    file would keep every redraw), a bar on a terminal or in a Jupyter kernel (not in a
+    process that merely imported IPython or ipykernel: a test that ran a notebook)."""
     import sys
+    import types
 
     from otreg._checks import check_progress
 
     small = dict(levels=((200, 4.0),), optimizer=LBFGSOptions(max_iter=2), prealign="none")
-    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    monkeypatch.delitem(sys.modules, "IPython", raising=False)
     register(pial_small, pial_small, **small)  # capsys: stderr is not a terminal
     assert "eval" not in capsys.readouterr().err
     register(pial_small, pial_small, progress=True, **small)
@@ -277,7 +279,11 @@ def test_progress_bars_by_default_only_where_someone_watches(pial_small, monkeyp
     assert check_progress("test", None) and not check_progress("test", False)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     assert not check_progress("test", None)
-    monkeypatch.setitem(sys.modules, "ipykernel", object())
+    shell = types.SimpleNamespace(kernel=None)  # IPython in a terminal, or only imported
+    ipython = types.SimpleNamespace(get_ipython=lambda: shell)
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    assert not check_progress("test", None)
+    shell.kernel = object()  # a Jupyter kernel's shell
     assert check_progress("test", None)
     with pytest.raises(TypeError, match="progress is 'yes'; it must be True, False or None"):
         register(pial_small, pial_small, "rigid", progress="yes")
