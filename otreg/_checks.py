@@ -211,3 +211,29 @@ def check_progress(caller: str, progress: object) -> bool:
     if getattr(shell, "kernel", None) is not None:
         return True
     return sys.stderr.isatty() if hasattr(sys.stderr, "isatty") else False
+
+
+def check_device(caller: str, device: object) -> torch.device | None:
+    """``device`` (None, a ``torch.device`` or its name: ``"cpu"``, ``"cuda"``,
+    ``"cuda:1"``) as a device this process can use; ValueError naming it otherwise."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"{caller}: device is {device!r}; give 'cpu', 'cuda' or 'cuda:N'") from err
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"{caller}: device is {device!r} but torch {torch.__version__} sees no CUDA "
+                "device here (a CPU build, or no driver): leave it out to run on the CPU"
+            )
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(
+                f"{caller}: device is {device!r} but this machine has {count} CUDA "
+                f"device(s): cuda:0 to cuda:{count - 1}"
+            )
+    elif dev.type != "cpu":
+        raise ValueError(f"{caller}: device is {device!r}; give 'cpu', 'cuda' or 'cuda:N'")
+    return dev

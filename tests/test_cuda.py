@@ -59,6 +59,22 @@ def test_register_on_cuda_shapes():
     assert moved.device.type == "cpu" and res.device.type == "cuda"
 
 
+def test_a_job_on_cuda_writes_what_a_cpu_job_writes(tmp_path):
+    """run_job(device="cuda"): the surfaces read on the CPU, registered on the card, the
+    same files and close numbers."""
+    pv = pytest.importorskip("pyvista")
+    from otreg.batch import JobOptions, run_job
+
+    ball = otreg.Shape.from_pyvista(pv.Sphere(radius=20))
+    src = otreg.save_shape(ball, tmp_path / "a.vtk")
+    tgt = otreg.save_shape(ball.with_points(ball.points * 1.1 + 1.0), tmp_path / "b.vtk")
+    options = JobOptions("affine", picture=False)
+    gpu = run_job(src, tgt, tmp_path / "gpu", options, device="cuda")
+    cpu = run_job(src, tgt, tmp_path / "cpu", options)
+    assert gpu.registration.device.type == "cuda" and sorted(gpu.files) == sorted(cpu.files)
+    assert abs(gpu.registration.metrics["mean_mm"] - cpu.registration.metrics["mean_mm"]) < 0.05
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_sinkhorn_loss_in_an_autocast_model(dtype):
     model = torch.nn.Linear(3, 3).cuda()

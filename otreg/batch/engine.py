@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .._checks import check_device
 from ..loops.budget import parse_bytes
 from ..registration.result import OUTPUTS
 from .dispatch import Cluster, dispatch
@@ -244,6 +245,7 @@ def run_batch(
     scheduler_file: str | Path | None = None,
     timeout: float | None = None,
     memory_limit: str | float | None = "auto",
+    device: str | None = None,
     rerun_failed: bool = False,
     only: Iterable[str] | None = None,
     progress: bool = False,
@@ -267,6 +269,10 @@ def run_batch(
         timeout: seconds a pair may run before it fails with class ``timeout``.
         memory_limit: per local worker (bytes, ``"4GB"``, ``"auto"``: memory / workers);
             a worker above 95% of it is restarted and its pair fails ``out of memory``.
+        device: where each pair is registered: None (the CPU), ``"cuda"`` (with several
+            GPUs, worker k uses GPU k modulo their number) or ``"cuda:N"``. Checked here
+            for local workers; on an existing cluster, by each worker. Not part of the
+            resume key: it changes where a pair runs, not what it computes.
         rerun_failed: run again the pairs that failed with the current key.
         only: pair ids to consider (the others are left as they are).
         progress: a progress bar on stderr (else one line per finished pair via ``echo``).
@@ -300,6 +306,8 @@ def run_batch(
     if scheduler and scheduler_file:
         raise ValueError("give scheduler or scheduler_file, not both")
     memory_limit = check_memory_limit(memory_limit)
+    if device is not None and not (scheduler or scheduler_file):
+        check_device("run_batch", device)  # the local workers see what this process sees
     start = time.perf_counter()
     planned = plan_batch(pairs, out, options, rerun_failed=rerun_failed, only=only)
     out.mkdir(parents=True, exist_ok=True)
@@ -326,7 +334,7 @@ def run_batch(
         try:
             cluster = Cluster(out, workers, threads, scheduler, scheduler_file, memory_limit, echo)
             with cluster as cl:
-                specs = [pair_spec(out, p, batch_id, cl.threads, timeout) for p in todo]
+                specs = [pair_spec(out, p, batch_id, cl.threads, timeout, device) for p in todo]
                 dispatch(cl, specs, records, progress, echo)
         except KeyboardInterrupt:
             interrupted = True
@@ -388,7 +396,9 @@ def _sweep_leftovers(out: Path, pairs: Iterable[Pair]) -> None:
             lock.unlink(missing_ok=True)
 
 
-def pair_spec(out: Path, p: Planned, batch_id: str, threads=None, timeout=None) -> dict:
+def pair_spec(
+    out: Path, p: Planned, batch_id: str, threads=None, timeout=None, device=None
+) -> dict:
     """What a worker needs to run a planned pair (:func:`~otreg.batch.worker.run_pair`)."""
     return {
         "out": str(out.absolute()),
@@ -398,6 +408,7 @@ def pair_spec(out: Path, p: Planned, batch_id: str, threads=None, timeout=None) 
         "key_parts": p.parts,
         "threads": threads,
         "timeout": timeout,
+        "device": None if device is None else str(device),
         "batch_id": batch_id,
     }
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .._checks import check_choice, check_int, check_positive
+from .._checks import check_choice, check_device, check_int, check_positive
 from ..io import load_input, load_values, save_values
 from ..registration import LBFGSOptions, LDDMMOptions, PrealignOptions, register
 from ..registration.losses import LOSSES, SINKHORN_TERM
@@ -202,6 +202,7 @@ def run_job(
     progress: bool | None = False,
     source_values: Sequence[str | Path] = (),
     target_values: Sequence[str | Path] = (),
+    device: str | torch.device | None = None,
 ) -> JobOutput:
     """Register ``source`` onto ``target`` (files, or Shapes) and write the result into
     ``folder`` (the files of :data:`JOB_FILES`).
@@ -215,6 +216,9 @@ def run_job(
     ``to-target_<name>`` in the same format, ``<name>`` from :func:`carried_name`;
     ``target_values`` onto the source's as ``to-source_<name>``. Labels keep their table; their
     confidence goes beside them as ``to-<side>_<name>_confidence.npy``.
+
+    ``device`` (``"cuda"``, ``"cuda:1"``; default the CPU) is where the registration runs:
+    the surfaces are read on the CPU and moved there; what is written is the same.
 
     Example:
         >>> import tempfile, pathlib, pyvista as pv, otreg
@@ -230,6 +234,7 @@ def run_job(
     options = options or JobOptions()
     if not isinstance(options, JobOptions):
         raise TypeError(f"run_job: options must be a JobOptions, got {type(options).__name__}")
+    device = check_device("run_job", device)
     full, full_target = _load("source", source, label, level), _load("target", target, label, level)
     src, tgt = (
         s
@@ -237,6 +242,9 @@ def run_job(
         else dataclasses.replace(s.decimate(options.points), source=s.source)
         for s in (full, full_target)
     )
+    if device is not None:
+        src, tgt = src.to(device), tgt.to(device)
+        truth = None if truth is None else truth.to(device)
     res = register(src, tgt, truth=truth, progress=progress, **options.register_options())
     if options.points is not None:  # the metrics are the decimated fit's
         res.warped = res.transform(full)

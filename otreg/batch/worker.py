@@ -21,6 +21,7 @@ import time
 import traceback
 import uuid
 import warnings
+import zlib
 from pathlib import Path
 
 from ..io import atomic_write
@@ -60,6 +61,7 @@ def _base_record(spec: dict, pair: Pair) -> dict:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "threads": spec.get("threads"),
+        "device": spec.get("device") or "cpu",
         "otreg_version": _version(),
     }
 
@@ -159,6 +161,26 @@ def _fast_allocator() -> None:
         pass
 
 
+def _device(device: str | None) -> str | None:
+    """The device of this worker: with ``"cuda"`` and several GPUs, the one of the worker's
+    number (a local cluster numbers its workers 0, 1, ...) modulo their number."""
+    if device != "cuda":
+        return device
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count <= 1:
+        return device
+    try:
+        from distributed import get_worker
+
+        name = get_worker().name
+    except (ImportError, ValueError):  # not in a Dask worker
+        name = os.getpid()
+    index = name if isinstance(name, int) else zlib.crc32(str(name).encode())
+    return f"cuda:{index % count}"
+
+
 def _set_threads(threads: int | None) -> int:
     import torch
 
@@ -207,7 +229,7 @@ def _run_locked(spec: dict, pair: Pair, out: Path, lock: PairLock) -> dict:
     staging = folder / f"{STAGING_PREFIX}{pair.pair_id}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     threads = _set_threads(spec.get("threads"))
-    spec = {**spec, "threads": threads}
+    spec = {**spec, "threads": threads, "device": _device(spec.get("device"))}
     started, start = now_iso(), time.perf_counter()
     _reset_peak_rss()
     timer = None
@@ -277,6 +299,7 @@ def _register(spec: dict, pair: Pair, staging: Path) -> dict:
         level=pair.level,
         source_values=pair.source_values,
         target_values=pair.target_values,
+        device=spec.get("device"),
     )
     metrics = dict(out.registration.metrics)
     metrics["source_vertices"] = out.source.n_points

@@ -106,6 +106,27 @@ threads_option = click.option(
 )
 
 
+def _device(ctx, param, value):
+    """The name's form only: whether the device is there is checked where the work runs."""
+    try:
+        kind = None if value is None else torch.device(value).type
+    except (RuntimeError, TypeError):
+        kind = "?"
+    if kind not in (None, "cpu", "cuda"):
+        raise click.BadParameter(f"{value!r}; give cpu, cuda or cuda:N")
+    return value
+
+
+#: --device, for the commands that run registrations.
+device_option = click.option(
+    "--device",
+    default=None,
+    callback=_device,
+    help="Where to register: cpu, cuda (a batch's workers spread over the GPUs) or cuda:N "
+    "[default: cpu].",
+)
+
+
 def set_threads(threads: int | None) -> None:
     """Apply --threads (torch's intra-op threads)."""
     if threads is not None:

@@ -17,6 +17,7 @@ from ..batch.manifest import check_pair_id
 from ..batch.records import find_records, unreadable_records
 from ..batch.report import build_report
 from ._common import (
+    device_option,
     given_registration_options,
     progress_option,
     registration_options,
@@ -98,6 +99,7 @@ def runner_options(f):
         click.option(
             "--report/--no-report", default=True, show_default=True, help="Write index.html."
         ),
+        device_option,
         progress_option,
     ]
     for option in reversed(options):
@@ -136,6 +138,7 @@ def run_engine(pairs, output: str | Path, kw: dict, tables: bool = True) -> None
                 scheduler_file=kw["scheduler_file"],
                 timeout=kw["timeout"],
                 memory_limit=memory_limit,
+                device=kw["device"],
                 rerun_failed=kw["rerun_failed"],
                 only=kw["only"],
                 progress=check_progress("otreg batch", kw["progress"]),

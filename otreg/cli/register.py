@@ -12,12 +12,13 @@ import click
 
 from .. import datasets
 from .._checks import check_progress
-from ..batch.job import InputError, JobOptions, carried_name, run_job
+from ..batch.job import JobOptions, carried_name, run_job
 from ..batch.manifest import Pair
 from ..io import load_shape, load_values, same_file, save_shape, save_values
 from ..registration import Registration
 from ._common import (
     check_volume_options,
+    device_option,
     job_options,
     output_folder,
     progress_option,
@@ -59,6 +60,7 @@ __all__: list[str] = []
 @registration_options
 @volume_options
 @threads_option
+@device_option
 @progress_option
 def register_cmd(
     source: str,
@@ -69,6 +71,7 @@ def register_cmd(
     label: float | None,
     level: float | None,
     threads: int | None,
+    device: str | None,
     progress: bool | None,
     **registration,
 ) -> None:
@@ -99,6 +102,7 @@ def register_cmd(
                 progress=progress,
                 source_values=source_values,
                 target_values=target_values,
+                device=device,
             )
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(str(err)) from err
@@ -185,6 +189,7 @@ def _print_outputs(m: dict, folder: Path) -> None:
     help="Decimate both surfaces to about this many vertices (a quick run).",
 )
 @threads_option
+@device_option
 @progress_option
 def demo(
     output: str,
@@ -193,6 +198,7 @@ def demo(
     surface: str,
     points: int | None,
     threads: int | None,
+    device: str | None,
     progress: bool | None,
 ) -> None:
     """Register two real brain surfaces (by default fsaverage5 onto Conte69) and write the
@@ -210,8 +216,9 @@ def demo(
         save_shape(target, folder / "target.vtk")
         try:
             progress = check_progress("otreg demo", progress)
-            out = run_job(source, target, folder, JobOptions(), truth=truth, progress=progress)
-        except InputError as err:  # pragma: no cover - the packaged surfaces are surfaces
+            out = run_job(source, target, folder, JobOptions(), truth=truth, progress=progress,
+                          device=device)  # fmt: skip
+        except ValueError as err:  # a device not here (the packaged surfaces are surfaces)
             raise click.ClickException(str(err)) from err
         _print_outputs(out.registration.metrics, folder)
 

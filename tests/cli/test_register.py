@@ -247,3 +247,29 @@ def test_transfer_carries_a_label_file_through_a_saved_registration(tmp_path):
     assert r.exit_code == 1 and "never overwrites" in r.output
     r = run("transfer", str(tmp_path / "r"), str(tmp_path / "nope.func.gii"), "-o", str(out))
     assert r.exit_code == 1 and "nope.func.gii does not exist" in r.output
+
+
+def test_device_is_checked_before_any_work(two_meshes, tmp_path, no_work):
+    """--device: a name that is no device is a usage error; CUDA where torch sees none says
+    so (the same for a batch run locally); cpu runs as without it."""
+    import torch
+
+    base = ["register", *two_meshes, "-o", str(tmp_path / "out"), "--model", "rigid"]
+    result = CliRunner().invoke(main, [*base, "--device", "tpu"])
+    assert result.exit_code == 2 and "'tpu'; give cpu, cuda or cuda:N" in result.output
+    if not torch.cuda.is_available():
+        result = CliRunner().invoke(main, [*base, "--device", "cuda"])
+        assert result.exit_code == 1 and "sees no CUDA device here" in result.output
+        assert not (tmp_path / "out").exists()
+        rows = tmp_path / "pairs.csv"
+        rows.write_text(f"pair_id,source,target\np1,{two_meshes[0]},{two_meshes[1]}\n")
+        result = CliRunner().invoke(main, ["batch", str(rows), "-o", str(tmp_path / "b"),
+                                           "--device", "cuda"])  # fmt: skip
+        assert result.exit_code == 1 and "sees no CUDA device here" in result.output
+
+
+def test_register_on_the_cpu_device_writes_its_record(two_meshes, tmp_path):
+    out = tmp_path / "out"
+    args = ["register", *two_meshes, "-o", str(out), "--model", "rigid", "--no-picture"]
+    assert run(*args, "--device", "cpu").exit_code == 0
+    assert json.loads((out / "registration.json").read_text())["metrics"]["mean_mm"] >= 0
