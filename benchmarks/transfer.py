@@ -176,9 +176,10 @@ def main() -> None:
         ],
         [("pair", "pair", ""), *((m, m, "{:.3f}") for m in MODELS), ("error", "error", "")],
     )
-    vertices = ", ".join(f"{r['target_vertices']:,}" for r in done[:: max(1, len(done) // 6)])
+    counts = {a: r["source_vertices"] for (a, _), r in zip(pairs, results) if "error" not in r}
+    vertices = ", ".join(f"{d} {n:,}" for d, n in sorted(counts.items()))
     body = (
-        f"{text}\n\nSurfaces of {vertices} vertices (some donors), registered at "
+        f"{text}\n\nVertices of each donor's surface: {vertices}; registered at "
         f"{args.points:,}; labels scored on every vertex of the target.\n\n"
         f"<details><summary>Per pair</summary>\n\n{per_pair}\n\n</details>"
     )
