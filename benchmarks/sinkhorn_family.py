@@ -16,7 +16,8 @@ The synthetic clouds have ``--sizes`` points each (5,000 by default) and ``--blu
 (``SamplesLoss("sinkhorn", p=2, blur=b)``, scaling 0.5) and its multiscale backend at
 scaling 0.5 and 0.9. Each call runs in a fresh process; the KeOps formulas GeomLoss uses
 are compiled first, untimed. Errors are against a float64 reference: otreg's solver
-iterated at the final blur to a marginal error of 1e-7 (Anderson mixing), saved in
+iterated at the final blur to a marginal error of 1e-7 (``--reference-tol``; Anderson
+mixing), saved in
 ~/.cache/otreg-benchmarks/ and read back by later runs (``--fresh-reference`` recomputes).
 
     python benchmarks/sinkhorn_family.py                   # every problem, N = 5,000
@@ -90,7 +91,7 @@ def blur_of(problem: str, blur: float) -> float:
     return p["blur"] if kind == "brains" else blur
 
 
-def worker(method: str, problem: str, n: int, blur: float) -> dict:
+def worker(method: str, problem: str, n: int, blur: float, reference_tol: float) -> dict:
     import torch
 
     lib, opts = METHODS[method]
@@ -105,7 +106,7 @@ def worker(method: str, problem: str, n: int, blur: float) -> dict:
 
         options = otreg.SinkhornOptions(blur=blur)
         if lib == "reference":  # the default's annealing, then the final blur to 1e-7
-            options = otreg.SinkhornOptions(blur=blur, tol=1e-7, max_iter=50_000)
+            options = otreg.SinkhornOptions(blur=blur, tol=reference_tol, max_iter=50_000)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             # what otreg.sinkhorn_divergence(x, y, blur=blur) runs, with its result's counts
@@ -129,9 +130,9 @@ def worker(method: str, problem: str, n: int, blur: float) -> dict:
     }
 
 
-def reference_file(problem: str, n: int, blur: float) -> Path:
+def reference_file(problem: str, n: int, blur: float, tol: float) -> Path:
     name = problem.replace(" ", "-").replace(",", "")
-    return CACHE / f"family_{name}_n{n}_blur{blur_of(problem, blur):g}.json"
+    return CACHE / f"family_{name}_n{n}_blur{blur_of(problem, blur):g}_tol{tol:g}.json"
 
 
 def main() -> None:
@@ -142,12 +143,15 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--fresh-reference", action="store_true")
+    parser.add_argument(
+        "--reference-tol", type=float, default=1e-7, help="the reference's marginal error"
+    )
     parser.add_argument("--record", action="store_true")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        method, problem, n, blur = args.worker
-        print(json.dumps(worker(method, problem, int(n), float(blur))))
+        method, problem, n, blur, tol = args.worker
+        print(json.dumps(worker(method, problem, int(n), float(blur), float(tol))))
         return
     import numpy as np
 
@@ -156,12 +160,12 @@ def main() -> None:
         sys.exit(f"--problems: none of {args.problems} names a problem of {list(PROBLEMS)}")
     for method in args.methods:  # KeOps compiles its formulas once, untimed
         if METHODS[method][0] == "geomloss":
-            run_worker(__file__, [method, "spheres, shift 0.05", "500", "0.05"], args.timeout)
+            run_worker(__file__, [method, "spheres, shift 0.05", "500", "0.05", "0"], args.timeout)
     rows = []
     for problem in problems:
         sizes = [10_242] if PROBLEMS[problem][0] == "brains" else args.sizes
         for n in sizes:
-            cached = reference_file(problem, n, args.blur)
+            cached = reference_file(problem, n, args.blur, args.reference_tol)
             ref = None
             if cached.is_file() and not args.fresh_reference:
                 ref = json.loads(cached.read_text())
@@ -170,7 +174,8 @@ def main() -> None:
                 if METHODS[method][0] == "reference" and ref is not None:
                     here.append({**ref, "note": f"saved by an earlier run ({ref['date']})"})
                     continue
-                out = run_worker(__file__, [method, problem, str(n), str(args.blur)], args.timeout)
+                call = [method, problem, str(n), str(args.blur), str(args.reference_tol)]
+                out = run_worker(__file__, call, args.timeout)
                 shown = {k: v for k, v in out.items() if k != "grad"}
                 print(problem, n, method, shown, file=sys.stderr, flush=True)
                 row = {"problem": problem, "n": n, "method": method, **out}
@@ -235,6 +240,8 @@ def main() -> None:
     variant = []
     if problems != list(PROBLEMS):
         variant.append("; ".join(problems))
+    if args.methods != defaults.methods:
+        variant.append("; ".join(args.methods))
     if args.sizes != defaults.sizes or args.blur != defaults.blur:
         variant.append(f"N = {', '.join(map(str, args.sizes))}, blur {args.blur:g}")
     publish("Sinkhorn over a family of problems: the default call vs GeomLoss", body,

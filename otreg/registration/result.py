@@ -22,6 +22,7 @@ from ..io import (
     remove_stale_temps,
     same_file,
 )
+from ..ot.solver import sinkhorn
 from ..shapes import Shape
 from .lddmm import LDDMM
 from .linear import _Linear
@@ -259,8 +260,6 @@ class Registration:
             >>> float(p[ball.points[:, 2].argmax(), 1]) > 0.99     # the north pole: upper
             True
         """
-        from ..ot.solver import sinkhorn
-
         caller = "Registration.label_probabilities"
         check_choice(caller, "to", to, ("target", "source"))
         goal = self._target(caller, target)
