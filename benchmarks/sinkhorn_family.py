@@ -50,7 +50,7 @@ PROBLEMS = {
     "brains, blur 1 mm": ("brains", {"blur": 1.0}),
 }
 METHODS = {
-    "reference (float64, marginal error 1e-7)": ("reference", {}),
+    "reference (float64, converged)": ("reference", {}),
     "otreg default call": ("otreg", {}),
     "GeomLoss default call": ("geomloss", {"backend": "auto", "scaling": 0.5}),
     "GeomLoss multiscale, scaling 0.5": ("geomloss", {"backend": "multiscale", "scaling": 0.5}),
