@@ -115,6 +115,18 @@ def _kernels() -> types.SimpleNamespace:
         )
 
     @triton.jit
+    def _load_row_state(G, OUT, LSE, b, rn, re, mask_n, ne, sob, son, N, KIND: tl.constexpr):
+        """For a block of rows: the incoming gradient and the forward's output, (BN, EP),
+        and the forward's log-sum-exp (BN,) (zeros for the kernel product, which has none)."""
+        g = tl.load(G + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
+        out = tl.load(OUT + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
+        if KIND == 1:
+            lse = tl.sum(out, axis=1) * 0.0
+        else:
+            lse = tl.load(LSE + b * N + rn, mask=mask_n, other=0.0)
+        return g, out, lse
+
+    @triton.jit
     def _load_columns(
         Y, H, V, b, rm, rd, re, mask_m, syb, sym, shb, svb, svm,
         KIND: tl.constexpr, D: tl.constexpr, E: tl.constexpr, BM: tl.constexpr,
@@ -214,12 +226,7 @@ def _kernels() -> types.SimpleNamespace:
         mask_n = rn < N
         ne = mask_n[:, None] & (re[None, :] < (1 if KIND == 0 else E))
         x = _load_rows(X, b, rn, rd, mask_n, sxb, sxn, D)
-        g = tl.load(G + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
-        out = tl.load(OUT + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
-        if KIND == 1:
-            lse = tl.sum(x, axis=1) * 0.0
-        else:
-            lse = tl.load(LSE + b * N + rn, mask=mask_n, other=0.0)
+        g, out, lse = _load_row_state(G, OUT, LSE, b, rn, re, mask_n, ne, sob, son, N, KIND)
         total = tl.sum(x, axis=1) * 0.0
         weighted = x * 0.0
         for start in range(0, M, BM):
@@ -263,12 +270,7 @@ def _kernels() -> types.SimpleNamespace:
             mask_n = rn < N
             ne = mask_n[:, None] & (re[None, :] < (1 if KIND == 0 else E))
             x = _load_rows(X, b, rn, rd, mask_n, sxb, sxn, D)
-            g = tl.load(G + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
-            out = tl.load(OUT + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
-            if KIND == 1:
-                lse = tl.sum(x, axis=1) * 0.0
-            else:
-                lse = tl.load(LSE + b * N + rn, mask=mask_n, other=0.0)
+            g, out, lse = _load_row_state(G, OUT, LSE, b, rn, re, mask_n, ne, sob, son, N, KIND)
             s, factor = _scores(x, y, h, inv_eps, mask_m, COST)
             live = mask_m[None, :] & mask_n[:, None]
             w = tl.where(live, _weights(s, lse, g, v, out, eps, KIND), 0.0)
@@ -299,7 +301,11 @@ def _kernels() -> types.SimpleNamespace:
     # a kernel finds the jitted functions it calls among its module's globals, when it is
     # compiled (or interpreted): they are made here, on first use, so they go there now
     globals().update(
-        _scores=_scores, _weights=_weights, _load_rows=_load_rows, _load_columns=_load_columns
+        _scores=_scores,
+        _weights=_weights,
+        _load_rows=_load_rows,
+        _load_row_state=_load_row_state,
+        _load_columns=_load_columns,
     )
     return types.SimpleNamespace(
         triton=triton,
