@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .records import overlap_keys
+
 __all__: list[str] = []
 
 #: A hemisphere's centroid lies 25 to 35 mm off the midline; within this, no side is read.
@@ -126,9 +128,7 @@ def _outliers(done: Mapping[str, dict]):
         return
     overlaps = {
         k: ("low", f"label overlap {k[:-5]} (Dice)", "")
-        for rec in done.values()
-        for k in rec.get("metrics") or {}
-        if k.endswith("_dice") and not k.startswith("before_")
+        for k in overlap_keys(rec.get("metrics") or {} for rec in done.values())
     }
     for key, (worse, name, unit) in {**OUTLIER_METRICS, **overlaps}.items():
         values = {

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .._checks import check_choice, check_device, check_int, check_positive
-from ..io import load_input, load_values, save_values
+from ..io import VertexValues, load_input, load_values, save_values
 from ..registration import LBFGSOptions, LDDMMOptions, PrealignOptions, register
 from ..registration.losses import LOSSES, SINKHORN_TERM
 from ..registration.options import MODELS, PREALIGNS
@@ -236,6 +236,10 @@ def run_job(
         raise TypeError(f"run_job: options must be a JobOptions, got {type(options).__name__}")
     device = check_device("run_job", device)
     full, full_target = _load("source", source, label, level), _load("target", target, label, level)
+    carried = {  # read once, before the work: (file, values) by the side they are carried to
+        "target": [(path, _read_values("source", path)) for path in source_values],
+        "source": [(path, _read_values("target", path)) for path in target_values],
+    }
     src, tgt = (
         s
         if options.points is None
@@ -251,52 +255,59 @@ def run_job(
     folder = Path(folder)
     for name in PICTURES.values():  # an earlier run's, which this one's would not replace
         (folder / name).unlink(missing_ok=True)
-    res.metrics.update(_overlaps(res, full, full_target, source_values, target_values))
+    res.metrics.update(_overlaps(res, full, full_target, carried))
     res.save(folder)
     files = dict(OUTPUTS)
-    for to, given in (("target", source_values), ("source", target_values)):
-        for path in given:
-            files.update(_carry(res, to, path, full_target, folder))
+    for to, given in carried.items():
+        for path, values in given:
+            files.update(_carry(res, to, path, values, full_target, folder))
     if options.picture:
         for role, path in plot_registration(res, src, tgt, folder).items():
             files[role] = Path(path).name
     return JobOutput(res, src, tgt, full, files)
 
 
-def _overlaps(res, source: Shape, target: Shape, source_values, target_values) -> dict:
+def _overlaps(res, source: Shape, target: Shape, carried: dict) -> dict:
     """For each labels file carried both ways under one name (:func:`carried_name`): the
     mean Dice of the source's labels carried onto the target with the target's own, after
     and before the registration (:meth:`~otreg.Registration.label_overlap`), as
     ``<name>_dice`` and ``before_<name>_dice``, ``<name>`` the file's name less its
     extension (``dseg.label.gii`` -> ``dseg``, ``lh.aparc.annot`` -> ``lh_aparc``)."""
-    theirs = {carried_name(p): p for p in target_values}
+    theirs = {carried_name(path): (path, values) for path, values in carried["source"]}
     out = {}
-    for path in source_values:
+    for path, mine in carried["target"]:
         name = carried_name(path)
-        if name not in theirs:
+        if name not in theirs or not (mine.is_labels and theirs[name][1].is_labels):
             continue
+        other, own = theirs[name]
         try:
-            mine, own = load_values(path), load_values(theirs[name])
-            if not (mine.is_labels and own.is_labels):
-                continue
             overlap = res.label_overlap(mine, own, source=source, target=target)
-        except (ValueError, TypeError, OSError) as err:
-            raise InputError(f"labels {name} (of {path} and {theirs[name]}): {err}") from err
+        except (ValueError, TypeError) as err:
+            raise InputError(f"labels {name} (of {path} and {other}): {err}") from err
         key = re.sub(r"\W+", "_", _stem(name)).strip("_") or "labels"
         out[f"{key}_dice"], out[f"before_{key}_dice"] = overlap["dice"], overlap["before_dice"]
     return out
 
 
-def _carry(res, to: str, path: str | Path, target: Shape, folder: Path) -> dict[str, str]:
-    """Carry the values of file ``path`` onto the ``to`` side; write them (and a labels'
-    confidence) into ``folder``; their files by role."""
-    side = "source" if to == "target" else "target"
+def _read_values(side: str, path: str | Path) -> VertexValues:
+    """The values of file ``path`` at the ``side``'s vertices; errors name it."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{side} values {path} does not exist")
     try:
-        values = load_values(path)
-        moved = res.transfer(values, to=to, target=target)
+        return load_values(path)
     except (ValueError, TypeError, OSError) as err:
+        raise InputError(f"{side} values {path}: {err}") from err
+
+
+def _carry(
+    res, to: str, path: str | Path, values: VertexValues, target: Shape, folder: Path
+) -> dict[str, str]:
+    """Carry ``values`` (of file ``path``) onto the ``to`` side; write them (and a labels'
+    confidence) into ``folder``; their files by role."""
+    side = "source" if to == "target" else "target"
+    try:
+        moved = res.transfer(values, to=to, target=target)
+    except (ValueError, TypeError) as err:
         raise InputError(f"{side} values {path}: {err}") from err
     name = f"to-{to}_{carried_name(path)}"
     save_values(moved, folder / name)

@@ -25,6 +25,7 @@ inputs.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 __all__ = ["FORMAT", "FAILURE_CLASSES", "read_record", "find_records"]
@@ -110,3 +111,10 @@ def failure_reason(record: dict) -> str:
     """A failure record's class and reason, one line."""
     err = record.get("error") or {}
     return f"{err.get('class', '?')}: {err.get('reason', '')}"
+
+
+def overlap_keys(metrics: Iterable[Mapping]) -> list[str]:
+    """The label overlaps that some of these metrics hold (``<labels>_dice``, after the
+    registration; each beside its ``before_<labels>_dice``), sorted."""
+    keys = {k for m in metrics for k in m if k.endswith("_dice")}
+    return sorted(k for k in keys if not k.startswith("before_"))

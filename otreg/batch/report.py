@@ -31,7 +31,7 @@ import numpy as np
 
 from ..io import atomic_write
 from .flags import describe, flag_pairs
-from .records import FAILURE_CLASSES, find_records, unreadable_records
+from .records import FAILURE_CLASSES, find_records, overlap_keys, unreadable_records
 
 __all__ = ["build_report"]
 
@@ -79,12 +79,6 @@ _TABLE = (
     ("min Jacobian", None, "jacobian_min"),
     ("varifold", None, "varifold"),
 )
-
-
-def _dice_keys(rows: list[dict]) -> list[str]:
-    """The label overlaps the records hold (``<labels>_dice``, after the registration)."""
-    keys = {k for r in rows for k in r["metrics"] if k.endswith("_dice")}
-    return sorted(k for k in keys if not k.startswith("before_"))
 
 
 def _name(key: str) -> str:
@@ -363,7 +357,9 @@ def _reason(err: dict) -> str:
 
 def _table(rows: list[dict]) -> str:
     """Every pair, its flags, and before and after side by side; flagged values marked."""
-    overlaps = [(f"{k[:-5]} Dice", f"before_{k}", k) for k in _dice_keys(rows)]
+    overlaps = [
+        (f"{k[:-5]} Dice", f"before_{k}", k) for k in overlap_keys(r["metrics"] for r in rows)
+    ]
     present = [c for c in (*_TABLE, *overlaps) if any(c[2] in r["metrics"] for r in rows)]
     head = ['<th data-key="pair" data-type="text">pair</th>']
     head.append('<th data-key="status" data-type="text">status</th>')
@@ -425,7 +421,7 @@ def _line(reason: object, limit: int = 400) -> str:
 def _strips(rows: list[dict]) -> str:
     """A strip plot per key metric, one dot per pair linked to its picture (or folder),
     flagged values in red; the other metrics' (not the bookkeeping) one click away."""
-    key_strips = (*_KEY_STRIPS, *_dice_keys(rows))
+    key_strips = (*_KEY_STRIPS, *overlap_keys(r["metrics"] for r in rows))
     keys = sorted(
         {k for r in rows for k in r["metrics"]} - _BOOKKEEPING - set(key_strips),
         key=lambda k: (k not in _NAMES, _name(k)),

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..io import atomic_write
 from .flags import describe, flag_pairs
 from .manifest import Pair
-from .records import find_records
+from .records import find_records, overlap_keys
 
 __all__: list[str] = []
 
@@ -31,10 +31,11 @@ def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) 
     """``summary.csv`` (one row a pair) and ``failed.csv`` (the failed ones), atomically;
     returns the number of flagged pairs."""
     flags = flag_pairs({p.pair_id: records[p.pair_id] for p in pairs if p.pair_id in records})
-    overlaps = sorted(  # the label overlaps, before and after, where the batch measured them
-        {k for r in records.values() for k in r.get("metrics") or {} if k.endswith("_dice")},
-        key=lambda k: (k.removeprefix("before_"), not k.startswith("before_")),
-    )
+    overlaps = [  # the label overlaps, before and after, where the batch measured them
+        key
+        for after in overlap_keys(r.get("metrics") or {} for r in records.values())
+        for key in (f"before_{after}", after)
+    ]
     columns = [
         "pair_id",
         "status",
