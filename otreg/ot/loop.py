@@ -113,6 +113,7 @@ def solve(p: Problem, x, a, y=None, b=None, init=None) -> Solution:
     f, g, n_iter = _anneal(p, kernel, init)
     loop = _final_symmetric if kernel.symmetric else _final_pair
     f, g, n_iter, rule, acceleration = loop(p, kernel, f, g, n_iter)
+    f, g = f.to(x.dtype), g.to(x.dtype)  # a multiscale kernel's final softmins are float64
     kernel.finish(f, g, p.eps)
     f, g = kernel.to_caller_order(f, g)
     return Solution(f, g, n_iter, rule, kernel, acceleration)

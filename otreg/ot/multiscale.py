@@ -11,6 +11,10 @@ r"""Multiscale Sinkhorn: a coarse-to-fine solver with kernel truncation.
 4. The rest of the schedule and the final iterations run on the points, each softmin summing
    over the cluster pairs a *truncation pattern* keeps
    (:class:`otreg.reductions.sparse.BlockSparse`).
+5. At the final eps, where a point's terms that matter are a few (a plan near a
+   permutation: points sparser than the blur), the softmins sum over a list of the point
+   pairs within reach (:class:`otreg.reductions.sparse.PairList`), with the potentials in
+   float64 (``LIST_MARGIN`` says when the list is rebuilt).
 
 The pattern drops a pair of clusters (I, J) only when every term it holds is below
 ``exp(-truncate)`` times its weight, relative to the row's total. With the slack
@@ -48,6 +52,8 @@ from ..costs import diameter as bounding_diameter
 from ..reductions.sparse import (
     BlockSparse,
     Clusters,
+    PairList,
+    close_pairs,
     clusters_by_label,
     grid_clusters,
     grid_labels,
@@ -77,6 +83,19 @@ HIERARCHY_MIN_PAIRS = 1 << 24
 JUMP = 0.5
 #: truncation (in units of the current eps) during the annealing
 ANNEAL_TRUNCATE = 3.0
+#: at the final eps the softmins sum over a list of the pattern's point pairs
+#: (:class:`PairList`) whose slack was within ``truncate + LIST_MARGIN`` eps, while the
+#: potentials have moved by less than ``LIST_MARGIN`` eps since (then no pair of the pattern
+#: the list dropped is above ``exp(-truncate)`` of its row); past that, the pattern's
+#: softmin runs and the list is rebuilt from it. Measured on two noisy spheres 0.5 apart
+#: at blur 0.01, N = 5,000: margins of 5, 10, 20 and 40 eps rebuilt it 104, 58, 31 and 16
+#: times in 370 iterations, for 2.2, 1.6, 1.3 and 1.4 s
+LIST_MARGIN = 20.0
+#: ... if it holds at most this fraction of the cluster pattern's pairs (a blur larger than
+#: the points' spacing keeps many pairs a point: the blocks' matrix products are faster then)
+LIST_FRACTION = 0.1
+#: ... and at most this many pairs (about 40 bytes each)
+LIST_MAX_PAIRS = 1 << 24
 
 
 def auto_cluster_scale(diameter: float, n_points: int, dim: int) -> float:
@@ -305,16 +324,80 @@ class TruncatedKernel:
         self._margin = 0.0  # added once, to the first pattern after an extrapolation
         self.kernels: _Kernels | None = None
         self.n_pairs: list[int] = []  # pairs summed by each pattern, for reports
+        self._list: PairList | None = None  # the point pairs at the final eps
+        self._list_pays = True  # False once a list held too many pairs to pay
+        self.list_builds = 0
 
     # -------------------------------------------------------------- reductions
     def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
-        h = self._b_log + g[0] / eps
-        return self.kernels.xy.softmin(self.cx.points, self.cy.points, h, eps)[None]
+        """The softmin over y of log b + g / eps for each x, (1, N); at the final eps in
+        float64 (see :meth:`_final_softmin`)."""
+        if eps == self.p.eps:
+            return self._final_softmin(g[0], transpose=False)[None]
+        return self._block_softmin(eps, g[0], transpose=False)[None]
 
     def softmin_yx(self, eps: float, f: torch.Tensor) -> torch.Tensor:
+        """The softmin over x of log a + f / eps for each y, (1, M) (as :meth:`softmin_xy`)."""
+        if eps == self.p.eps:
+            return self._final_softmin(f[0], transpose=True)[None]
+        return self._block_softmin(eps, f[0], transpose=True)[None]
+
+    def _block_softmin(self, eps: float, pot: torch.Tensor, transpose: bool) -> torch.Tensor:
+        """The softmin over the kept cluster pairs, in the points' dtype."""
+        pot = pot.to(self.cx.points.dtype)
+        if not transpose:
+            h = self._b_log + pot / eps
+            return self.kernels.xy.softmin(self.cx.points, self.cy.points, h, eps)
         kernel = self.kernels.xy if self.symmetric else self.kernels.yx
-        h = self._a_log + f[0] / eps
-        return kernel.softmin(self.cy.points, self.cx.points, h, eps)[None]
+        h = self._a_log + pot / eps
+        return kernel.softmin(self.cy.points, self.cx.points, h, eps)
+
+    def _final_softmin(self, pot: torch.Tensor, transpose: bool) -> torch.Tensor:
+        """A softmin at the final eps, in float64: over the pair list while the potentials
+        stay within its margin, else over the cluster pattern (the list then rebuilt from
+        it). The list's softmin is its reference potential plus a small correction, so that
+        float64 potentials keep the marginals' rounding far below float32's u |f| / eps (4e-3
+        for potentials of size 2 at eps 1e-4, which stalled the loop above tol)."""
+        pot = pot.double()
+        listed = self._list
+        if listed is not None:
+            if transpose:
+                out = listed.softmin_cols(pot)
+                if self._within(pot - listed.f0, out - listed.g0):
+                    return out
+            else:
+                out = listed.softmin_rows(pot)
+                if self._within(out - listed.f0, pot - listed.g0):
+                    return out
+        out = self._block_softmin(self.p.eps, pot, transpose).double()
+        if self._list_pays:
+            self._build_list(pot, out) if transpose else self._build_list(out, pot)
+        return out
+
+    def _within(self, df: torch.Tensor, dg: torch.Tensor) -> bool:
+        """Whether potentials that moved by df (N,), dg (M,) since the list was built
+        leave every pair it dropped below ``exp(-truncate)`` of its row (NaN: no)."""
+        moved = float(df.max()) + float(dg.max())
+        return moved <= LIST_MARGIN * self.p.eps
+
+    def _build_list(self, f: torch.Tensor, g: torch.Tensor) -> None:
+        """The pairs of the cluster pattern within ``truncate + LIST_MARGIN`` eps of the
+        potentials f (N,), g (M,) (sorted, float64), as the final eps's kernel, if few
+        enough."""
+        eps, xy, dtype = self.p.eps, self.kernels.xy, self.cx.points.dtype
+        threshold = (self.truncate + LIST_MARGIN) * eps
+        limit = int(min(LIST_FRACTION * xy.n_pairs, LIST_MAX_PAIRS))
+        found = close_pairs(
+            xy, self.cx.points, self.cy.points, f.to(dtype), g.to(dtype), threshold, limit
+        )
+        self.list_builds += 1
+        if found is None:
+            self._list, self._list_pays = None, False
+            return
+        i, j = found
+        self._list = PairList(
+            self.cx.points, self.cy.points, i, j, self._a_log, self._b_log, f, g, eps
+        )
 
     def differentiable_softmin(self, x, y, b, g, eps: float) -> torch.Tensor:
         """The x -> y softmin of log b + g / eps on the final pattern, differentiable in x,
@@ -326,10 +409,17 @@ class TruncatedKernel:
     def softmin_gradient(self, eps: float, g: torch.Tensor, s: torch.Tensor, w: torch.Tensor):
         """The gradient of ``sum_i w_i s_i``, s = ``softmin_xy(eps, g)`` (1, N), with respect
         to the sorted points: ``(x,)`` or ``(x, y)`` (hand-written, on the current pattern)."""
-        h = self._b_log + g[0] / eps
+        dtype = self.cx.points.dtype
+        h = self._b_log + g[0].to(dtype) / eps
         xy = self.kernels.xy
         gx, gy, _ = xy.gradients(
-            self.cx.points, self.cy.points, h, eps, s[0], w[0], (True, True, False)
+            self.cx.points,
+            self.cy.points,
+            h,
+            eps,
+            s[0].to(dtype),
+            w[0].to(dtype),
+            (True, True, False),
         )
         return (gx + gy,) if self.symmetric else (gx, gy)
 
@@ -354,7 +444,7 @@ class TruncatedKernel:
         searches every cluster pair; otherwise only the current pattern's pairs, and the
         kernels are rebuilt only if at least a quarter of them can go.
         """
-        f, g = f[0], g[0]
+        f, g = f[0].to(self.cx.points.dtype), g[0].to(self.cx.points.dtype)
         lam = self.p.damping(eps)
         fb, gb = self._bound_potentials(f, g, lam)
         dx = _cluster_gradients(self.cx, f)
@@ -377,6 +467,7 @@ class TruncatedKernel:
         cached geometry, so that finished problems hold little memory while the others are
         solved."""
         self.refresh(f, g, eps)
+        self._list = None
         self.kernels.yx = None
         self.kernels.xy.release_geometry()
 

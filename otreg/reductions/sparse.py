@@ -16,6 +16,10 @@ Coordinates are taken relative to the row cluster's centre, which keeps float32 
 accurate at small eps. Clusters are sorted by size, then by list length, so that padding
 stays small.
 
+:class:`PairList` sums over an explicit list of point pairs instead (the final iterations
+of a plan near a permutation, a few pairs a point), and :func:`close_pairs` finds them in a
+pattern.
+
 No well-kept CPU library does block-sparse log-sum-exp reductions (KeOps' ``ranges`` do on
 its own, slower CPU backend), so this module is written here. Only the squared Euclidean cost
 |x - y|^2 / 2 is supported (the truncation bound in :mod:`otreg.ot.multiscale` relies on it).
@@ -348,3 +352,106 @@ class _SparseSoftmin(torch.autograd.Function):
         x, y, h, out = ctx.saved_tensors
         grads = ctx.kernel.gradients(x, y, h, ctx.eps, out, grad_out, ctx.needs_input_grad[2:])
         return (None, None, *grads)
+
+
+def close_pairs(
+    kernel: BlockSparse,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    f: torch.Tensor,
+    g: torch.Tensor,
+    threshold: float,
+    limit: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The point pairs (i, j) of ``kernel``'s pattern whose slack |x_i - y_j|^2 / 2 - f_i -
+    g_j is at most ``threshold`` (cost units), for its own sorted clouds x (N, D), y (M, D)
+    and potentials f (N,), g (M,): ``(i, j)``, each (P,), sorted by i then j; None as soon
+    as more than ``limit`` are found.
+
+    The slack is computed as the softmin's scores are (centred float coordinates); a pair
+    within its rounding of the threshold may go either way."""
+    px, py, _ = kernel._padded(x, y, g)
+    # padding: potentials -inf, so an infinite slack, never kept
+    pf = torch.cat([f, f.new_full((1,), -torch.inf)])
+    pg = torch.cat([g, g.new_full((1,), -torch.inf)])
+    found_i, found_j, count = [], [], 0
+    for k, (_, row_idx, _) in enumerate(kernel.chunks):
+        col_idx = kernel._column_indices(k)
+        X, x_sq, Y, y_sq = kernel._geometry(k, px, py, col_idx)
+        # slack = |X|^2/2 + |Y|^2/2 - <X, Y> - f - g
+        rows = x_sq.squeeze(2) - pf.index_select(0, row_idx.view(-1)).view(row_idx.shape)
+        cols = y_sq - pg.index_select(0, col_idx.view(-1).long()).view(col_idx.shape)
+        s = torch.baddbmm(cols.unsqueeze(1), X, Y.transpose(1, 2), alpha=-1.0)
+        s.add_(rows.unsqueeze(2))
+        close = s <= threshold
+        count += int(close.sum())
+        if count > limit:
+            return None
+        c, r, l = close.nonzero(as_tuple=True)
+        found_i.append(row_idx[c, r])
+        found_j.append(col_idx[c, l].long())
+    i, j = torch.cat(found_i), torch.cat(found_j)
+    key = torch.sort(i * (int(y.shape[0]) + 1) + j).values
+    return key // (int(y.shape[0]) + 1), key % (int(y.shape[0]) + 1)
+
+
+class PairList:
+    """Softmins over an explicit list of point pairs (i, j), both ways: the multiscale
+    solver's kernel at the final eps, where the pairs whose terms matter are a few per point
+    (a transport plan near a permutation) while the kept cluster pairs hold hundreds.
+
+    Scores are stored relative to reference potentials (f0, g0):
+    ``r_ij = (|x_i - y_j|^2 / 2 - f0_i - g0_j) / eps``, computed in float64 and small, so
+    that a softmin is ``f0_i - eps log sum_j b_j exp((g_j - g0_j) / eps - r_ij)``: every
+    number in it is of order one, whatever the size of the potentials. Each row's largest
+    ``log b_j - r_ij`` is kept, so that the log-sum-exp's shift is that plus the largest
+    (g_j - g0_j) / eps, with no pass for a maximum: a row whose terms all fall far below
+    that shift underflows to an infinite softmin, which the caller sees. Every pair is a
+    gather, an exponential and a scatter: no padding, no block.
+
+    Args:
+        x, y: the sorted clouds (N, D), (M, D).
+        i, j: ``(P,)`` the pairs, sorted by i.
+        log_a, log_b: the log-weights (N,), (M,) the softmins will use.
+        f0, g0: the reference potentials (N,), (M,); the softmins are in their dtype
+            (float64 for the solver), the sums in the points' dtype.
+        eps: the temperature the scores are divided by.
+    """
+
+    def __init__(self, x, y, i, j, log_a, log_b, f0, g0, eps: float) -> None:
+        self.eps = eps
+        self.f0, self.g0 = f0, g0
+        d = x[i].double() - y[j].double()
+        r = (((d * d).sum(1) / 2 - f0.double()[i] - g0.double()[j]) / eps).to(x.dtype)
+        by_col = torch.argsort(j, stable=True)
+        self._rows = _Side(i, j, r, log_b, x.shape[0])
+        self._cols = _Side(j[by_col], i[by_col], r[by_col], log_a, y.shape[0])
+        self.n_pairs = int(i.shape[0])
+
+    def softmin_rows(self, g: torch.Tensor) -> torch.Tensor:
+        """-eps log sum_j b_j exp((g_j - C_ij) / eps) over each row's pairs, (N,)."""
+        return self.f0 - self.eps * self._rows.lse((g - self.g0) / self.eps).to(self.f0.dtype)
+
+    def softmin_cols(self, f: torch.Tensor) -> torch.Tensor:
+        """-eps log sum_i a_i exp((f_i - C_ij) / eps) over each column's pairs, (M,)."""
+        return self.g0 - self.eps * self._cols.lse((f - self.f0) / self.eps).to(self.g0.dtype)
+
+
+class _Side:
+    """One direction of a :class:`PairList`: the pairs grouped by their point on this side
+    (``seg``), the other side's point (``other``), the weights' logs minus the scores and
+    each point's largest."""
+
+    def __init__(self, seg, other, r, log_w, n: int) -> None:
+        self.seg, self.other, self.n = seg, other, n
+        self.base = log_w.index_select(0, other) - r
+        top = self.base.new_full((n,), -torch.inf).scatter_reduce_(0, seg, self.base, "amax")
+        self.top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+
+    def lse(self, dh: torch.Tensor) -> torch.Tensor:
+        """Log sum exp(base + dh[other]) per point, (n,)."""
+        shift = float(dh.max())
+        score = dh.to(self.base.dtype).index_select(0, self.other).add_(self.base)
+        score.sub_(self.top.index_select(0, self.seg)).sub_(shift).exp_()
+        total = score.new_zeros(self.n).index_add_(0, self.seg, score)
+        return total.log_().add_(self.top).add_(shift)

@@ -13,7 +13,7 @@ from otreg.ot import multiscale
 from otreg.ot.loop import solve
 from otreg.ot.problem import Multiscale, Problem, SinkhornOptions
 from otreg.reductions import _dense
-from otreg.reductions.sparse import BlockSparse, grid_clusters
+from otreg.reductions.sparse import BlockSparse, PairList, close_pairs, grid_clusters
 
 SQ = get_cost("sqeuclidean")
 
@@ -243,3 +243,93 @@ def test_pattern_search_gives_the_same_pairs_in_any_chunking(monkeypatch):
     coarse = multiscale._pattern_pairs(cx, cy, f, g, dx, dy, 0.1, scale=0.25, block=7)
     kept = set(zip(*(t.tolist() for t in whole)))
     assert len(set(zip(*(t.tolist() for t in coarse))) ^ kept) < 0.1 * len(kept)
+
+
+def _brute_softmin(x, y, log_b, g, eps, keep):
+    """-eps log sum over the kept j of b_j exp((g_j - |x_i - y_j|^2 / 2) / eps), float64."""
+    scores = log_b + (g[None] - ((x[:, None] - y[None]) ** 2).sum(-1) / 2) / eps
+    return -eps * torch.logsumexp(scores.masked_fill(~keep, -torch.inf), 1)
+
+
+def test_pair_list_softmins_equal_brute_force_over_its_pairs():
+    """Both ways, with potentials far from the reference ones (the scores' shift moves)."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.rand(60, 3, generator=gen), torch.rand(70, 3, generator=gen)
+    keep = torch.rand(60, 70, generator=gen) < 0.3
+    keep[torch.arange(60), torch.arange(60)] = True  # every row and column has a pair
+    keep[torch.arange(60) % 60, torch.arange(60, 70).repeat(6)[:60]] = True
+    i, j = keep.nonzero(as_tuple=True)
+    log_a = torch.log(torch.rand(60, generator=gen) + 0.5)
+    log_b = torch.log(torch.rand(70, generator=gen) + 0.5)
+    eps = 0.01
+    f0 = torch.randn(60, generator=gen, dtype=torch.float64) * 0.05
+    g0 = torch.randn(70, generator=gen, dtype=torch.float64) * 0.05
+    pairs = PairList(x, y, i, j, log_a, log_b, f0, g0, eps)
+    assert pairs.n_pairs == int(keep.sum())
+    f = f0 + torch.randn(60, generator=gen, dtype=torch.float64) * 0.02
+    g = g0 + torch.randn(70, generator=gen, dtype=torch.float64) * 0.02
+    xd, yd = x.double(), y.double()
+    rows = _brute_softmin(xd, yd, log_b.double(), g, eps, keep)
+    cols = _brute_softmin(yd, xd, log_a.double(), f, eps, keep.T)
+    got_rows, got_cols = pairs.softmin_rows(g), pairs.softmin_cols(f)
+    assert got_rows.dtype == torch.float64
+    # the sums run in float32: their rounding, times eps
+    torch.testing.assert_close(got_rows, rows, rtol=0, atol=1e-5 * eps)
+    torch.testing.assert_close(got_cols, cols, rtol=0, atol=1e-5 * eps)
+
+
+def test_close_pairs_finds_exactly_the_pattern_pairs_within_the_threshold():
+    x, y = spheres(300)
+    cx = grid_clusters(x, torch.ones(300, dtype=x.dtype), 0.4)
+    cy = grid_clusters(y, torch.ones(y.shape[0], dtype=x.dtype), 0.4)
+    gen = torch.Generator().manual_seed(1)
+    f = torch.randn(300, generator=gen, dtype=x.dtype) * 0.1
+    g = torch.randn(y.shape[0], generator=gen, dtype=x.dtype) * 0.1
+    I, J = all_pairs(cx, cy)
+    half = torch.arange(len(I)) % 2 == 0  # a pattern of half the cluster pairs
+    kernel = BlockSparse(cx, cy, I[half], J[half], block_elements=5000)
+    slack = ((cx.points[:, None] - cy.points[None]) ** 2).sum(-1) / 2 - f[:, None] - g[None]
+    in_pattern = torch.zeros(cx.n_clusters, cy.n_clusters, dtype=torch.bool)
+    in_pattern[I[half], J[half]] = True
+    expected = (slack <= 0.05) & in_pattern[cx.labels][:, cy.labels]
+    i, j = close_pairs(kernel, cx.points, cy.points, f, g, 0.05, limit=10**6)
+    assert torch.equal(torch.stack([i, j]), torch.stack(expected.nonzero(as_tuple=True)))
+    assert 0 < len(i) < 0.5 * expected.numel()
+    assert close_pairs(kernel, cx.points, cy.points, f, g, 0.05, limit=len(i) - 1) is None
+
+
+def test_solve_on_the_pair_list_equals_the_dense_solve_where_points_are_sparser_than_the_blur():
+    """Points about 0.2 apart at blur 0.05: the final iterations run on the list of point
+    pairs (a plan near a permutation), in float32, and end at the plan of the dense float64
+    solver iterated to 1e-12 (POT's plain iterations need over 20,000 here; the dense
+    solver equals POT where POT converges, test_solver.py)."""
+    x = noisy_sphere(400, seed=1, dtype=torch.float32)
+    y = noisy_sphere(450, radius=0.8, center=(0.5, 0.0, 0.0), seed=2, dtype=torch.float32)
+    options = SinkhornOptions(blur=0.05, tol=1e-5, max_iter=5000, multiscale=True)
+    p = Problem.build("t", x, y, None, None, options)
+    sol = solve(p, p.x, p.a, p.y, p.b)
+    assert sol.rule.converged and sol.kernel.list_builds > 0
+    assert sol.f.dtype == torch.float32
+    exact = otreg.sinkhorn(
+        x.double(), y.double(), blur=0.05, tol=1e-12, max_iter=20_000, multiscale=False
+    )
+    assert exact.converged
+    C = ((x.double()[:, None] - y.double()[None]) ** 2).sum(-1) / 2
+    P = exact.plan.dense()
+    ours = torch.exp((sol.f[0].double()[:, None] + sol.g[0].double()[None] - C) / p.eps) / (
+        400 * 450
+    )
+    assert float((ours - P).abs().sum()) < 1e-4  # in total variation, of mass 1
+    assert float((ours * C).sum()) == pytest.approx(float((P * C).sum()), rel=1e-4)
+
+
+def test_float32_potentials_far_from_zero_converge_without_stalling():
+    """Clouds a diameter apart: potentials of size 2 at eps 1e-4, where float32 rounding of
+    the potentials (u |f| / eps = 2.4e-3) stalled the loop above tol; the final iterations
+    keep them in float64."""
+    x = noisy_sphere(800, seed=1, dtype=torch.float32)
+    y = noisy_sphere(800, center=(2.0, 0.0, 0.0), seed=2, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", otreg.ConvergenceWarning)
+        res = otreg.sinkhorn(x, y, blur=0.01, multiscale=True, tol=1e-4, max_iter=3000)
+    assert res.converged and res.marginal_error < 1e-4
