@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import reductions
+from .convergence import rounding_floor
 from .multiscale import TruncatedKernel
 from .problem import Problem
 
@@ -38,8 +39,8 @@ class DenseKernel:
     ``to_kernel_order`` / ``to_caller_order`` for potentials; ``refresh`` (adapt to the
     current potentials, every ``refresh_every`` iterations at the final eps);
     ``coarse_problem`` (a problem to solve first, or None) and ``extrapolate``; ``finish``;
-    ``differentiable_softmin`` for the gradient's one reduction, and ``softmin_gradient``
-    for the accuracy checks. ``symmetric``: x
+    ``differentiable_softmin`` for the gradient's one reduction, ``softmin_gradient``
+    for the accuracy checks and ``rounding_floor`` for the stall rule. ``symmetric``: x
     against itself (y and b are x and a).
     """
 
@@ -72,6 +73,10 @@ class DenseKernel:
 
     def refresh(self, f, g, eps: float, full: bool = False) -> None:
         """Nothing to adapt: every pair is summed."""
+
+    def rounding_floor(self, eps: float, *potentials: torch.Tensor) -> float:
+        """The marginals' rounding noise at these potentials (the stall rule's floor)."""
+        return rounding_floor(eps, *potentials)
 
     def coarse_problem(self) -> None:
         return None

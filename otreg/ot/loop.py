@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .convergence import Anderson, Relaxation, StoppingRule, rounding_floor
+from .convergence import Anderson, Relaxation, StoppingRule
 from .kernels import DenseKernel, form_softmin, make_kernel
 from .large_blur import closed_form
 from .multiscale import TruncatedKernel
@@ -186,7 +186,7 @@ def _final_pair(p: Problem, kernel, f, g, n_iter: int):
             best = (err, f.clone(), g.clone())
         if rule.stop(
             err,
-            lambda f=f, g=update: rounding_floor(eps, f, g),
+            lambda f=f, g=update: kernel.rounding_floor(eps, f, g),
             probe and (lambda g=update: probe(g)),
         ):
             g = update
@@ -227,7 +227,9 @@ def _final_symmetric(p: Problem, kernel, f, g, n_iter: int):
         err = float(residual(p, eps, kernel.a, f, sf).max())
         f = (f + lam * sf) / 2
         n_iter += 1
-        if rule.stop(err, lambda f=f: rounding_floor(eps, f), probe and (lambda f=f: probe(f))):
+        if rule.stop(
+            err, lambda f=f: kernel.rounding_floor(eps, f), probe and (lambda f=f: probe(f))
+        ):
             break
     return f, f, n_iter, rule, "averaged"
 

@@ -326,7 +326,8 @@ class TruncatedKernel:
         self.n_pairs: list[int] = []  # pairs summed by each pattern, for reports
         self._list: PairList | None = None  # the point pairs at the final eps
         self._list_pays = True  # False once a list held too many pairs to pay
-        self.list_builds = 0
+        self.list_builds = 0  # lists tried, and the pairs of each one used, for reports
+        self.list_pairs: list[int] = []
 
     # -------------------------------------------------------------- reductions
     def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
@@ -374,6 +375,16 @@ class TruncatedKernel:
             self._build_list(pot, out) if transpose else self._build_list(out, pot)
         return out
 
+    def rounding_floor(self, eps: float, *potentials: torch.Tensor) -> float:
+        """The marginals' rounding noise (the stall rule's floor): on a pair list, the
+        points' dtype's at the size of its scores (``truncate + LIST_MARGIN``), since the
+        potentials are float64; else at the size of the potentials over eps."""
+        dtype = self.cx.points.dtype
+        if eps == self.p.eps and self._list is not None:
+            return torch.finfo(dtype).eps * (self.truncate + LIST_MARGIN)
+        top = max(float(t.abs().max()) for t in potentials)
+        return torch.finfo(dtype).eps * top / eps
+
     def _within(self, df: torch.Tensor, dg: torch.Tensor) -> bool:
         """Whether potentials that moved by df (N,), dg (M,) since the list was built
         leave every pair it dropped below ``exp(-truncate)`` of its row (NaN: no)."""
@@ -395,6 +406,7 @@ class TruncatedKernel:
             self._list, self._list_pays = None, False
             return
         i, j = found
+        self.list_pairs.append(len(i))
         self._list = PairList(
             self.cx.points, self.cy.points, i, j, self._a_log, self._b_log, f, g, eps
         )

@@ -299,19 +299,21 @@ def test_close_pairs_finds_exactly_the_pattern_pairs_within_the_threshold():
 
 
 def test_solve_on_the_pair_list_equals_the_dense_solve_where_points_are_sparser_than_the_blur():
-    """Points about 0.2 apart at blur 0.05: the final iterations run on the list of point
+    """Points about 0.2 apart at blur 0.02: the final iterations run on the list of point
     pairs (a plan near a permutation), in float32, and end at the plan of the dense float64
     solver iterated to 1e-12 (POT's plain iterations need over 20,000 here; the dense
     solver equals POT where POT converges, test_solver.py)."""
     x = noisy_sphere(400, seed=1, dtype=torch.float32)
     y = noisy_sphere(450, radius=0.8, center=(0.5, 0.0, 0.0), seed=2, dtype=torch.float32)
-    options = SinkhornOptions(blur=0.05, tol=1e-5, max_iter=5000, multiscale=True)
+    options = SinkhornOptions(blur=0.02, tol=1e-5, max_iter=5000, multiscale=True)
     p = Problem.build("t", x, y, None, None, options)
     sol = solve(p, p.x, p.a, p.y, p.b)
-    assert sol.rule.converged and sol.kernel.list_builds > 0
+    assert sol.rule.converged and sol.kernel.list_pairs
+    # a few pairs a point, a small part of the cell pattern's
+    assert max(sol.kernel.list_pairs) < min(0.1 * sol.kernel.n_pairs[-1], 20 * 400)
     assert sol.f.dtype == torch.float32
     exact = otreg.sinkhorn(
-        x.double(), y.double(), blur=0.05, tol=1e-12, max_iter=20_000, multiscale=False
+        x.double(), y.double(), blur=0.02, tol=1e-12, max_iter=20_000, multiscale=False
     )
     assert exact.converged
     C = ((x.double()[:, None] - y.double()[None]) ** 2).sum(-1) / 2
@@ -319,7 +321,7 @@ def test_solve_on_the_pair_list_equals_the_dense_solve_where_points_are_sparser_
     ours = torch.exp((sol.f[0].double()[:, None] + sol.g[0].double()[None] - C) / p.eps) / (
         400 * 450
     )
-    assert float((ours - P).abs().sum()) < 1e-4  # in total variation, of mass 1
+    assert float((ours - P).abs().sum()) < 5e-4  # in total variation, of mass 1
     assert float((ours * C).sum()) == pytest.approx(float((P * C).sum()), rel=1e-4)
 
 
@@ -333,3 +335,41 @@ def test_float32_potentials_far_from_zero_converge_without_stalling():
         warnings.simplefilter("error", otreg.ConvergenceWarning)
         res = otreg.sinkhorn(x, y, blur=0.01, multiscale=True, tol=1e-4, max_iter=3000)
     assert res.converged and res.marginal_error < 1e-4
+
+
+def test_the_pair_list_falls_back_to_the_cell_pairs_when_the_potentials_move():
+    """Potentials moved past the list's margin: the softmin is the cell pattern's (and the
+    list is rebuilt from it); within the margin it is the list's, equal to it."""
+    from otreg.ot.kernels import make_kernel
+    from otreg.ot.loop import _anneal
+
+    x = noisy_sphere(400, seed=1, dtype=torch.float32)
+    y = noisy_sphere(450, radius=0.8, center=(0.5, 0.0, 0.0), seed=2, dtype=torch.float32)
+    p = Problem.build("t", x, y, None, None, SinkhornOptions(blur=0.02, multiscale=True))
+    kernel = make_kernel(p, p.x, p.a, p.y, p.b)
+    f, g, _ = _anneal(p, kernel, None)
+    kernel.refresh(f, g, p.eps)
+    first = kernel.softmin_xy(p.eps, g.double())  # on the cells, then a list is built
+    assert kernel.list_builds == 1 and len(kernel.list_pairs) == 1
+    blocks = kernel._block_softmin(p.eps, g[0], transpose=False).double()
+    torch.testing.assert_close(first[0], blocks)
+    nudge = 0.5 * multiscale.LIST_MARGIN * p.eps  # within the margin: the list's sums
+    listed = kernel.softmin_xy(p.eps, g.double() + nudge)
+    assert kernel.list_builds == 1
+    torch.testing.assert_close(listed[0], blocks - nudge, rtol=0, atol=1e-3 * p.eps)
+    moved = g.double() + 3 * multiscale.LIST_MARGIN * p.eps * (torch.arange(450) % 2)
+    out = kernel.softmin_xy(p.eps, moved)  # past it: the cells' sums, and a new list
+    assert kernel.list_builds == 2
+    again = kernel._block_softmin(p.eps, moved[0], transpose=False).double()
+    torch.testing.assert_close(out[0], again)
+
+
+def test_a_pair_list_that_would_not_pay_is_not_used(monkeypatch):
+    monkeypatch.setattr(multiscale, "LIST_FRACTION", 1e-6)
+    x = noisy_sphere(400, seed=1, dtype=torch.float32)
+    y = noisy_sphere(450, radius=0.8, center=(0.5, 0.0, 0.0), seed=2, dtype=torch.float32)
+    options = SinkhornOptions(blur=0.02, tol=1e-3, max_iter=5000, multiscale=True)
+    p = Problem.build("t", x, y, None, None, options)
+    sol = solve(p, p.x, p.a, p.y, p.b)
+    assert sol.rule.converged and sol.kernel.list_builds == 1  # tried once, given up
+    assert not sol.kernel.list_pairs
