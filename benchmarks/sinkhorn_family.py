@@ -172,7 +172,9 @@ def main() -> None:
             here = []
             for method in args.methods:
                 if METHODS[method][0] == "reference" and ref is not None:
-                    here.append({**ref, "note": f"saved by an earlier run ({ref['date']})"})
+                    # named as today (a cache written before a rename keeps its old name)
+                    saved = f"saved by an earlier run ({ref['date']})"
+                    here.append({**ref, "method": method, "note": saved})
                     continue
                 call = [method, problem, str(n), str(args.blur), str(args.reference_tol)]
                 out = run_worker(__file__, call, args.timeout)
