@@ -390,9 +390,9 @@ def close_pairs(
         c, r, l = close.nonzero(as_tuple=True)
         found_i.append(row_idx[c, r])
         found_j.append(col_idx[c, l].long())
-    i, j = torch.cat(found_i), torch.cat(found_j)
-    key = torch.sort(i * (int(y.shape[0]) + 1) + j).values
-    return key // (int(y.shape[0]) + 1), key % (int(y.shape[0]) + 1)
+    i, j, m = torch.cat(found_i), torch.cat(found_j), int(y.shape[0])
+    key = torch.sort(i * m + j).values  # by row, then column
+    return key // m, key % m
 
 
 class PairList:
