@@ -299,7 +299,8 @@ def _tail(changes: list[torch.Tensor], window: int) -> float:
     return float(tail.max())
 
 
-def rounding_floor(eps: float, *potentials: torch.Tensor) -> float:
-    """U max |potential| / eps: the rounding noise of the marginals exp((f - s) / eps)."""
+def rounding_floor(eps: float, *potentials: torch.Tensor, dtype=None) -> float:
+    """U max |potential| / eps: the rounding noise of the marginals exp((f - s) / eps), U the
+    machine epsilon of ``dtype`` (default: the potentials')."""
     top = max(float(t.abs().max()) for t in potentials)
-    return torch.finfo(potentials[0].dtype).eps * top / eps
+    return torch.finfo(dtype or potentials[0].dtype).eps * top / eps

@@ -382,8 +382,9 @@ class TruncatedKernel:
         dtype = self.cx.points.dtype
         if eps == self.p.eps and self._list is not None:
             return torch.finfo(dtype).eps * (self.truncate + LIST_MARGIN)
-        top = max(float(t.abs().max()) for t in potentials)
-        return torch.finfo(dtype).eps * top / eps
+        from .convergence import rounding_floor  # here: convergence imports this module
+
+        return rounding_floor(eps, *potentials, dtype=dtype)
 
     def _within(self, df: torch.Tensor, dg: torch.Tensor) -> bool:
         """Whether potentials that moved by df (N,), dg (M,) since the list was built
