@@ -11,7 +11,8 @@ gradients), :mod:`~otreg.ot.result` (the result and its convergence report),
 
 from .divergence import SinkhornLoss, sinkhorn_divergence
 from .plan import TransportPlan
-from .problem import Accuracy, Implicit, Multiscale, SinkhornOptions, Unroll
+from .convergence import Accuracy
+from .problem import Implicit, Multiscale, SinkhornOptions, Unroll
 from .result import SinkhornResult
 from .solver import sinkhorn
 

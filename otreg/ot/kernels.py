@@ -91,7 +91,7 @@ class DenseKernel:
     def softmin_gradient(self, eps: float, g: torch.Tensor, s: torch.Tensor, w: torch.Tensor):
         """The gradient of ``sum_i w_i s_i`` with s = ``softmin_xy(eps, g)`` with respect to
         the points: ``(x,)`` for a cloud against itself, else ``(x, y)``; for
-        :class:`~otreg.ot.problem.Accuracy`'s checks."""
+        :class:`~otreg.ot.convergence.Accuracy`'s checks."""
         x = self.x.detach().requires_grad_(True)
         y = x if self.symmetric else self.y.detach().requires_grad_(True)
         with torch.enable_grad():

@@ -59,7 +59,7 @@ def semi_dual(p: Problem, a, b, s, g) -> torch.Tensor:
 
 
 def _probe(p: Problem, kernel):
-    """For :class:`~otreg.ot.problem.Accuracy`: g -> (the value (B,), its gradient with
+    """For :class:`~otreg.ot.convergence.Accuracy`: g -> (the value (B,), its gradient with
     respect to the points (B, K)) as the caller will get them from the potential g."""
 
     def probe(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,6 +58,7 @@ from ..reductions.sparse import (
     grid_clusters,
     grid_labels,
 )
+from .convergence import rounding_floor
 
 __all__: list[str] = []
 
@@ -382,8 +383,6 @@ class TruncatedKernel:
         dtype = self.cx.points.dtype
         if eps == self.p.eps and self._list is not None:
             return torch.finfo(dtype).eps * (self.truncate + LIST_MARGIN)
-        from .convergence import rounding_floor  # here: convergence imports this module
-
         return rounding_floor(eps, *potentials, dtype=dtype)
 
     def _within(self, df: torch.Tensor, dg: torch.Tensor) -> bool:

@@ -37,13 +37,14 @@ from ..costs import Cost, epsilon_schedule, get_cost
 from ..costs import diameter as bounding_diameter
 from ..loops.budget import parse_bytes
 from ..loops.iterate import STRATEGIES
+from .convergence import Accuracy
 from .multiscale import (
     auto_cluster_scale,
     multiscale_unfit,
     worthwhile,
 )
 
-__all__ = ["SinkhornOptions", "Implicit", "Unroll", "Multiscale", "Accuracy"]
+__all__ = ["SinkhornOptions", "Implicit", "Unroll", "Multiscale"]
 
 FORMS = ("log", "scaling")
 #: Half-precision dtypes (autocast's): their points are computed in float32 (8 or 11 bits of
@@ -142,55 +143,6 @@ class Multiscale:
             check_positive("Multiscale", "cluster_scale", self.cluster_scale)
         if not isinstance(self.auto, bool):
             raise TypeError(f"Multiscale: auto must be True or False, got {self.auto!r}")
-
-
-@dataclass(frozen=True)
-class Accuracy:
-    r"""``tol=Accuracy(...)``: stop the updates at the final eps once the OT value and its
-    gradient are accurate enough, rather than on the marginal error.
-
-    Every ``every`` iterations the loop evaluates, at its current potential g, what the
-    caller will get: the dual value V and the envelope gradient G (with respect to both
-    clouds, one differentiable reduction). With d_k the relative change of G between two
-    checks and q the larger of the last two ratios d_k / d_(k-1) (the contraction per
-    check), the error left is estimated by the geometric tail
-
-    .. math::
-
-        e_k = d_k \, q / (1 - q),
-
-    exact for a loop that converges linearly at a steady rate (plain or over-relaxed
-    Sinkhorn near its fixed point), and the same for V. The loop stops when both estimates
-    are below the tolerances (at the third check at the earliest). It is an estimate, not a
-    bound: the tests check it against converged float64 solutions, with which the errors
-    agreed within a factor of 3. Each check costs about two reductions; the stall,
-    divergence and ``max_iter`` rules still apply, and the marginal error is still reported.
-
-    Args:
-        value: relative error of the OT value (relative to the larger of its size and
-            eps times the total mass: a value near 0 is compared on the entropic scale).
-        gradient: relative error of the gradient (its L2 norm over both clouds, relative
-            to the gradient's norm) of each OT term. A Sinkhorn divergence subtracts two
-            symmetric terms from the cross one: where they nearly cancel (clouds almost
-            equal) its own gradient's relative error is larger.
-        every: iterations between checks.
-
-    Example:
-        >>> import torch, otreg
-        >>> x, y = torch.rand(300, 3), torch.rand(300, 3)
-        >>> res = otreg.sinkhorn(x, y, blur=0.05, tol=otreg.Accuracy(gradient=1e-3))
-        >>> res.converged, res.estimated_error["gradient"] < 1e-3
-        (True, True)
-    """
-
-    value: float = 1e-4
-    gradient: float = 1e-3
-    every: int = 10
-
-    def __post_init__(self) -> None:
-        check_positive("Accuracy", "value", self.value)
-        check_positive("Accuracy", "gradient", self.gradient)
-        check_int("Accuracy", "every", self.every, 1)
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ from ..loops.budget import within_budget
 from .gradient import differentiate
 from .large_blur import check_range, closed_form_applies
 from .loop import closed_form_solution, solve
+from .convergence import Accuracy
 from .problem import (
-    Accuracy,
     Implicit,
     Multiscale,
     Problem,
@@ -133,7 +133,7 @@ def sinkhorn(
         backend: ``"auto"``, ``"keops"``, ``"tensorized"`` or ``"blocked"`` (see
             :mod:`otreg.reductions`).
         tol: stop when the relative L1 marginal error at the final eps is < tol (tol=0 runs
-            exactly max_iter iterations); or :class:`~otreg.ot.problem.Accuracy`
+            exactly max_iter iterations); or :class:`~otreg.ot.convergence.Accuracy`
             ``(value, gradient)``: when the value's and the gradient's estimated relative
             errors are below these (``result.estimated_error`` gives them).
         max_iter: the most iterations in all, the eps-scaling ones included.
