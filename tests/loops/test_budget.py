@@ -179,9 +179,10 @@ else:
 
 def test_a_first_call_under_a_budget_too_small_for_the_compiler_runs_uncompiled():
     # a fresh process's first unrolled solve: loading torch's compiler (about 160 MB, once a
-    # process) would spend a 50 MB budget, so the call's reductions stay uncompiled (its
-    # backward's too) and the whole call stays within the bound, its gradient the stored
-    # loop's; 1 GB holds the compiler
+    # process) would spend an 80 MB budget (the loop needs 47 MB with the one-offs, and 63 MB
+    # in a few fresh processes where the probe's peak held one more block buffer), so the
+    # call's reductions stay uncompiled (its backward's too) and the whole call stays within
+    # the bound, its gradient the stored loop's; 1 GB holds the compiler
     def first_call(memory, compiler_bytes=160_000_000):
         done = subprocess.run(
             [sys.executable, "-c", FIRST_CALL, memory, str(compiler_bytes)],
@@ -192,17 +193,17 @@ def test_a_first_call_under_a_budget_too_small_for_the_compiler_runs_uncompiled(
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    small = first_call("50MB")
+    small = first_call("80MB")
     assert not small["compiler"] and small["held"] >= 2, small
-    assert small["peak_mb"] <= 1.25 * 50 + 30, small
+    assert small["peak_mb"] <= 1.25 * 80 + 30, small
     assert small["rel"] < 1e-12, small
     large = first_call("1GB")
     assert large["compiler"] and large["held"] == 0, large
     assert large["rel"] < 1e-12, large
     # were the compiler's cost understated, the solve before the loop would load it and
     # spend the budget: the call refuses, naming what was kept and the way out
-    message = first_call("50MB", compiler_bytes=10_000_000)["error"]
-    assert "sinkhorn: memory budget 50.0 MB is spent before its loop" in message
+    message = first_call("80MB", compiler_bytes=10_000_000)["error"]
+    assert "sinkhorn: memory budget 80.0 MB is spent before its loop" in message
     assert "otreg.reductions.COMPILED = False" in message
 
 
