@@ -9,9 +9,9 @@ gradients), :mod:`~otreg.ot.result` (the result and its convergence report),
 :mod:`~otreg.ot.divergence`, :mod:`~otreg.ot.plan`.
 """
 
+from .convergence import Accuracy
 from .divergence import SinkhornLoss, sinkhorn_divergence
 from .plan import TransportPlan
-from .convergence import Accuracy
 from .problem import Implicit, Multiscale, SinkhornOptions, Unroll
 from .result import SinkhornResult
 from .solver import sinkhorn

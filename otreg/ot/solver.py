@@ -38,10 +38,10 @@ import torch
 
 from .. import reductions
 from ..loops.budget import within_budget
+from .convergence import Accuracy
 from .gradient import differentiate
 from .large_blur import check_range, closed_form_applies
 from .loop import closed_form_solution, solve
-from .convergence import Accuracy
 from .problem import (
     Implicit,
     Multiscale,
