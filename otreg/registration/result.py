@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -292,6 +293,7 @@ class Registration:
         *,
         source: Shape | None = None,
         target: Shape | None = None,
+        ignore: Sequence[int] | set[int] = (),
     ) -> dict[str, float]:
         """How well the source's labels land on the target's own, before and after.
 
@@ -299,7 +301,8 @@ class Registration:
         from the warped source (after) and from the source as given (before: ``source``, or
         the warped source brought back by :meth:`inverse_transform`), and compared with the
         target's labels: the Dice overlap ``2|A ∩ B| / (|A| + |B|)`` of each label, averaged
-        over every label either side has (a label one side lacks scores 0).
+        over every label either side has (a label one side lacks scores 0) but those in
+        ``ignore``.
 
         Args:
             source_labels: ``(N,)`` integer labels at the source's vertices (or a
@@ -309,6 +312,8 @@ class Registration:
                 an array in the target's ``data``).
             source: the source surface as given (default: recovered by the inverse map).
             target: the target surface, where the result does not hold it.
+            ignore: labels left out of the mean, e.g. ``(0,)`` for an atlas's "unknown" or
+                medial wall: its vertices still count against the label they should have.
 
         Returns:
             ``{"dice": after, "before_dice": before}``, each in [0, 1].
@@ -340,11 +345,18 @@ class Registration:
                     f"{caller}: {name} are {v.values.dtype} of shape "
                     f"{tuple(v.values.shape)}; labels are one integer a vertex"
                 )
+        if not isinstance(ignore, (tuple, list, set, frozenset)) or not all(
+            isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in ignore
+        ):
+            raise TypeError(
+                f"{caller}: ignore must be a sequence of integer labels, got {ignore!r}"
+            )
         before = source if source is not None else self.inverse_transform(self.warped)
         truth = own.values.numpy()
         every = np.arange(goal.n_points)
+        left_out = tuple(int(k) for k in ignore)
         return {
-            when: label_dice(_carry(given, shape, goal.points, True).values, truth, every, ())
+            when: label_dice(_carry(given, shape, goal.points, True).values, truth, every, left_out)
             for when, shape in (("dice", self.warped), ("before_dice", before))
         }
 

@@ -11,6 +11,7 @@ import torch
 
 import otreg
 from otreg.io import VertexValues, load_values, save_values
+from otreg.registration import Registration
 
 pv = pytest.importorskip("pyvista")
 D = torch.float64
@@ -66,6 +67,11 @@ def test_labels_go_both_ways_every_vertex_assigned_with_a_confidence(ball):
     assert float((back.values == labels).double().mean()) > 0.98  # borders may shift a vertex
 
 
+def kept(labels):
+    """The labels but 10."""
+    return [k for k in labels.unique() if k != 10]
+
+
 def test_label_overlap_before_and_after(ball):
     """Dice against brute force: after a rigid fit the labels land (near) exactly; before,
     the moved copy's labels overlap as the nearest vertices' labels say."""
@@ -82,6 +88,19 @@ def test_label_overlap_before_and_after(ball):
     assert overlap["before_dice"] < 0.8
     given = res.label_overlap(labels, labels, source=ball)  # the source given: the same
     assert abs(given["before_dice"] - overlap["before_dice"]) < 1e-9
+    # a label left out of the mean: the other labels' Dice of what transfer carries (from
+    # the source as it is, where the labels do not land exactly)
+    still = Registration(warped=ball, linear=None, deformation=None)
+    left_out = still.label_overlap(labels, labels, target=target, source=ball, ignore=(10,))
+    carried = still.transfer(labels, to="target", kind="labels", target=target).values
+    hits = [((carried == k) & (labels == k), (carried == k), (labels == k)) for k in kept(labels)]
+    dice = [2 * both.sum().double() / (a.sum() + b.sum()) for both, a, b in hits]
+    assert abs(left_out["dice"] - float(torch.stack(dice).mean())) < 1e-9
+    every = still.label_overlap(labels, labels, target=target, source=ball)
+    assert abs(left_out["dice"] - every["dice"]) > 1e-3
+    for bad in (10, "10", (1.5,), (True,)):
+        with pytest.raises(TypeError, match="ignore must be a sequence of integer labels"):
+            res.label_overlap(labels, labels, ignore=bad)
     with pytest.raises(ValueError, match="target_labels are torch.float64"):
         res.label_overlap(labels, labels.double())
     with pytest.raises(ValueError, match="source has [0-9]+ vertices; the warped source has"):
