@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from otreg import LBFGSOptions, LDDMMOptions, Shape, load_shape, save_shape
 from otreg.batch import JobOptions, Pair, plan_batch, read_manifest, run_job, write_manifest
 from otreg.batch.engine import run_batch
+from otreg.batch.job import unlabelled
 from otreg.cli import main
 from otreg.io import VertexValues, load_values, save_values
 from otreg.registration import Registration
@@ -209,6 +210,24 @@ def test_labels_carried_both_ways_under_one_name_are_scored_before_and_after(tmp
     assert metrics["dseg_dice"] > 0.97 > 0.9 > metrics["before_dseg_dice"]
     saved = json.loads((tmp_path / "out" / "registration.json").read_text())["metrics"]
     assert saved["dseg_dice"] == metrics["dseg_dice"]
+    # a table's "no label" entry (the HCP's ???) is left out of the mean, as label_overlap's
+    # ignore does it
+    z = load_shape(src).points[:, 2]
+    table = {0: ("???", (0.0, 0.0, 0.0, 0.0)), 1: ("lower", (0.0, 0.0, 1.0, 1.0)),
+             2: ("upper", (1.0, 0.0, 0.0, 1.0))}  # fmt: skip
+    capped = torch.where(z > 15, 0, (z > 0).long() + 1)  # a cap without a label
+    walled = save_values(VertexValues(capped, table), tmp_path / "sub-01_hemi-L_wall.label.gii")
+    theirs = shutil.copy(walled, tmp_path / "tpl-x_wall.label.gii")
+    out = run_job(src, tgt, tmp_path / "out3", JobOptions("rigid", picture=False),
+                  source_values=(walled,), target_values=(theirs,))  # fmt: skip
+    res, source = out.registration, load_shape(src)
+    target = load_shape(tgt)
+    left_out = res.label_overlap(capped, capped, source=source, target=target, ignore=(0,))
+    every = res.label_overlap(capped, capped, source=source, target=target)
+    assert abs(res.metrics["before_wall_dice"] - left_out["before_dice"]) < 1e-12
+    assert abs(every["before_dice"] - left_out["before_dice"]) > 1e-3
+    wall = VertexValues(capped, {**table, 7: ("Medial_Wall", (0.0, 0.0, 0.0, 1.0))})
+    assert unlabelled(wall, load_values(theirs)) == (-1, 0, 7)  # -1: an annot's unassigned
     short = save_values(torch.ones(5, dtype=torch.long), tmp_path / "tpl-y_dseg.label.gii")
     with pytest.raises(ValueError, match="labels dseg.label.gii .*the target has"):
         run_job(src, tgt, tmp_path / "out2", JobOptions("rigid", picture=False),
