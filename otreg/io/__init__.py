@@ -240,8 +240,11 @@ def load_values(path: str | Path) -> VertexValues:
     (``(N,)`` integers with their label table).
 
     Formats: GIFTI ``.func.gii`` / ``.shape.gii`` (maps) and ``.label.gii`` (labels and
-    their table), FreeSurfer ``.annot`` (labels; its colour table becomes the label table,
-    -1 unknown) and morphometry files (``lh.curv``, ``lh.thickness``...), NumPy ``.npy``.
+    their table), each also gzipped (``.gii.gz``), FreeSurfer ``.annot`` (labels; its colour
+    table becomes the label table, -1 unknown), morphometry files (``lh.curv``,
+    ``lh.thickness``...: a name with no other known extension, checked by the file's magic
+    number) and ``.mgh`` / ``.mgz`` overlays, NumPy ``.npy``. Any other file raises
+    ``ValueError``.
 
     Example:
         >>> import tempfile, pathlib, torch
@@ -287,6 +290,12 @@ def save_values(values: VertexValues | torch.Tensor, path: str | Path) -> Path:
         )
     path = Path(path).expanduser()
     kind = _values.suffix(path)
+    if kind == "morph" and path.suffix.lower() in _values.NOT_MORPH:
+        raise ValueError(
+            f"{caller}: otreg does not write per-vertex values as {path.suffix} "
+            f"({path.name}); name the file .func.gii, .label.gii, .annot, .mgh, .mgz, .npy, or "
+            "lh.NAME for a FreeSurfer morphometry file"
+        )
     if kind in (".label.gii", ".annot") and not values.is_labels:
         raise ValueError(
             f"{caller}: {path.name} holds labels but the values are {values.values.dtype}: "

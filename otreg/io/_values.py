@@ -1,7 +1,13 @@
 """Per-vertex values in files, through nibabel: GIFTI functional and shape files
 (``.func.gii``, ``.shape.gii``), GIFTI label files (``.label.gii``, with their label table),
-FreeSurfer ``.annot`` (labels and colour table) and morphometry files (``lh.curv``,
-``lh.thickness``, ``*.curv``...), and NumPy ``.npy``.
+each also gzipped (``.gii.gz``), FreeSurfer ``.annot`` (labels and colour table),
+morphometry files (``lh.curv``, ``lh.thickness``, ``*.curv``...) and surface overlays in
+MGH format (``.mgh``, ``.mgz``, as ``mris_preproc`` writes them), and NumPy ``.npy``.
+
+A file is read in the format its name gives. Morphometry files have no extension of their
+own, so a name that matches nothing else is read as one only if it starts with their magic
+number: any other file (a ``.csv``, a gzipped file of another kind) is refused, never read
+as numbers it does not hold.
 
 An ``.annot`` stores each vertex's colour, not a label number: its labels come back as
 indices into its colour table (names and colours kept), and a vertex whose colour is black
@@ -51,13 +57,44 @@ class VertexValues:
         return int(self.values.shape[0])
 
 
+#: FreeSurfer's morphometry files (the "new" curv format, the only one since 1999) start
+#: with these three bytes.
+MORPH_MAGIC = b"\xff\xff\xff"
+
+#: The kinds of values files: what a name ends with -> the kind :func:`suffix` returns.
+KINDS = {
+    ".label.gii": ".label.gii",
+    ".func.gii": ".gii",
+    ".shape.gii": ".gii",
+    ".gii": ".gii",
+    ".annot": ".annot",
+    ".mgh": ".mgh",
+    ".mgz": ".mgh",
+    ".npy": ".npy",
+}
+
+
+#: Extensions of other kinds of file, which a name that otherwise falls through to FreeSurfer's
+#: morphometry format (no extension of its own) must not have when written.
+NOT_MORPH = (".csv", ".tsv", ".txt", ".json", ".gz", ".nii", ".npz", ".mat", ".pt", ".h5",
+             ".vtk", ".vtp", ".ply", ".stl", ".obj")  # fmt: skip
+
+
 def suffix(path: Path) -> str:
-    """The kind of a values file, from its name: label.gii, gii, annot, npy, morph."""
+    """The kind of a values file, from its name: label.gii, gii, annot, mgh, npy or morph
+    (a gzipped GIFTI, ``.gii.gz``, is of its GIFTI kind)."""
     name = path.name.lower()
-    for ext in (".label.gii", ".func.gii", ".shape.gii", ".gii", ".annot", ".npy"):
+    if name.endswith(".gii.gz"):
+        name = name.removesuffix(".gz")
+    for ext, kind in KINDS.items():
         if name.endswith(ext):
-            return {".func.gii": ".gii", ".shape.gii": ".gii"}.get(ext, ext)
+            return kind
     return "morph"  # FreeSurfer's curv, thickness, sulc, area... files have no extension
+
+
+def _is_morph(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(3) == MORPH_MAGIC
 
 
 def read_values(path: Path, caller: str) -> VertexValues:
@@ -79,8 +116,22 @@ def read_values(path: Path, caller: str) -> VertexValues:
             }
             return VertexValues(torch.as_tensor(labels.astype(np.int64)), table)
         if kind == "morph":
+            if not _is_morph(path):
+                raise ValueError(
+                    "its name matches no known extension and it does not start with "
+                    "FreeSurfer's morphometry magic number"
+                )
             data = nib.freesurfer.read_morph_data(str(path))  # big-endian on disk
             return VertexValues(torch.as_tensor(data.astype(np.float32)))
+        if kind == ".mgh":
+            data = np.asarray(nib.load(str(path)).dataobj)  # (N, 1, 1) or (N, 1, 1, C)
+            if data.ndim not in (3, 4) or data.shape[1:3] != (1, 1):
+                raise ValueError(f"an overlay is (N, 1, 1[, C]), this volume is {data.shape}")
+            data = data.reshape(data.shape[0], -1)
+            data = data[:, 0] if data.shape[1] == 1 else data
+            if np.issubdtype(data.dtype, np.integer):
+                return VertexValues(torch.as_tensor(data.astype(np.int64)))
+            return VertexValues(torch.as_tensor(np.asarray(data, dtype=np.float32)))
         img = nib.load(str(path))
         arrays = [d.data for d in img.darrays]
         data = arrays[0] if len(arrays) == 1 else np.stack(arrays, axis=1)
@@ -94,8 +145,9 @@ def read_values(path: Path, caller: str) -> VertexValues:
     except Exception as err:  # nibabel's readers raise many kinds (XML, zip, struct...)
         raise ValueError(
             f"{caller}: {path} could not be read as per-vertex values ({type(err).__name__}: "
-            f"{err}); otreg reads GIFTI (.func.gii, .shape.gii, .label.gii), FreeSurfer "
-            ".annot and morphometry files (lh.curv...), and .npy"
+            f"{err}); otreg reads GIFTI (.func.gii, .shape.gii, .label.gii, each also .gz), "
+            "FreeSurfer .annot, morphometry files (lh.curv...) and .mgh/.mgz overlays, "
+            "and .npy"
         ) from err
 
 
@@ -119,6 +171,10 @@ def write_values(values: VertexValues, path: Path, kind: str) -> None:
         nib.freesurfer.write_annot(str(path), labels, ctab, names, fill_ctab=True)
     elif kind == "morph":
         nib.freesurfer.write_morph_data(str(path), data.astype(np.float32))
+    elif kind == ".mgh":
+        volume = data.reshape(data.shape[0], 1, 1, -1) if data.ndim == 2 else data[:, None, None]
+        dtype = np.int32 if values.is_labels else np.float32
+        nib.save(nib.MGHImage(np.ascontiguousarray(volume.astype(dtype)), np.eye(4)), str(path))
     else:
         labels = values.is_labels
         columns = data[:, None] if data.ndim == 1 else data

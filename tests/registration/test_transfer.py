@@ -185,7 +185,9 @@ def test_nan_in_a_map_and_a_wrong_direction_are_refused(ball):
         res.transfer(torch.zeros(ball.n_points, dtype=D), kind="labels")
 
 
-@pytest.mark.parametrize("name", ["lh.aparc.label.gii", "lh.aparc.annot", "labels.npy"])
+@pytest.mark.parametrize(
+    "name", ["lh.aparc.label.gii", "lh.aparc.label.gii.gz", "lh.aparc.annot", "labels.npy"]
+)
 def test_label_files_keep_their_table(tmp_path, name):
     table = {1: ("V1", (1.0, 0.0, 0.0, 1.0)), 2: ("V2", (0.0, 1.0, 0.0, 1.0)),
              7: ("MT", (0.0, 0.0, 1.0, 1.0))}  # fmt: skip
@@ -202,7 +204,11 @@ def test_label_files_keep_their_table(tmp_path, name):
         assert np.allclose(back.label_table[v][1][:3], table[key][1][:3], atol=1 / 255)
 
 
-@pytest.mark.parametrize("name", ["thick.func.gii", "lh.thickness", "map.npy", "two.func.gii"])
+@pytest.mark.parametrize(
+    "name",
+    ["thick.func.gii", "thick.func.gii.gz", "lh.thickness", "map.npy", "two.func.gii",
+     "thick.mgh", "two.mgz"],
+)  # fmt: skip
 def test_map_files_round_trip(tmp_path, name):
     values = torch.rand(50, 2 if name.startswith("two") else 1).squeeze(1)
     back = load_values(save_values(values, tmp_path / name))
@@ -218,3 +224,25 @@ def test_value_files_errors_name_the_file(tmp_path):
         load_values(tmp_path / "junk.label.gii")
     with pytest.raises(ValueError, match="holds labels but the values are torch.float32"):
         save_values(torch.rand(3), tmp_path / "x.label.gii")
+
+
+def test_a_file_of_another_kind_is_refused_not_read_as_numbers(tmp_path):
+    """A name with no known extension falls through to FreeSurfer's morphometry format, which
+    has none; without its magic number the file is refused (a gzipped GIFTI used to be read
+    as a few thousand floats)."""
+    import gzip
+
+    (tmp_path / "thick.csv").write_text("1.0,2.0,3.0\n")
+    (tmp_path / "lh.aparc.annot.gz").write_bytes(gzip.compress(b"\x00\x00\x00\x05" * 50))
+    for name in ("thick.csv", "lh.aparc.annot.gz"):
+        with pytest.raises(ValueError, match=f"{name} could not be read.*magic number"):
+            load_values(tmp_path / name)
+    for name in ("thick.csv", "thick.gz"):
+        with pytest.raises(ValueError, match=f"does not write per-vertex values as .*{name}"):
+            save_values(torch.rand(3), tmp_path / name)
+    assert (tmp_path / "thick.csv").read_text() == "1.0,2.0,3.0\n" and not (
+        tmp_path / "thick.gz"
+    ).exists()
+    labels = torch.tensor([3, 1, 2])
+    back = load_values(save_values(labels, tmp_path / "labels.mgz"))
+    assert torch.equal(back.values, labels) and back.is_labels
