@@ -267,28 +267,13 @@ def run_job(
     return JobOutput(res, src, tgt, full, files)
 
 
-#: names of a label table's "no label" entries (FreeSurfer's unknown, the HCP's ???, a
-#: medial wall), left out of the label overlaps' mean, as is -1 (an annot's unassigned)
-UNLABELLED = frozenset({"unknown", "???", "medial_wall", "medialwall", "medial wall"})
-
-
-def unlabelled(*values: VertexValues) -> tuple[int, ...]:
-    """The keys of the labels' tables named as "no label" (:data:`UNLABELLED`), and -1."""
-    keys = {-1}
-    for v in values:
-        for key, (name, _) in (v.label_table or {}).items():
-            if name.strip().lower() in UNLABELLED:
-                keys.add(int(key))
-    return tuple(sorted(keys))
-
-
 def _overlaps(res, source: Shape, target: Shape, carried: dict) -> dict:
     """For each labels file carried both ways under one name (:func:`carried_name`): the
     mean Dice of the source's labels carried onto the target with the target's own, after
     and before the registration (:meth:`~otreg.Registration.label_overlap`), as
     ``<name>_dice`` and ``before_<name>_dice``, ``<name>`` the file's name less its
     extension (``dseg.label.gii`` -> ``dseg``, ``lh.aparc.annot`` -> ``lh_aparc``); the
-    tables' "no label" entries (:func:`unlabelled`) are left out of the mean."""
+    tables' "no label" entries (:func:`otreg.io.unlabelled`) are left out of the mean."""
     theirs = {carried_name(path): (path, values) for path, values in carried["source"]}
     out = {}
     for path, mine in carried["target"]:
@@ -297,9 +282,7 @@ def _overlaps(res, source: Shape, target: Shape, carried: dict) -> dict:
             continue
         other, own = theirs[name]
         try:
-            overlap = res.label_overlap(
-                mine, own, source=source, target=target, ignore=unlabelled(mine, own)
-            )
+            overlap = res.label_overlap(mine, own, source=source, target=target)
         except (ValueError, TypeError) as err:
             raise InputError(f"labels {name} (of {path} and {other}): {err}") from err
         key = re.sub(r"\W+", "_", _stem(name)).strip("_") or "labels"

@@ -36,6 +36,7 @@ from ._files import (
 
 __all__ = [
     "VertexValues",
+    "unlabelled",
     "load_values",
     "save_values",
     "load_shape",
@@ -54,6 +55,7 @@ __all__ = [
 
 VOLUME_EXTS = (".nii", ".nii.gz", ".mgz")
 VertexValues = _values.VertexValues
+unlabelled = _values.unlabelled
 MESH_EXTS = (*_files.PYVISTA_EXTS, ".gii", ".gii.gz", ".csv", ".npy")
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["VertexValues"]
+__all__ = ["VertexValues", "unlabelled"]
 
 #: A label table: label value -> (name, RGBA colour in [0, 1]).
 LabelTable = dict[int, tuple[str, tuple[float, float, float, float]]]
@@ -78,6 +78,30 @@ KINDS = {
 #: morphometry format (no extension of its own) must not have when written.
 NOT_MORPH = (".csv", ".tsv", ".txt", ".json", ".gz", ".nii", ".npz", ".mat", ".pt", ".h5",
              ".vtk", ".vtp", ".ply", ".stl", ".obj")  # fmt: skip
+
+
+#: Names of a label table's "no label" entries (FreeSurfer's unknown, the HCP's ???, a
+#: medial wall), compared in lower case.
+UNLABELLED = frozenset({"unknown", "???", "medial_wall", "medialwall", "medial wall"})
+
+
+def unlabelled(*values: VertexValues) -> tuple[int, ...]:
+    """The label values that mean "no label": -1 (an annot's unassigned vertices) and the
+    keys the values' label tables name so (:data:`UNLABELLED`).
+
+    Example:
+        >>> import torch
+        >>> from otreg.io import VertexValues, unlabelled
+        >>> table = {0: ("Unknown", (0, 0, 0, 0)), 1: ("V1", (1.0, 0, 0, 1))}
+        >>> unlabelled(VertexValues(torch.tensor([0, 1, 1]), table))
+        (-1, 0)
+    """
+    keys = {-1}
+    for v in values:
+        for key, (name, _) in (v.label_table or {}).items():
+            if name.strip().lower() in UNLABELLED:
+                keys.add(int(key))
+    return tuple(sorted(keys))
 
 
 def suffix(path: Path) -> str:

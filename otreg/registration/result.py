@@ -22,6 +22,7 @@ from ..io import (
     read_pyvista_mesh,
     remove_stale_temps,
     same_file,
+    unlabelled,
 )
 from ..ot.solver import sinkhorn
 from ..shapes import Shape
@@ -293,7 +294,7 @@ class Registration:
         *,
         source: Shape | None = None,
         target: Shape | None = None,
-        ignore: Sequence[int] | set[int] = (),
+        ignore: Sequence[int] | set[int] | None = None,
     ) -> dict[str, float]:
         """How well the source's labels land on the target's own, before and after.
 
@@ -302,7 +303,9 @@ class Registration:
         the warped source brought back by :meth:`inverse_transform`), and compared with the
         target's labels: the Dice overlap ``2|A ∩ B| / (|A| + |B|)`` of each label, averaged
         over every label either side has (a label one side lacks scores 0) but those in
-        ``ignore``.
+        ``ignore``: by default the "no label" entries, -1 and the keys the label tables name
+        ``unknown``, ``???`` or ``medial_wall`` (:func:`otreg.io.unlabelled`), which would
+        otherwise count an atlas's background as a region.
 
         Args:
             source_labels: ``(N,)`` integer labels at the source's vertices (or a
@@ -313,7 +316,9 @@ class Registration:
             source: the source surface as given (default: recovered by the inverse map).
             target: the target surface, where the result does not hold it.
             ignore: labels left out of the mean, e.g. ``(0,)`` for an atlas's "unknown" or
-                medial wall: its vertices still count against the label they should have.
+                medial wall given without a table: their vertices still count against the
+                label they should have. None (default): :func:`otreg.io.unlabelled` of the
+                two; ``()``: every label.
 
         Returns:
             ``{"dice": after, "before_dice": before}``, each in [0, 1].
@@ -345,6 +350,8 @@ class Registration:
                     f"{caller}: {name} are {v.values.dtype} of shape "
                     f"{tuple(v.values.shape)}; labels are one integer a vertex"
                 )
+        if ignore is None:
+            ignore = unlabelled(given, own)
         if not isinstance(ignore, (tuple, list, set, frozenset)) or not all(
             isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in ignore
         ):

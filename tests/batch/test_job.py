@@ -18,9 +18,8 @@ from click.testing import CliRunner
 from otreg import LBFGSOptions, LDDMMOptions, Shape, load_shape, save_shape
 from otreg.batch import JobOptions, Pair, plan_batch, read_manifest, run_job, write_manifest
 from otreg.batch.engine import run_batch
-from otreg.batch.job import unlabelled
 from otreg.cli import main
-from otreg.io import VertexValues, load_values, save_values
+from otreg.io import VertexValues, load_values, save_values, unlabelled
 from otreg.registration import Registration
 from otreg.registration.result import OUTPUTS
 

@@ -98,6 +98,13 @@ def test_label_overlap_before_and_after(ball):
     assert abs(left_out["dice"] - float(torch.stack(dice).mean())) < 1e-9
     every = still.label_overlap(labels, labels, target=target, source=ball)
     assert abs(left_out["dice"] - every["dice"]) > 1e-3
+    # by default, a label its table names "unknown" (or ???, medial wall) is left out
+    table = {int(k): (f"region {k}", (0.5, 0.5, 0.5, 1.0)) for k in labels.unique()}
+    table[10] = ("Unknown", (0.0, 0.0, 0.0, 0.0))
+    named = VertexValues(labels, table)
+    default = still.label_overlap(named, named, target=target, source=ball)
+    assert default == left_out
+    assert still.label_overlap(named, named, target=target, source=ball, ignore=()) == every
     for bad in (10, "10", (1.5,), (True,)):
         with pytest.raises(TypeError, match="ignore must be a sequence of integer labels"):
             res.label_overlap(labels, labels, ignore=bad)
