@@ -313,6 +313,8 @@ def register(
     moved = src
     if linear is not None:  # the linear map is fitted in float64
         moved = src.with_points(linear(src.points.double()).detach().to(plan.dtype))
+    if plan.signal is not None:
+        signals.check_signs("register", plan.signal, moved, tgt)
     history: list[dict] = []
     deformation = _fit_deformation(plan, linear, moved, tgt, history, start)
     seconds["fit_seconds"] = time.perf_counter() - start - seconds["prealign_seconds"]

@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from .._checks import warn
 from ..shapes import Shape
 from . import metrics
 from .losses import SIGNAL
@@ -58,3 +59,40 @@ def with_level_signal(level: Shape, full: Shape, signal: str | None) -> Shape:
         values = full.data[signal][metrics.nearest_vertices(level.points, full)]
     data = {**level.data, SIGNAL: standardised(values.to(level.points.dtype))}
     return dataclasses.replace(level, data=data)
+
+
+#: Below this correlation, where the pre-aligned surfaces meet, two signals look like
+#: opposite sign conventions (same-sign signals of two brains correlate at 0.3 to 0.9).
+OPPOSITE = -0.2
+
+#: Vertices a side for the check (curvature is computed on meshes decimated to this).
+CHECK_POINTS = 5000
+
+
+def check_signs(caller: str, signal: str, source: Shape, target: Shape) -> float:
+    """Warn (UserWarning) when the two shapes' signals are anti-correlated where the
+    (pre-aligned) source meets the target: each source vertex's value against the target's
+    at its nearest vertex. Two labs' maps of one quantity can have opposite signs (the
+    HCP's ``sulc`` is FreeSurfer's negated), and a mesh whose triangles wind the other way
+    has its curvature negated; matched as they are, folds are pulled onto the wrong folds.
+    Returns the correlation."""
+    if signal == "curvature":
+        pair = [s.decimate(CHECK_POINTS) for s in (source, target)]
+        values = [s.mean_curvature() for s in pair]
+    else:
+        pair, values = [source, target], [source.data[signal], target.data[signal]]
+    nearest = metrics.nearest_vertices(pair[0].points, pair[1])
+    r = metrics.signal_correlation(values[0], values[1], nearest)
+    if r < OPPOSITE:
+        cause = (
+            "does one mesh wind its triangles the other way (normals inward)?"
+            if signal == "curvature"
+            else f"do the two maps follow opposite sign conventions (the HCP's sulc is "
+            f"FreeSurfer's negated)? If so, negate one: shape.with_data({signal}=-values)"
+        )
+        warn(
+            f"{caller}: signal {signal!r} of the source and the target are anti-correlated "
+            f"where the pre-aligned surfaces meet (r = {r:.2f}): {cause}",
+            UserWarning,
+        )
+    return r

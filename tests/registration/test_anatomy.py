@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from otreg import datasets, register
+from otreg import LBFGSOptions, datasets, register
 from otreg.registration import defaults, metrics
 from otreg.registration.losses import SIGNAL, make_loss
 from otreg.shapes import Shape
@@ -190,6 +190,28 @@ def test_register_with_a_signal_and_its_errors(pial_small):
         register(src, tgt, signal=3, **small)
     with pytest.raises(ValueError, match="signal_weight is 0"):
         register(src, tgt, signal="depth", signal_weight=0, **small)
+
+
+def test_signals_of_opposite_signs_warn(pial_small):
+    """A map negated on one side (the HCP's sulc against FreeSurfer's) and a target whose
+    triangles wind the other way (its curvature negated) warn before the fit; the same
+    signs do not."""
+    import warnings
+
+    curv = pial_small.mean_curvature()
+    src = Shape(pial_small.points, pial_small.faces, data={"depth": curv})
+    tgt = src.with_points(src.points + torch.tensor([1.0, -0.5, 0.5], dtype=torch.float64))
+    small = dict(levels=((300, 4.0),), optimizer=LBFGSOptions(max_iter=1), progress=False)
+    flipped = tgt.with_data(depth=-curv)
+    with pytest.warns(UserWarning, match="'depth' of the source and the target are anti-corr"):
+        register(src, flipped, signal="depth", **small)
+    inside_out = Shape(tgt.points, tgt.faces[:, [0, 2, 1]])
+    with pytest.warns(UserWarning, match="wind its triangles the other way"):
+        register(src, inside_out, signal="curvature", **small)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*anti-correlated", category=UserWarning)
+        register(src, tgt, signal="depth", **small)
+        register(src, tgt, signal="curvature", **small)
 
 
 def test_mean_curvature_of_a_sphere_is_one_over_its_radius():
