@@ -205,8 +205,8 @@ def run_otreg(source, target, truth, signal=None, fine=False, model="lddmm"):
     points and the result's metrics."""
     from otreg import register
 
-    kw = finer(target) if fine else {}
-    res = register(source, target, model=model, truth=truth, signal=signal, progress=False, **kw)
+    kw = finer(target) if fine else {"model": model}
+    res = register(source, target, truth=truth, signal=signal, progress=False, **kw)
     m = res.metrics
     out = {"evaluations": len(res.history)}
     keys = ("jacobian_min", "jacobian_negative_fraction", "jacobian_points", "prealign_seconds",
