@@ -117,6 +117,7 @@ def suffix(path: Path) -> str:
 
 
 def _is_morph(path: Path) -> bool:
+    """Whether the file starts with FreeSurfer's morphometry magic number."""
     with open(path, "rb") as f:
         return f.read(3) == MORPH_MAGIC
 

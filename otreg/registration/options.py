@@ -100,8 +100,9 @@ class PrealignOptions:
             a hippocampus pair and two hemisphere templates as well as 2,000, in a sixth of
             the time).
         closest_point_iter: rounds of symmetric closest-point fitting (each source point
-            pulled to its nearest target point and each target point pulling its nearest
-            source point) after the OT rounds; 0: none. OT matches all of one surface's
+            pulled towards its nearest target point and each target point pulling its
+            nearest source point, onto the target's tangent plane there; far pairs left
+            out) after the OT rounds, at most; 0: none. OT matches all of one surface's
             area with all of the other's, so where the two differ in shape (a medial wall,
             a cut) it pulls the map off; the closest points then fit where the surfaces
             agree.

@@ -83,12 +83,12 @@ def prealign(
     Each round solves OT between the moved source measure and the target, sends every
     source point to its barycentric target, and refits the map by weighted least squares
     (Kabsch, Umeyama or affine), with a blur shrinking geometrically from ``blur[0]`` to
-    ``blur[1]`` mm (default: a quarter of the target's size down to 1/40 of it). Rounds of
-    symmetric closest points then refine the map (``closest_point_iter``): OT needs no
-    starting guess but matches all of each surface's area, the closest points only the
-    parts that agree. Surfaces
+    ``blur[1]`` mm (default: a quarter of the target's size down to 1/40 of it). Surfaces
     are compared as vertex measures (area weights) decimated to about ``max_points``
     vertices: a linear map has 12 parameters at most, which a few thousand points fix.
+    Rounds of symmetric closest points then refine the map (``closest_point_iter``): OT
+    needs no starting guess but matches all of each surface's area, the closest points
+    only the parts that agree.
 
     Example:
         >>> import pyvista as pv, torch, otreg
@@ -196,7 +196,7 @@ def _fit_closest_points(model, options, source: Shape, target: Shape, center) ->
             if normals is not None:  # onto the target's tangent plane
                 n = normals[j]
                 goal = moved[i] + n * ((goal - moved[i]) * n).sum(1, keepdim=True)
-            d = torch.as_tensor(np.concatenate([d_target, d_source]))
+            d = torch.as_tensor(np.concatenate([d_target, d_source]), device=weights.device)
             kept = weights * (d <= TRIM * d.median())
             A, t = fit_linear(options.kind, x[i], goal, kept / kept.sum(), center)
             model.set_from(A, t)
