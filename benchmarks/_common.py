@@ -11,10 +11,19 @@ import resource
 import shlex
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "docs" / "benchmarks.md"
+
+
+def installed_data(package: str) -> Path | None:
+    """The ``data`` folder inside an installed package (data read in place), or None."""
+    spec = find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
 
 
 def peak_rss_mb() -> float:

@@ -61,10 +61,9 @@ import subprocess
 import sys
 import tarfile
 import time
-from importlib.util import find_spec
 from pathlib import Path
 
-from _common import peak_rss_mb, publish, run_worker, table
+from _common import installed_data, peak_rss_mb, publish, run_worker, table
 
 METHODS = (
     "otreg",
@@ -132,12 +131,6 @@ def data(pair: str, points: int):
         (subject,) = datasets.synthetic_subjects(source, n=1, seed=0)
         target, truth = subject.shape, subject.shape.points
     return source, target, truth
-
-
-def installed_data(package: str) -> Path | None:
-    """The data folder inside an installed package, or None."""
-    spec = find_spec(package)
-    return None if spec is None else Path(spec.submodule_search_locations[0]) / "data"
 
 
 def hcp_reference(hemi: str, target) -> dict | None:
@@ -322,10 +315,11 @@ def worker(method: str, pair: str, points: int) -> dict:
         from otreg.registration.metrics import label_dice, nearest_vertices
 
         labels = reference["source_labels"], reference["target_labels"]
-        for key, shape in (("before", source), ("after", warped)):
+        nearest = nearest_vertices(source.points, target, warped.points)  # one search tree
+        for key, shape, found in zip(("before", "after"), (source, warped), nearest):
             error = (shape.points.detach().double() - reference["points"]).norm(dim=1)
             out[f"correspondence_{key}_mm"] = float(error.mean())
-            out[f"dk_dice_{key}"] = label_dice(*labels, nearest_vertices(shape.points, target))
+            out[f"dk_dice_{key}"] = label_dice(*labels, found)
     if truth is not None:
         out.update(vertex_error(warped.points, truth))
         out["vertex_error_before_mm"] = vertex_error(source.points, truth)["vertex_error_mean_mm"]

