@@ -19,6 +19,9 @@ Rows, each in a fresh process:
     python benchmarks/gpu.py --export DIR          # here: the surfaces as arrays
     python benchmarks/gpu.py --surfaces DIR --record   # on the GPU machine
     python benchmarks/gpu.py --quick               # N = 1e4 only
+    python benchmarks/gpu.py --tune                # the Triton kernels' tiles and warps
+
+Each row is printed as it completes, so that a run cut short still shows what it measured.
 """
 
 from __future__ import annotations
@@ -51,34 +54,106 @@ def sync():
         torch.cuda.synchronize()
 
 
-def timed(fn, repeat: int = 3) -> float:
-    fn()  # compile / warm up
+def timed(fn, repeat: int = 3, warm: bool = True) -> float:
+    """The best of ``repeat`` calls (after one to compile and warm up), or of fewer where
+    the calls so far took over 2 s."""
+    if warm:
+        fn()
     sync()
-    best = math.inf
+    best, spent = math.inf, 0.0
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         sync()
         best = min(best, time.perf_counter() - start)
+        spent += time.perf_counter() - start
+        if spent > 2.0:
+            break
     return best
 
 
-def throughput_worker(backend: str, kind: str, n: int, dtype: str) -> dict:
+def throughput_worker(backends: str, sizes: str) -> dict:
+    """Every throughput row of ``backends`` and ``sizes`` (comma-separated) in this one
+    process: each kernel compiled on a small problem first (Triton compiles per tile shape,
+    not per size), then timed once, or the best of three where one call is short."""
     import torch
 
     from otreg.reductions import get_cost, kernel_product, softmin
 
-    dt = getattr(torch, dtype)
-    x, y = spheres(n, "cuda", dt)
     cost = get_cost("sqeuclidean")
-    x, y = x[None], y[None]
-    if kind == "softmin":
-        h = torch.zeros(1, n, device="cuda", dtype=dt)
-        seconds = timed(lambda: softmin(x, y, h, 1e-4, cost, backend))
-    else:
-        v = torch.rand(1, n, 3, device="cuda", dtype=dt)
-        seconds = timed(lambda: kernel_product(x, y, v, 1e-2, cost, backend))
-    return {"seconds": seconds, "gpairs": n * n / seconds / 1e9}
+    rows = []
+    for n in map(int, sizes.split(",")):
+        for backend in backends.split(","):
+            if backend == "blocked" and n > 100_000:
+                continue
+            for kind, dtype in (("softmin", "float32"), ("kernel_product", "float32"),
+                                ("softmin", "float64")):  # fmt: skip
+                dt = getattr(torch, dtype)
+                x, y = (p[None] for p in spheres(n, "cuda", dt))
+                h = torch.zeros(1, n, device="cuda", dtype=dt)
+                v = torch.rand(1, n, 3, device="cuda", dtype=dt)
+
+                def call(k=None, x=x, y=y, h=h, v=v, kind=kind, backend=backend):
+                    k = k or x.shape[1]
+                    if kind == "softmin":
+                        return softmin(x[:, :k], y[:, :k], h[:, :k], 1e-4, cost, backend)
+                    return kernel_product(x[:, :k], y[:, :k], v[:, :k], 1e-2, cost, backend)
+
+                row = {"n": n, "backend": backend, "kind": f"{kind} ({dtype})"}
+                try:
+                    call(min(n, 20_000))  # compile
+                    seconds = timed(call, repeat=3, warm=False)
+                    row.update(seconds=seconds, gpairs=n * n / seconds / 1e9)
+                except Exception as err:  # a row that fails is recorded, not fatal
+                    row["error"] = f"{type(err).__name__}: {str(err)[:120]}"
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                rows.append(row)
+    return {"rows": rows}
+
+
+def tune_worker() -> dict:
+    """Throughput of the Triton kernels for tile shapes and warps, at N = M = 200,000:
+    the forward softmin and kernel product (float32), the softmin in float64, and the
+    softmin's gradient in x (float32)."""
+    import torch
+
+    from otreg.reductions import _triton, get_cost, kernel_product, softmin
+
+    cost = get_cost("sqeuclidean")
+    n = 200_000
+    configs = {
+        torch.float32: [(bn, bm, w) for bn, bm in ((64, 64), (128, 64), (128, 32), (64, 128),
+                        (128, 128), (256, 32), (256, 64)) for w in (4, 8)],
+        torch.float64: [(bn, bm, w) for bn, bm in ((32, 32), (64, 32), (64, 64), (128, 32))
+                        for w in (4, 8)],
+    }  # fmt: skip
+    rows = []
+    kinds = [("softmin", torch.float32), ("kernel_product", torch.float32),
+             ("softmin gradient", torch.float32), ("softmin", torch.float64)]  # fmt: skip
+    for label, dtype in kinds:
+        x, y = (p[None] for p in spheres(n, "cuda", dtype))
+        h = torch.zeros(1, n, device="cuda", dtype=dtype)
+        v = torch.rand(1, n, 3, device="cuda", dtype=dtype)
+        for bn, bm, warps in configs[dtype]:
+            _triton.BLOCKS[dtype], _triton.NUM_WARPS[dtype] = (bn, bm), warps
+
+            def call(label=label, x=x, y=y, h=h, v=v):
+                if label == "kernel_product":
+                    return kernel_product(x, y, v, 1e-2, cost, "triton")
+                if label == "softmin":
+                    return softmin(x, y, h, 1e-4, cost, "triton")
+                xg = x.detach().requires_grad_(True)
+                return torch.autograd.grad(softmin(xg, y, h, 1e-2, cost, "triton").sum(), xg)
+
+            row = {"kind": f"{label} ({str(dtype)[6:]})", "tile": f"{bn} x {bm}", "warps": warps}
+            try:
+                seconds = timed(call, repeat=3)
+                row.update(seconds=seconds, gpairs=n * n / seconds / 1e9)
+            except Exception as err:
+                row["error"] = f"{type(err).__name__}: {str(err)[:120]}"
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+    return {"rows": rows}
 
 
 def divergence_worker(method: str, n: int) -> dict:
@@ -117,6 +192,12 @@ def divergence_worker(method: str, n: int) -> dict:
     return {"seconds": seconds, "value": float(d), "grad": g.double().cpu().tolist()}
 
 
+def show(row: dict) -> dict:
+    """Print a row as it completes (without its gradient)."""
+    print(json.dumps({k: v for k, v in row.items() if k != "grad"}), flush=True)
+    return row
+
+
 def reference_worker(n: int) -> dict:
     import torch
 
@@ -124,7 +205,7 @@ def reference_worker(n: int) -> dict:
 
     x, y = spheres(n, "cuda", torch.float64)
     x.requires_grad_(True)
-    d = otreg.sinkhorn_divergence(x, y, blur=BLUR, tol=1e-7, max_iter=20_000, scaling=0.9)
+    d = otreg.sinkhorn_divergence(x, y, blur=BLUR, tol=1e-6, max_iter=20_000, scaling=0.9)
     (g,) = torch.autograd.grad(d, x)
     return {"value": float(d), "grad": g.cpu().tolist()}
 
@@ -180,6 +261,7 @@ def main() -> None:
     parser.add_argument("--surfaces", type=Path, help="the folder --export wrote")
     parser.add_argument("--export", type=Path, help="write the surfaces as arrays and stop")
     parser.add_argument("--record", action="store_true")
+    parser.add_argument("--tune", action="store_true", help="time the kernels' tile shapes")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -187,6 +269,7 @@ def main() -> None:
         kind, *rest = args.worker
         fn = {
             "throughput": throughput_worker,
+            "tune": tune_worker,
             "divergence": divergence_worker,
             "reference": reference_worker,
             "registration": registration_worker,
@@ -210,15 +293,19 @@ def main() -> None:
         f"{torch.version.cuda}), otreg {otreg.__version__}; KeOps check: "
         f"{'passed' if ok else verdict}"
     )
-    backends = ["triton"] + (["keops"] if ok else [])
+    print(env, flush=True)
+    if args.tune:
+        r = run_worker(__file__, ["tune"], 20 * args.timeout)
+        print(table(r.get("rows", [r]), [("kind", "reduction", ""), ("tile", "tile", ""),
+                    ("warps", "warps", ""), ("seconds", "time (s)", "{:.4f}"),
+                    ("gpairs", "G pairs/s", "{:.1f}"), ("error", "error", "")]))  # fmt: skip
+        return
+    backends = ["triton"] + (["keops"] if ok else []) + ["blocked"]
     sizes = [10_000] if args.quick else [100_000, 1_000_000]
-    rows = []
-    for n in sizes:
-        for backend in backends + (["blocked"] if n <= 100_000 else []):
-            for kind, dtype in (("softmin", "float32"), ("kernel_product", "float32"),
-                                ("softmin", "float64")):  # fmt: skip
-                r = run_worker(__file__, ["throughput", backend, kind, str(n), dtype], args.timeout)
-                rows.append({"n": n, "backend": backend, "kind": f"{kind} ({dtype})", **r})
+    r = run_worker(
+        __file__, ["throughput", ",".join(backends), ",".join(map(str, sizes))], 4 * args.timeout
+    )
+    rows = r.get("rows", [r])
     body = env + "\n\n" + table(
         rows,
         [("n", "N = M", "{:,}"), ("backend", "backend", ""), ("kind", "reduction", ""),
@@ -230,9 +317,14 @@ def main() -> None:
         methods += ["GeomLoss online", "GeomLoss multiscale"]
     rows = []
     for n in [10_000] if args.quick else [10_000, 100_000, 1_000_000]:
-        ref = run_worker(__file__, ["reference", str(n)], args.timeout) if n <= 100_000 else {}
+        ref = {}
+        if n <= 100_000:
+            ref = run_worker(__file__, ["reference", str(n)], 2 * args.timeout)
+            show({"n": n, "reference": "float64", **ref})
         for method in methods:
-            if method == "GeomLoss tensorized" and n > 10_000:
+            if (method == "GeomLoss tensorized" and n > 10_000) or (
+                method != "otreg default call" and n > 100_000
+            ):  # past what fits or ends within the time limit
                 continue
             r = run_worker(__file__, ["divergence", method, str(n)], args.timeout)
             row = {"n": n, "method": method, **{k: v for k, v in r.items() if k != "grad"}}
@@ -241,7 +333,7 @@ def main() -> None:
 
                 g, g0 = np.array(r["grad"]), np.array(ref["grad"])
                 row["grad_error"] = float(np.linalg.norm(g - g0) / np.linalg.norm(g0))
-            rows.append(row)
+            rows.append(show(row))
     body += "\n\n" + table(
         rows,
         [("n", "N", "{:,}"), ("method", "divergence + gradient, blur 0.01", ""),
@@ -251,8 +343,8 @@ def main() -> None:
     if args.surfaces:
         rows = []
         for name in ("templates-left", "full-resolution"):
-            r = run_worker(__file__, ["registration", str(args.surfaces), name], 600)
-            rows.append({"pair": name, **r})
+            r = run_worker(__file__, ["registration", str(args.surfaces), name], 2 * args.timeout)
+            rows.append(show({"pair": name, **r}))
         body += "\n\n" + table(
             rows,
             [("pair", "pair", ""), ("seconds", "time (s)", "{:.1f}"),

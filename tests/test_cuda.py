@@ -59,6 +59,35 @@ def test_register_on_cuda_shapes():
     assert moved.device.type == "cpu" and res.device.type == "cuda"
 
 
+def sphere_from_arrays(n: int = 2000, radius: float = 20.0) -> otreg.Shape:
+    """A triangulated sphere built without VTK (the GPU machine has none): the convex hull
+    of a Fibonacci lattice, each triangle turned to face outwards."""
+    from scipy.spatial import ConvexHull
+
+    i = torch.arange(n, dtype=torch.float64) + 0.5
+    z = 1 - 2 * i / n
+    phi = i * torch.pi * (3 - 5**0.5)
+    r = (1 - z**2).sqrt()
+    points = radius * torch.stack([r * phi.cos(), r * phi.sin(), z], 1)
+    faces = torch.as_tensor(ConvexHull(points.numpy()).simplices)
+    a, b, c = (points[faces[:, k]] for k in range(3))
+    inward = (torch.linalg.cross(b - a, c - a) * a).sum(1) < 0
+    faces[inward] = faces[inward][:, [0, 2, 1]]
+    return otreg.Shape(points, faces)
+
+
+@pytest.mark.parametrize("prealign", ["affine", "none"])
+def test_register_on_cuda_shapes_built_from_arrays(prealign):
+    ball = sphere_from_arrays()
+    egg = ball.with_points(ball.points * torch.tensor([1.2, 0.9, 1.0], dtype=torch.float64))
+    res = otreg.register(ball.to("cuda"), egg.to("cuda"), prealign=prealign, progress=False)
+    assert res.device.type == "cuda"
+    assert res.metrics["mean_mm"] < 0.3 * res.metrics["before_mean_mm"]
+    moved = res.transform(ball.points)
+    assert moved.device.type == "cpu" and torch.isfinite(moved).all()
+    assert torch.linalg.det(res.jacobians(ball.points)).min() > 0
+
+
 def test_a_job_on_cuda_writes_what_a_cpu_job_writes(tmp_path):
     """run_job(device="cuda"): the surfaces read on the CPU, registered on the card, the
     same files and close numbers."""

@@ -42,12 +42,13 @@ imported on first use: it ships with torch's CUDA wheels, and nothing else needs
 from __future__ import annotations
 
 import functools
+import math
 import os
 import types
 
 import torch
 
-from ..costs import Cost
+from ..costs import SQRT_FLOOR, Cost
 from ._blocked import dense_backward
 
 __all__: list[str] = []
@@ -56,6 +57,14 @@ __all__: list[str] = []
 KINDS = {"softmin": 0, "kernel_product": 1, "softmax_average": 2}
 #: Rows and columns a tile, by dtype (float64 holds twice the registers a value).
 BLOCKS = {torch.float32: (64, 64), torch.float64: (32, 32)}
+#: Warps a program, by dtype.
+NUM_WARPS = {torch.float32: 4, torch.float64: 4}
+#: Programs a multiprocessor that a call aims at: a loop is split (over j for the rows'
+#: kernels, over i for the columns') until there are that many, and the splits' partial
+#: sums are added up (log-sum-exps combined) afterwards.
+PROGRAMS_PER_SM = 4
+LOG2E = 1 / math.log(2)
+LN2 = math.log(2)
 #: The dtypes the kernels compute in.
 DTYPES = (torch.float32, torch.float64)
 
@@ -90,222 +99,221 @@ def _kernels() -> types.SimpleNamespace:
     import triton.language as tl
 
     @triton.jit
-    def _scores(x, y, h, inv_eps, mask_m, COST: tl.constexpr):
-        """The scores s (BN, BM) of the tiles x (BN, DP), y (BM, DP), h (BM,), and the
-        cost's derivative factor c (1, or 1 / |x - y|)."""
-        diff = x[:, None, :] - y[None, :, :]
-        sq = tl.sum(diff * diff, axis=2)
+    def _scores(X, Y, H, b, rn, rm, mask_n, mask_m, N, M, floor,
+                HAS_H: tl.constexpr, COST: tl.constexpr, D: tl.constexpr,
+                BN: tl.constexpr, BM: tl.constexpr):  # fmt: skip
+        """The base-2 scores s (BN, BM) of rows rn and columns rm, -inf past M, and the
+        scaled cost c: the points come scaled so that s = h_j - c_ij = log2(e) times the
+        natural score, and c = |x_i - y_j|^2 (COST 0) or |x_i - y_j| (COST 1)."""
+        sq = tl.zeros((BN, BM), dtype=X.dtype.element_ty)
+        for d in tl.static_range(D):
+            xd = tl.load(X + (b * N + rn) * D + d, mask=mask_n, other=0.0)
+            yd = tl.load(Y + (b * M + rm) * D + d, mask=mask_m, other=0.0)
+            diff = xd[:, None] - yd[None, :]
+            sq += diff * diff
         if COST == 0:
-            c = sq * 0.5
-            factor = sq * 0.0 + 1.0
+            c = sq
         else:
-            c = tl.sqrt(sq + 1e-20)  # costs.SQRT_FLOOR: the gradient is 0 at x = y
-            factor = 1.0 / c
-        s = h[None, :] - c * inv_eps
-        s = tl.where(mask_m[None, :], s, float("-inf"))
-        return s, factor
+            c = tl.sqrt(sq + floor)
+        if HAS_H:
+            s = tl.load(H + b * M + rm, mask=mask_m, other=0.0)[None, :] - c
+        else:
+            s = -c
+        return tl.where(mask_m[None, :], s, float("-inf")), c
 
     @triton.jit
-    def _load_rows(X, b, rn, rd, mask_n, sxb, sxn, D: tl.constexpr):
-        """The tile of points x_i: (BN, DP), zero past N and D."""
-        return tl.load(
-            X + b * sxb + rn[:, None] * sxn + rd[None, :],
-            mask=mask_n[:, None] & (rd[None, :] < D),
-            other=0.0,
-        )
+    def _accumulate(acc, w, P, b, rows, mask, R, re, E: tl.constexpr, AXIS: tl.constexpr):
+        """Add w @ P[b, rows] to acc (AXIS 1: acc (BN, EP), P's rows the columns j), or w^T @
+        P[b, rows] (AXIS 0: acc (BM, EP), P's rows the rows i), E columns one by one."""
+        for e in tl.static_range(E):
+            pe = tl.load(P + (b * R + rows) * E + e, mask=mask, other=0.0)
+            if AXIS == 1:
+                col = tl.sum(w * pe[None, :], axis=1)
+            else:
+                col = tl.sum(w * pe[:, None], axis=0)
+            acc += tl.where(re[None, :] == e, col[:, None], 0.0)
+        return acc
 
     @triton.jit
-    def _load_row_state(G, OUT, LSE, b, rn, re, mask_n, ne, sob, son, N, KIND: tl.constexpr):
-        """For a block of rows: the incoming gradient and the forward's output, (BN, EP),
-        and the forward's log-sum-exp (BN,) (zeros for the kernel product, which has none)."""
-        g = tl.load(G + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
-        out = tl.load(OUT + b * sob + rn[:, None] * son + re[None, :], mask=ne, other=0.0)
-        if KIND == 1:
-            lse = tl.sum(out, axis=1) * 0.0
-        else:
-            lse = tl.load(LSE + b * N + rn, mask=mask_n, other=0.0)
-        return g, out, lse
+    def _displacements(acc, w, X, Y, b, rn, rm, mask_n, mask_m, N, M, rd, D: tl.constexpr,
+                       AXIS: tl.constexpr):  # fmt: skip
+        """Add sum_j w_ij (x_i - y_j) to acc (AXIS 1: acc (BN, DP)), or sum_i w_ij (y_j - x_i)
+        (AXIS 0: acc (BM, DP)), coordinate by coordinate."""
+        for d in tl.static_range(D):
+            xd = tl.load(X + (b * N + rn) * D + d, mask=mask_n, other=0.0)
+            yd = tl.load(Y + (b * M + rm) * D + d, mask=mask_m, other=0.0)
+            if AXIS == 1:
+                col = tl.sum(w * (xd[:, None] - yd[None, :]), axis=1)
+            else:
+                col = tl.sum(w * (yd[None, :] - xd[:, None]), axis=0)
+            acc += tl.where(rd[None, :] == d, col[:, None], 0.0)
+        return acc
 
     @triton.jit
-    def _load_columns(
-        Y, H, V, b, rm, rd, re, mask_m, syb, sym, shb, svb, svm,
-        KIND: tl.constexpr, D: tl.constexpr, E: tl.constexpr, BM: tl.constexpr,
-        EP: tl.constexpr,
-    ):  # fmt: skip
-        """The tiles of y_j (BM, DP), h_j (BM,) (0 for a kernel product) and v_j (BM, EP)
-        (0 for a softmin), zero past M, D and E."""
-        y = tl.load(
-            Y + b * syb + rm[:, None] * sym + rd[None, :],
-            mask=mask_m[:, None] & (rd[None, :] < D),
-            other=0.0,
-        )
-        if KIND == 1:
-            h = tl.sum(y, axis=1) * 0.0
-        else:
-            h = tl.load(H + b * shb + rm, mask=mask_m, other=0.0)
-        if KIND == 0:
-            v = tl.zeros((BM, EP), dtype=y.dtype)
-        else:
-            v = tl.load(
-                V + b * svb + rm[:, None] * svm + re[None, :],
-                mask=mask_m[:, None] & (re[None, :] < E),
-                other=0.0,
-            )
-        return y, h, v
+    def _row_dot(A, B2, b, rn, mask_n, N, E: tl.constexpr, BN: tl.constexpr):
+        """sum_e A[b, i, e] B2[b, i, e] for the rows rn: (BN,)."""
+        total = tl.zeros((BN,), dtype=A.dtype.element_ty)
+        for e in tl.static_range(E):
+            a = tl.load(A + (b * N + rn) * E + e, mask=mask_n, other=0.0)
+            c = tl.load(B2 + (b * N + rn) * E + e, mask=mask_n, other=0.0)
+            total += a * c
+        return total
+
+    @triton.jit
+    def _row_column_dot(G, V, b, rn, rm, mask_n, mask_m, N, M, E: tl.constexpr,
+                        BN: tl.constexpr, BM: tl.constexpr):  # fmt: skip
+        """<g_i, v_j> for the tiles: (BN, BM)."""
+        total = tl.zeros((BN, BM), dtype=G.dtype.element_ty)
+        for e in tl.static_range(E):
+            ge = tl.load(G + (b * N + rn) * E + e, mask=mask_n, other=0.0)
+            ve = tl.load(V + (b * M + rm) * E + e, mask=mask_m, other=0.0)
+            total += ge[:, None] * ve[None, :]
+        return total
 
     @triton.jit
     def _forward(
-        X, Y, H, V, OUT, LSE, N, M, inv_eps, eps,
-        sxb, sxn, syb, sym, shb, svb, svm, sob, son,
-        KIND: tl.constexpr, COST: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        E: tl.constexpr, EP: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+        X, Y, H, V, OUT, LSE, N, M, CHUNK, S, floor,
+        KIND: tl.constexpr, COST: tl.constexpr, D: tl.constexpr, E: tl.constexpr,
+        EP: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ):  # fmt: skip
+        """One tile of rows against the columns of one split: OUT (B, S, N, E) the kernel
+        product or the softmax average of the split, LSE (B, S, N) its base-2 log-sum-exp."""
         b = tl.program_id(1)
+        split = tl.program_id(2)
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
-        rd, re = tl.arange(0, DP), tl.arange(0, EP)
+        re = tl.arange(0, EP)
         mask_n = rn < N
-        x = _load_rows(X, b, rn, rd, mask_n, sxb, sxn, D)
-        zero = tl.sum(x, axis=1) * 0.0  # (BN,) zeros of the points' dtype
-        m_i = zero + float("-inf")
-        l_i = zero
-        acc = zero[:, None] + tl.zeros((1, EP), dtype=x.dtype)
-        for start in range(0, M, BM):
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, M)
+        m_i = tl.full((BN,), float("-inf"), dtype=X.dtype.element_ty)
+        l_i = tl.zeros((BN,), dtype=X.dtype.element_ty)
+        acc = tl.zeros((BN, EP), dtype=X.dtype.element_ty)
+        for start in range(lo, hi, BM):
             rm = start + tl.arange(0, BM)
-            mask_m = rm < M
-            y, h, v = _load_columns(
-                Y, H, V, b, rm, rd, re, mask_m, syb, sym, shb, svb, svm, KIND, D, E, BM, EP
-            )
-            s, _ = _scores(x, y, h, inv_eps, mask_m, COST)
+            mask_m = rm < hi
+            s, _ = _scores(X, Y, H, b, rn, rm, mask_n, mask_m, N, M, floor, KIND != 1, COST,
+                           D, BN, BM)  # fmt: skip
             if KIND == 1:
-                k = tl.exp(s)
-                acc += tl.sum(k[:, :, None] * v[None, :, :], axis=1)
+                acc = _accumulate(acc, tl.exp2(s), V, b, rm, mask_m, M, re, E, 1)
             else:
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - shift)
-                p = tl.exp(s - shift[:, None])
+                alpha = tl.exp2(m_i - shift)
+                p = tl.exp2(s - shift[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 if KIND == 2:
-                    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                    acc = _accumulate(acc * alpha[:, None], p, V, b, rm, mask_m, M, re, E, 1)
                 m_i = m_new
-        out = OUT + b * sob + rn[:, None] * son + re[None, :]
+        row = (b * S + split) * N + rn
+        live = mask_n[:, None] & (re[None, :] < E)
         if KIND == 1:
-            tl.store(out, acc, mask=mask_n[:, None] & (re[None, :] < E))
+            tl.store(OUT + row[:, None] * E + re[None, :], acc, mask=live)
         else:
-            lse = m_i + tl.log(l_i)
-            tl.store(LSE + b * N + rn, lse, mask=mask_n)
-            if KIND == 0:
-                res = -eps * lse
-                tl.store(out, res[:, None] + acc * 0.0, mask=mask_n[:, None] & (re[None, :] < 1))
-            else:
-                tl.store(out, acc / l_i[:, None], mask=mask_n[:, None] & (re[None, :] < E))
+            tl.store(LSE + row, m_i + tl.log2(l_i), mask=mask_n)
+            if KIND == 2:
+                safe = tl.where(l_i > 0.0, l_i, 1.0)
+                tl.store(OUT + row[:, None] * E + re[None, :], acc / safe[:, None], mask=live)
 
     @triton.jit
-    def _weights(s, lse, g, v, out, eps, KIND: tl.constexpr):
-        """W_ij = dL / ds_ij for the tiles: g (BN, EP) the output's gradient, lse (BN,),
-        v (BM, EP), out (BN, EP)."""
+    def _weights(s, lse, G, V, OUT, b, rn, rm, mask_n, mask_m, N, M, KIND: tl.constexpr,
+                 E: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):  # fmt: skip
+        """W'_ij, dL / ds_ij up to the constant the caller applies: g_i P_ij (softmin),
+        e^s_ij <g_i, v_j> (kernel product), P_ij (<g_i, v_j> - <g_i, out_i>) (softmax
+        average); zero outside the tiles' rows and columns."""
         if KIND == 0:
-            w = -eps * tl.sum(g, axis=1)[:, None] * tl.exp(s - lse[:, None])
+            g = tl.load(G + b * N + rn, mask=mask_n, other=0.0)
+            w = g[:, None] * tl.exp2(s - lse[:, None])
         elif KIND == 1:
-            w = tl.exp(s) * tl.sum(g[:, None, :] * v[None, :, :], axis=2)
+            w = tl.exp2(s) * _row_column_dot(G, V, b, rn, rm, mask_n, mask_m, N, M, E, BN, BM)
         else:
-            gv = tl.sum(g[:, None, :] * v[None, :, :], axis=2)
-            w = tl.exp(s - lse[:, None]) * (gv - tl.sum(g * out, axis=1)[:, None])
-        return w
+            go = _row_dot(G, OUT, b, rn, mask_n, N, E, BN)
+            gv = _row_column_dot(G, V, b, rn, rm, mask_n, mask_m, N, M, E, BN, BM)
+            w = tl.exp2(s - lse[:, None]) * (gv - go[:, None])
+        return tl.where(mask_n[:, None] & mask_m[None, :], w, 0.0)
 
     @triton.jit
     def _backward_rows(
-        X, Y, H, V, OUT, LSE, G, GX, N, M, inv_eps, eps,
-        sxb, sxn, syb, sym, shb, svb, svm, sob, son,
+        X, Y, H, V, OUT, LSE, G, GX, N, M, CHUNK, S, floor,
         KIND: tl.constexpr, COST: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        E: tl.constexpr, EP: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+        E: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ):  # fmt: skip
+        """GX (B, S, N, D): sum_j W'_ij f_ij (x_i - y_j) over one split's columns (f = 1,
+        or 1 / c for the distance)."""
         b = tl.program_id(1)
+        split = tl.program_id(2)
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
-        rd, re = tl.arange(0, DP), tl.arange(0, EP)
+        rd = tl.arange(0, DP)
         mask_n = rn < N
-        ne = mask_n[:, None] & (re[None, :] < (1 if KIND == 0 else E))
-        x = _load_rows(X, b, rn, rd, mask_n, sxb, sxn, D)
-        g, out, lse = _load_row_state(G, OUT, LSE, b, rn, re, mask_n, ne, sob, son, N, KIND)
-        total = tl.sum(x, axis=1) * 0.0
-        weighted = x * 0.0
-        for start in range(0, M, BM):
+        lse = tl.load(LSE + b * N + rn, mask=mask_n, other=0.0)
+        acc = tl.zeros((BN, DP), dtype=X.dtype.element_ty)
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, M)
+        for start in range(lo, hi, BM):
             rm = start + tl.arange(0, BM)
-            mask_m = rm < M
-            y, h, v = _load_columns(
-                Y, H, V, b, rm, rd, re, mask_m, syb, sym, shb, svb, svm, KIND, D, E, BM, EP
-            )
-            s, factor = _scores(x, y, h, inv_eps, mask_m, COST)
-            w = _weights(s, lse, g, v, out, eps, KIND)
-            w = tl.where(mask_m[None, :] & mask_n[:, None], w * factor, 0.0)
-            total += tl.sum(w, axis=1)
-            weighted += tl.sum(w[:, :, None] * y[None, :, :], axis=1)
-        gx = -inv_eps * (x * total[:, None] - weighted)
-        tl.store(
-            GX + b * N * D + rn[:, None] * D + rd[None, :],
-            gx,
-            mask=mask_n[:, None] & (rd[None, :] < D),
-        )
+            mask_m = rm < hi
+            s, c = _scores(X, Y, H, b, rn, rm, mask_n, mask_m, N, M, floor, KIND != 1, COST,
+                           D, BN, BM)  # fmt: skip
+            w = _weights(s, lse, G, V, OUT, b, rn, rm, mask_n, mask_m, N, M, KIND, E, BN, BM)
+            if COST == 1:
+                w = w / c
+            acc = _displacements(acc, w, X, Y, b, rn, rm, mask_n, mask_m, N, M, rd, D, 1)
+        row = (b * S + split) * N + rn
+        tl.store(GX + row[:, None] * D + rd[None, :], acc, mask=mask_n[:, None] & (rd[None, :] < D))
 
     @triton.jit
     def _backward_columns(
-        X, Y, H, V, OUT, LSE, G, GY, GH, GV, N, M, inv_eps, eps,
-        sxb, sxn, syb, sym, shb, svb, svm, sob, son,
+        X, Y, H, V, OUT, LSE, G, GY, GH, GV, N, M, CHUNK, S, floor,
         KIND: tl.constexpr, COST: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         E: tl.constexpr, EP: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ):  # fmt: skip
+        """For one tile of columns over one split's rows: GY (B, S, M, D) sum_i W'_ij f_ij
+        (y_j - x_i), GH (B, S, M) sum_i W'_ij, GV (B, S, M, E) sum_i K_ij g_i (K = e^s, or
+        P for the softmax average)."""
         b = tl.program_id(1)
+        split = tl.program_id(2)
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rd, re = tl.arange(0, DP), tl.arange(0, EP)
         mask_m = rm < M
-        y, h, v = _load_columns(
-            Y, H, V, b, rm, rd, re, mask_m, syb, sym, shb, svb, svm, KIND, D, E, BM, EP
-        )
-        total = tl.sum(y, axis=1) * 0.0
-        plain = tl.sum(y, axis=1) * 0.0
-        weighted = y * 0.0
-        gv = v * 0.0
-        for start in range(0, N, BN):
+        plain = tl.zeros((BM,), dtype=X.dtype.element_ty)
+        acc = tl.zeros((BM, DP), dtype=X.dtype.element_ty)
+        gv = tl.zeros((BM, EP), dtype=X.dtype.element_ty)
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, N)
+        for start in range(lo, hi, BN):
             rn = start + tl.arange(0, BN)
-            mask_n = rn < N
-            ne = mask_n[:, None] & (re[None, :] < (1 if KIND == 0 else E))
-            x = _load_rows(X, b, rn, rd, mask_n, sxb, sxn, D)
-            g, out, lse = _load_row_state(G, OUT, LSE, b, rn, re, mask_n, ne, sob, son, N, KIND)
-            s, factor = _scores(x, y, h, inv_eps, mask_m, COST)
-            live = mask_m[None, :] & mask_n[:, None]
-            w = tl.where(live, _weights(s, lse, g, v, out, eps, KIND), 0.0)
+            mask_n = rn < hi
+            lse = tl.load(LSE + b * N + rn, mask=mask_n, other=0.0)
+            s, c = _scores(X, Y, H, b, rn, rm, mask_n, mask_m, N, M, floor, KIND != 1, COST,
+                           D, BN, BM)  # fmt: skip
+            w = _weights(s, lse, G, V, OUT, b, rn, rm, mask_n, mask_m, N, M, KIND, E, BN, BM)
             plain += tl.sum(w, axis=0)
-            wf = w * factor
-            total += tl.sum(wf, axis=0)
-            weighted += tl.sum(wf[:, :, None] * x[:, None, :], axis=0)
+            if COST == 1:
+                w = w / c
+            acc = _displacements(acc, w, X, Y, b, rn, rm, mask_n, mask_m, N, M, rd, D, 0)
             if KIND != 0:
+                live = mask_n[:, None] & mask_m[None, :]
                 if KIND == 1:
-                    p = tl.where(live, tl.exp(s), 0.0)
+                    p = tl.where(live, tl.exp2(s), 0.0)
                 else:
-                    p = tl.where(live, tl.exp(s - lse[:, None]), 0.0)
-                gv += tl.sum(p[:, :, None] * g[:, None, :], axis=0)
-        gy = -inv_eps * (y * total[:, None] - weighted)
-        tl.store(
-            GY + b * M * D + rm[:, None] * D + rd[None, :],
-            gy,
-            mask=mask_m[:, None] & (rd[None, :] < D),
-        )
-        tl.store(GH + b * M + rm, plain, mask=mask_m)
+                    p = tl.where(live, tl.exp2(s - lse[:, None]), 0.0)
+                gv = _accumulate(gv, p, G, b, rn, mask_n, N, re, E, 0)
+        row = (b * S + split) * M + rm
+        tl.store(GY + row[:, None] * D + rd[None, :], acc, mask=mask_m[:, None] & (rd[None, :] < D))
+        tl.store(GH + row, plain, mask=mask_m)
         if KIND != 0:
             tl.store(
-                GV + b * M * E + rm[:, None] * E + re[None, :],
-                gv,
-                mask=mask_m[:, None] & (re[None, :] < E),
+                GV + row[:, None] * E + re[None, :], gv, mask=mask_m[:, None] & (re[None, :] < E)
             )
 
     # a kernel finds the jitted functions it calls among its module's globals, when it is
     # compiled (or interpreted): they are made here, on first use, so they go there now
     globals().update(
         _scores=_scores,
+        _accumulate=_accumulate,
+        _displacements=_displacements,
+        _row_dot=_row_dot,
+        _row_column_dot=_row_column_dot,
         _weights=_weights,
-        _load_rows=_load_rows,
-        _load_row_state=_load_row_state,
-        _load_columns=_load_columns,
     )
     return types.SimpleNamespace(
         triton=triton,
@@ -319,39 +327,67 @@ def _pow2(n: int) -> int:
     return max(2, 1 << (max(1, n) - 1).bit_length())
 
 
-def _shapes(kind: str, x, y, v) -> dict:
-    """The constexpr sizes of a call."""
-    D = x.shape[2]
-    E = 1 if v is None else v.shape[2]
-    bn, bm = BLOCKS[x.dtype]
-    return dict(
-        KIND=KINDS[kind], D=D, DP=_pow2(D), E=E, EP=_pow2(E), BN=bn, BM=bm
-    )  # fmt: skip
+def _programs_wanted(device: torch.device) -> int:
+    """How many programs keep the device busy: a few per multiprocessor (4 under the
+    interpreter, so that the tests split small problems too)."""
+    if device.type != "cuda":
+        return 4
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _strides(x, y, h, v, out) -> tuple:
-    """The batch and row strides of the inputs (their last axes are contiguous)."""
-    hb = 0 if h is None else h.stride(0)
-    vb, vm = (0, 0) if v is None else (v.stride(0), v.stride(1))
-    return (x.stride(0), x.stride(1), y.stride(0), y.stride(1), hb, vb, vm, out.stride(0),
-            out.stride(1))  # fmt: skip
+def _splits(tiles: int, length: int, block: int, device: torch.device) -> tuple[int, int]:
+    """(S, CHUNK): the loop of ``length`` split into S chunks of CHUNK (a multiple of
+    ``block``) so that ``tiles`` x S programs fill the device, none of them empty."""
+    blocks = -(-length // block)
+    want = -(-_programs_wanted(device) // max(1, tiles))
+    per = -(-blocks // max(1, min(want, blocks)))
+    chunk = per * block
+    return -(-length // chunk), chunk
+
+
+def _scaled(x, y, h, eps: float, cost: Cost):
+    """The points and h scaled so that the kernels' base-2 scores are h_j - c_ij (see
+    ``_scores``), the scale of the points and the square-root floor in those units."""
+    scale = math.sqrt(LOG2E / (2 * eps)) if cost.p == 2 else LOG2E / eps
+    hs = None if h is None else (h * LOG2E).contiguous()
+    return (x * scale).contiguous(), (y * scale).contiguous(), hs, scale, SQRT_FLOOR * scale**2
+
+
+def _launch(kernel, grid, *args, dtype, **sizes):
+    bn, bm = BLOCKS[dtype]
+    kernel[grid](*args, BN=bn, BM=bm, num_warps=NUM_WARPS[dtype], **sizes)
 
 
 def _forward(kind: str, x, y, h, v, eps: float, cost: Cost):
-    """(out (B, N, E), lse (B, N) or None)."""
+    """(out (B, N, E), the base-2 log-sum-exp (B, N) or None)."""
     k = _kernels()
-    B, N, _ = x.shape
+    B, N, D = x.shape
     M = y.shape[1]
-    sizes = _shapes(kind, x, y, v)
-    out = torch.empty(B, N, sizes["E"], dtype=x.dtype, device=x.device)
-    lse = torch.empty(B, N, dtype=x.dtype, device=x.device)
+    E = 1 if v is None else v.shape[2]
+    bn, bm = BLOCKS[x.dtype]
+    tiles = -(-N // bn)
+    S, chunk = _splits(tiles * B, M, bm, x.device)
+    xs, ys, hs, _, floor = _scaled(x, y, h, eps, cost)
+    out = torch.empty(B, S, N, E, dtype=x.dtype, device=x.device)
+    lse = torch.empty(B, S, N, dtype=x.dtype, device=x.device)
     dummy = x.new_empty(1)
-    grid = (k.triton.cdiv(N, sizes["BN"]), B)
-    k.forward[grid](
-        x, y, dummy if h is None else h, dummy if v is None else v, out, lse, N, M,
-        1.0 / eps, eps, *_strides(x, y, h, v, out), COST=0 if cost.p == 2 else 1, **sizes,
+    _launch(
+        k.forward, (tiles, B, S), xs, ys, dummy if hs is None else hs,
+        dummy if v is None else v, out, lse, N, M, chunk, S, floor,
+        dtype=x.dtype, KIND=KINDS[kind], COST=0 if cost.p == 2 else 1, D=D, E=E, EP=_pow2(E),
     )  # fmt: skip
-    return out, (None if kind == "kernel_product" else lse)
+    if kind == "kernel_product":
+        return out.sum(1), None
+    if S == 1:
+        total = lse[:, 0]
+    else:  # the splits' base-2 log-sum-exps combined
+        total = torch.logsumexp(lse * LN2, dim=1) * LOG2E
+    if kind == "softmin":
+        return (-eps * LN2) * total[..., None], total
+    if S == 1:
+        return out[:, 0], total
+    share = torch.softmax(lse * LN2, dim=1)  # each split's part of the row's mass
+    return (share[..., None] * out).sum(1), total
 
 
 def _backward(ctx, grad_out):
@@ -360,26 +396,34 @@ def _backward(ctx, grad_out):
     k = _kernels()
     B, N, D = x.shape
     M = y.shape[1]
-    sizes = _shapes(ctx.kind, x, y, v)
+    E = 1 if v is None else v.shape[2]
+    bn, bm = BLOCKS[x.dtype]
+    xs, ys, hs, scale, floor = _scaled(x, y, h, ctx.eps, ctx.cost)
     g = grad_out.contiguous()
     dummy = x.new_empty(1)
-    args = (
-        x, y, dummy if h is None else h, dummy if v is None else v, out,
-        dummy if lse is None else lse, g,
-    )  # fmt: skip
-    rest = (N, M, 1.0 / ctx.eps, ctx.eps, *_strides(x, y, h, v, out))
+    args = (xs, ys, dummy if hs is None else hs, dummy if v is None else v, out,
+            dummy if lse is None else lse, g)  # fmt: skip
+    # W = dL/ds (natural scores) is kappa W' (the kernels' weights); dL/dx sums
+    # -W f (x - y) / eps, which the kernels' scaled displacements give up to 1 / scale
+    kappa = -ctx.eps if ctx.kind == "softmin" else 1.0
     cost = 0 if ctx.cost.p == 2 else 1
+    moved = -kappa / ctx.eps / (scale if cost == 0 else 1.0)
+    sizes = dict(KIND=KINDS[ctx.kind], COST=cost, D=D, DP=_pow2(D), E=E)
     gx = gy = gh = gv = None
     if need_x:
-        gx = torch.empty_like(x)
-        k.backward_rows[(k.triton.cdiv(N, sizes["BN"]), B)](*args, gx, *rest, COST=cost, **sizes)
+        S, chunk = _splits(-(-N // bn) * B, M, bm, x.device)
+        part = torch.empty(B, S, N, D, dtype=x.dtype, device=x.device)
+        _launch(k.backward_rows, (-(-N // bn), B, S), *args, part, N, M, chunk, S, floor,
+                dtype=x.dtype, **sizes)  # fmt: skip
+        gx = moved * part.sum(1)
     if need_y or need_h or need_v:
-        gy = torch.empty_like(y)
-        gh = torch.empty(B, M, dtype=x.dtype, device=x.device)
-        gv = torch.empty(B, M, sizes["E"], dtype=x.dtype, device=x.device)
-        k.backward_columns[(k.triton.cdiv(M, sizes["BM"]), B)](
-            *args, gy, gh, gv, *rest, COST=cost, **sizes
-        )
+        S, chunk = _splits(-(-M // bm) * B, N, bn, x.device)
+        gy = torch.empty(B, S, M, D, dtype=x.dtype, device=x.device)
+        gh = torch.empty(B, S, M, dtype=x.dtype, device=x.device)
+        gv = torch.empty(B, S, M, E, dtype=x.dtype, device=x.device)
+        _launch(k.backward_columns, (-(-M // bm), B, S), *args, gy, gh, gv, N, M, chunk, S,
+                floor, dtype=x.dtype, EP=_pow2(E), **sizes)  # fmt: skip
+        gy, gh, gv = moved * gy.sum(1), kappa * gh.sum(1), gv.sum(1)
     return (
         gx if need_x else None,
         gy if need_y else None,

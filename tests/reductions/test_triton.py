@@ -28,6 +28,7 @@ CASES = [  # (B, N, M, D, E): a batch; edge sizes (1 point, sizes not multiples 
     (2, 37, 70, 3, 4),
     (1, 1, 1, 3, 1),
     (1, 65, 33, 2, 12),
+    (1, 130, 300, 3, 3),  # several tiles of rows and of columns, each loop split in two
 ]
 
 
@@ -54,6 +55,23 @@ def test_values_and_gradients_equal_the_dense_ones(kind, cost, dtype, case):
     for name, a, b in zip(("value", *names), (ours, *got), (ref, *want)):
         err = float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
         assert err <= tol, (name, err)
+
+
+@pytest.mark.parametrize("kind", ["softmin", "kernel_product", "softmax_average"])
+def test_loops_split_into_many_parts_add_up(kind, monkeypatch):
+    """Every tile of columns its own split (and of rows, for the column pass): the partial
+    sums and log-sum-exps combined afterwards equal the dense reduction."""
+    monkeypatch.setattr(_triton, "_programs_wanted", lambda device: 10_000)
+    x, y, h, v = inputs(1, 100, 300, 3, 2, torch.float64, seed=3)
+    rest = {"softmin": (h,), "kernel_product": (v,), "softmax_average": (h, v)}[kind]
+    c = get_cost("sqeuclidean")
+    ours = _triton.triton_reduction(kind, x, y, *rest, eps=0.1, cost=c)
+    ref = getattr(_dense, kind)(x, y, *rest, 0.1, c)
+    torch.testing.assert_close(ours.reshape(ref.shape), ref, rtol=1e-11, atol=1e-12)
+    got = torch.autograd.grad(ours.sum(), (x, y, *rest))
+    want = torch.autograd.grad(ref.sum(), (x, y, *rest))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11)
 
 
 def test_a_second_derivative_goes_through_the_dense_formulas():
