@@ -8,6 +8,7 @@ use (``pip install otreg[mesh]``).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -356,7 +357,7 @@ class Shape:
     def decimate(self, target_points: int) -> Shape:
         """A coarser surface of about ``target_points`` vertices (VTK quadric decimation);
         each of its vertices keeps the ``data`` of the nearest vertex of this surface (labels
-        stay labels).
+        stay labels). Without pyvista, vertex clustering instead, with a warning once.
 
         Example:
             >>> import torch
@@ -374,10 +375,13 @@ class Shape:
             )
         if target_points >= self.n_points:
             return self
-        mesh = self.to_pyvista()
-        reduction = 1.0 - target_points / self.n_points
-        out = mesh.decimate(reduction)
-        coarse = Shape.from_pyvista(out, dtype=self.points.dtype)
+        try:
+            mesh = self.to_pyvista()
+        except ImportError:
+            coarse = self._cluster_vertices(target_points)
+        else:
+            out = mesh.decimate(1.0 - target_points / self.n_points)
+            coarse = Shape.from_pyvista(out, dtype=self.points.dtype)
         if self.data:
             from scipy.spatial import cKDTree
 
@@ -387,6 +391,44 @@ class Shape:
             data = {k: v[index] for k, v in self.data.items()}
             coarse = replace(coarse, data=data)
         return coarse.to(self.points.device)
+
+    def _cluster_vertices(self, target_points: int) -> Shape:
+        """Vertex clustering (where VTK is missing): the vertices merged by grid cell, the
+        cell's side found by bisection so that about ``target_points`` cells are occupied;
+        a cell's vertex is the mean of its vertices, and the triangles that keep three
+        distinct cells remain (once each, in their orientation)."""
+        global _clustering_warned
+        if not _clustering_warned:
+            _clustering_warned = True
+            warnings.warn(
+                "Shape.decimate: pyvista is not installed, so surfaces are decimated by vertex "
+                "clustering, coarser than VTK's quadric decimation (pip install 'otreg[mesh]')",
+                UserWarning,
+                stacklevel=3,
+            )
+        x = self.points.detach()
+        span = float((x.max(0).values - x.min(0).values).max())
+        lo, hi = 0.0, span
+        for _ in range(30):
+            side = (lo + hi) / 2
+            labels = torch.unique(_grid_cells(x, side), return_inverse=True)[1]
+            if int(labels.max()) + 1 > target_points:
+                lo = side
+            else:
+                hi = side
+        labels = torch.unique(_grid_cells(x, hi), return_inverse=True)[1]
+        k = int(labels.max()) + 1
+        counts = torch.bincount(labels, minlength=k).to(x.dtype)
+        points = torch.zeros(k, 3, dtype=x.dtype, device=x.device).index_add_(0, labels, x)
+        faces = labels[self.faces]
+        a, b, c = faces.unbind(1)
+        distinct = (a != b) & (b != c) & (a != c)
+        faces = faces[distinct]
+        inverse = torch.unique(faces.sort(1).values, dim=0, return_inverse=True)[1]
+        index = torch.arange(len(faces), device=x.device)
+        first = torch.full((int(inverse.max()) + 1,), len(faces), device=x.device)
+        first = first.scatter_reduce_(0, inverse, index, "amin").sort().values
+        return Shape(points / counts[:, None], faces[first], unit=self.unit)
 
     def smooth(self, n_iter: int = 20, pass_band: float = 0.1) -> Shape:
         """Taubin smoothing (shrinks far less than Laplacian smoothing), VTK's filter."""
@@ -409,6 +451,16 @@ class Shape:
             part = labelled.extract_points(ids == region, adjacent_cells=False)
             parts.append(Shape.from_pyvista(part, dtype=self.points.dtype))
         return sorted(parts, key=lambda s: -s.n_points)
+
+
+_clustering_warned = False
+
+
+def _grid_cells(x: torch.Tensor, side: float) -> torch.Tensor:
+    """One integer key a point of ``x`` (N, 3): its cell in a grid of side ``side``."""
+    cells = torch.floor((x - x.min(0).values) / max(side, 1e-12)).long()
+    dims = cells.max(0).values + 1
+    return (cells[:, 0] * dims[1] + cells[:, 1]) * dims[2] + cells[:, 2]
 
 
 def _pyvista():

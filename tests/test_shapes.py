@@ -100,3 +100,28 @@ def test_decimation_keeps_each_vertexs_data_from_the_nearest_old_vertex():
     assert torch.equal(coarse.data["z"], ball.points[nearest, 2])
     with pytest.raises(ValueError, match=r"data\['z'\] has 4 rows but there are"):
         ball.with_data(z=torch.zeros(4))
+
+
+def test_decimation_without_pyvista_clusters_vertices_and_says_so(monkeypatch):
+    """Where VTK is missing (a GPU server, say), decimate merges vertices by grid cell: about
+    the vertices asked for, a closed surface that stays closed and outward, a warning once."""
+    from conftest import hide_module
+
+    from otreg import shapes
+
+    pv = pytest.importorskip("pyvista")
+    ball = Shape.from_pyvista(pv.Sphere(radius=10, theta_resolution=60, phi_resolution=60))
+    monkeypatch.setattr(shapes, "_clustering_warned", False)
+    hide_module(monkeypatch, "pyvista")
+    with pytest.warns(UserWarning, match="pyvista is not installed, so surfaces are decimated"):
+        coarse = ball.with_data(z=ball.points[:, 2]).decimate(400)
+    assert 0.8 * 400 <= coarse.n_points <= 400
+    assert (
+        coarse.faces.max() < coarse.n_points
+        and len(coarse.faces.sort(1).values.unique(dim=0)) == coarse.n_faces
+    )
+    radius = coarse.points.norm(dim=1)
+    assert float(radius.min()) > 9.0 and float(radius.max()) <= 10.0 + 1e-9
+    assert float(coarse.volume) == pytest.approx(4 / 3 * math.pi * 1000, rel=0.1)  # outward
+    nearest = torch.cdist(coarse.points.double(), ball.points.double()).argmin(1)
+    assert torch.equal(coarse.data["z"], ball.points[nearest, 2])
