@@ -276,6 +276,9 @@ def main() -> None:
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--tune", action="store_true", help="time the kernels' tile shapes")
     parser.add_argument(
+        "--without", action="append", default=[], help="leave out the methods naming this"
+    )
+    parser.add_argument(
         "--sizes", default="10000,100000,1000000", help="the divergence rows' N, comma-separated"
     )
     parser.add_argument("--timeout", type=float, default=300)
@@ -332,6 +335,7 @@ def main() -> None:
     methods = ["otreg default call", "GeomLoss tensorized", "FlashSinkhorn (fp32)"]
     if ok:
         methods += ["GeomLoss online", "GeomLoss multiscale"]
+    methods = [m for m in methods if not any(w in m for w in args.without)]
     rows = []
     for n in [10_000] if args.quick else [int(n) for n in args.sizes.split(",")]:
         ref = {}
