@@ -82,9 +82,16 @@ def test_register_on_cuda_shapes_built_from_arrays(prealign):
     egg = ball.with_points(ball.points * torch.tensor([1.2, 0.9, 1.0], dtype=torch.float64))
     res = otreg.register(ball.to("cuda"), egg.to("cuda"), prealign=prealign, progress=False)
     assert res.device.type == "cuda"
-    assert res.metrics["mean_mm"] < 0.3 * res.metrics["before_mean_mm"]
     moved = res.transform(ball.points)
     assert moved.device.type == "cpu" and torch.isfinite(moved).all()
+    # distance to the ellipsoid, along the ray from its centre (the metrics' own distances
+    # are vertex to vertex where VTK is missing, which a sliding vertex inflates)
+    axes = torch.tensor([24.0, 18.0, 20.0], dtype=torch.float64)
+
+    def off(p):
+        return (p.norm(dim=1) * (1 - ((p / axes) ** 2).sum(1).rsqrt()).abs()).mean()
+
+    assert off(moved) < 0.1 * off(ball.points)
     assert torch.linalg.det(res.jacobians(ball.points)).min() > 0
 
 

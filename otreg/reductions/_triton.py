@@ -55,10 +55,12 @@ __all__: list[str] = []
 
 #: The reductions, as the kernels number them.
 KINDS = {"softmin": 0, "kernel_product": 1, "softmax_average": 2}
-#: Rows and columns a tile, by dtype (float64 holds twice the registers a value).
-BLOCKS = {torch.float32: (64, 64), torch.float64: (32, 32)}
-#: Warps a program, by dtype.
-NUM_WARPS = {torch.float32: 4, torch.float64: 4}
+#: Rows and columns a tile, and warps a program, by dtype: the fastest of
+#: ``benchmarks/gpu.py --tune`` on an H100 (docs/benchmarks.md, "otreg on a GPU"). float32:
+#: 128 x 32 with 8 warps, 0.54 T pairs/s for the softmin (64 x 64: 0.40; 256 x 64 or
+#: 128 x 128 with 4 warps: 0.11, registers spilled); float64: 32 x 32 with 4 warps, 0.18.
+BLOCKS = {torch.float32: (128, 32), torch.float64: (32, 32)}
+NUM_WARPS = {torch.float32: 8, torch.float64: 4}
 #: Programs a multiprocessor that a call aims at: a loop is split (over j for the rows'
 #: kernels, over i for the columns') until there are that many, and the splits' partial
 #: sums are added up (log-sum-exps combined) afterwards.
