@@ -74,9 +74,10 @@ FIRST_MARGIN = 2.0
 #: as fast as every pair at 4e6 pairs (N = 2,000), 3.8 at 9e6, 2.9 at 2.5e7 (it was 1e8)
 MIN_PAIRS = 4_000_000
 #: ... or from this many where a GPU kernel sums every pair (``reductions.fast_all_pairs``):
-#: at the kernel's 0.5 to 1 T pairs/s, all pairs of N = 1e5 take 10 to 20 ms a reduction,
-#: which the truncated reductions (torch, not yet GPU kernels) do not beat. Not measured: a
-#: GPU run of benchmarks/gpu.py should set it.
+#: on an H100 the kernel's softmin takes 19 ms at N = M = 1e5 (0.54 T pairs/s), and the
+#: multiscale default call 6 to 9 s there with its gradient (docs/benchmarks.md, "otreg on a
+#: GPU"), about what some 300 iterations of every pair would take; the truncated reductions
+#: still run in torch, not in GPU kernels.
 MIN_PAIRS_GPU = 10_000_000_000
 #: the search for a first pattern goes through coarser clusters above this many cluster pairs
 HIERARCHY_MIN_PAIRS = 1 << 24

@@ -6,12 +6,15 @@ Every reduction is a sum over j of a function of the score
 
     s_{ij} = h_j - C(x_i, y_j) / \varepsilon
 
-(h = 0 for the kernel product). One program takes a tile of ``BLOCK_N`` rows i and loops over
-tiles of ``BLOCK_M`` columns j, so that the N x M scores never exist: the softmin and the
+(h = 0 for the kernel product). One program takes a tile of ``BN`` rows i and loops over
+tiles of ``BM`` columns j, so that the N x M scores never exist: the softmin and the
 softmax average keep a running maximum and a running sum (the online log-sum-exp of
 FlashAttention), the kernel product a running sum. Distances are computed coordinate by
 coordinate from the points, exactly (no matrix-product expansion, no TF32), in the points'
-dtype (float32 or float64).
+dtype (float32 or float64). The points and h come scaled so that the scores are in base 2
+(one ``exp2`` a pair, no multiplication). Where the tiles of rows are too few to fill the
+card (N = 1e4), the loop over j is split among several programs, whose partial sums and
+log-sum-exps are combined afterwards (and likewise the column pass's loop over i).
 
 The gradients use the weights :math:`W_{ij} = \partial L / \partial s_{ij}`, which the
 forward pass's row log-sum-exp makes cheap to recompute:
