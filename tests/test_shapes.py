@@ -105,9 +105,8 @@ def test_decimation_keeps_each_vertexs_data_from_the_nearest_old_vertex():
 def test_decimation_without_pyvista_clusters_vertices_and_says_so(monkeypatch):
     """Where VTK is missing (a GPU server, say), decimate merges vertices by grid cell: about
     the vertices asked for, a closed surface that stays closed and outward, a warning once."""
-    from conftest import hide_module
-
     from otreg import shapes
+    from tests.conftest import hide_module
 
     pv = pytest.importorskip("pyvista")
     ball = Shape.from_pyvista(pv.Sphere(radius=10, theta_resolution=60, phi_resolution=60))
