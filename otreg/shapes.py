@@ -9,6 +9,7 @@ use (``pip install otreg[mesh]``).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -50,6 +51,8 @@ class Shape:
     data: dict[str, torch.Tensor] = field(default_factory=dict)
     unit: str = "mm"
     source: str | None = None
+    #: decimate()'s results, by the vertices asked for and the versions of points and faces
+    _decimations: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         caller = "Shape"
@@ -142,6 +145,16 @@ class Shape:
                 f"this shape has {tuple(self.points.shape)}"
             )
         return replace(self, points=points, source=None)
+
+    def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Shape:
+        """This shape on the points ``fn(points)`` (``fn``: ``(K, D)`` -> ``(K, D)``, e.g. a
+        registration's transform), and so are the decimations it keeps: a decimation of
+        the moved surface is then the moved decimation, with no new pass over the mesh."""
+        out = self.with_points(fn(self.points))
+        for (n, _, _), coarse in self._decimations.items():
+            key = (n, out.points._version, -1 if out.faces is None else out.faces._version)
+            out._decimations[key] = coarse.mapped(fn)
+        return out
 
     def with_data(self, **arrays: torch.Tensor | np.ndarray) -> Shape:
         """A copy with these per-vertex arrays added to ``data`` (each with N rows; a
@@ -359,6 +372,12 @@ class Shape:
         each of its vertices keeps the ``data`` of the nearest vertex of this surface (labels
         stay labels). Without pyvista, vertex clustering instead, with a warning once.
 
+        A surface of over ``2 * DECIMATION_STEP`` vertices asked for fewer than
+        ``DECIMATION_STEP`` is decimated to that many first, and from there: register
+        decimates one surface to several sizes (the pre-alignment, the levels, the control
+        points, the metrics), and VTK's pass over a 200,000-vertex mesh takes seconds. Each
+        result is kept with the shape (until its points or faces change in place).
+
         Example:
             >>> import torch
             >>> from otreg import datasets
@@ -375,6 +394,18 @@ class Shape:
             )
         if target_points >= self.n_points:
             return self
+        key = (target_points, self.points._version, self.faces._version)
+        if key not in self._decimations:
+            if self.n_points > 2 * DECIMATION_STEP and target_points < DECIMATION_STEP:
+                coarse = self.decimate(DECIMATION_STEP).decimate(target_points)
+            else:
+                coarse = self._decimate_once(target_points)
+            self._decimations[key] = coarse
+        coarse = self._decimations[key]
+        return replace(coarse, data=dict(coarse.data))  # a caller may change its data
+
+    def _decimate_once(self, target_points: int) -> Shape:
+        """:meth:`decimate` itself, from this surface."""
         try:
             mesh = self.to_pyvista()
         except ImportError:
@@ -454,6 +485,8 @@ class Shape:
 
 
 _clustering_warned = False
+#: See :meth:`Shape.decimate`: the size of the copy a large surface's decimations go through.
+DECIMATION_STEP = 20_000
 
 
 def _grid_cells(x: torch.Tensor, side: float) -> torch.Tensor:

@@ -124,3 +124,31 @@ def test_decimation_without_pyvista_clusters_vertices_and_says_so(monkeypatch):
     assert float(coarse.volume) == pytest.approx(4 / 3 * math.pi * 1000, rel=0.1)  # outward
     nearest = torch.cdist(coarse.points.double(), ball.points.double()).argmin(1)
     assert torch.equal(coarse.data["z"], ball.points[nearest, 2])
+
+
+def test_decimations_are_kept_and_large_surfaces_go_through_one_step(monkeypatch):
+    """decimate() keeps its results with the shape (until the points change in place); a
+    surface over twice DECIMATION_STEP vertices is decimated to that many once, and every
+    smaller size from there; mapped() moves the kept decimations with the points."""
+    from otreg import shapes
+
+    pv = pytest.importorskip("pyvista")
+    monkeypatch.setattr(shapes, "DECIMATION_STEP", 2_000)
+    ball = Shape.from_pyvista(pv.Sphere(radius=10, theta_resolution=100, phi_resolution=60))
+    assert ball.n_points > 4_000
+    passes = []
+    once = Shape._decimate_once
+    monkeypatch.setattr(
+        Shape, "_decimate_once", lambda self, n: passes.append((self.n_points, n)) or once(self, n)
+    )
+    a = ball.decimate(300)
+    b = ball.decimate(500)
+    assert [p[1] for p in passes] == [2_000, 300, 500] and passes[1][0] < 2_100
+    assert torch.equal(ball.decimate(300).points, a.points) and len(passes) == 3
+    assert abs(b.n_points - 500) < 50
+    stretch = torch.tensor([2.0, 1.0, 0.5], dtype=ball.points.dtype)
+    egg = ball.mapped(lambda p: p * stretch)
+    assert torch.equal(egg.points, ball.points * stretch)
+    assert torch.equal(egg.decimate(300).points, a.points * stretch) and len(passes) == 3
+    ball.points.mul_(2.0)  # changed in place: decimated afresh
+    assert float(ball.decimate(300).points.norm(dim=1).max()) > 15 and len(passes) == 5

@@ -219,13 +219,15 @@ def registration_metrics(
     truth: torch.Tensor | None = None,
     varifold_sigma: float = 10.0,
     decimate_above: int = 20_000,
+    varifold_shapes: tuple[Shape, Shape] | None = None,
 ) -> dict[str, float]:
     """What :func:`otreg.register` reports: :func:`summary` of the ``warped`` source against
     ``target`` with the determinants of the transform's ``jacobians`` ``(N, 3, 3)`` at every
     source vertex, the distances
     before registration and after the pre-alignment (``prealigned``, None without one), and
     :func:`correspondence`. The varifold metric compares copies decimated to
-    ``decimate_above`` vertices (at 300,000 vertices it would take minutes to half an hour).
+    ``decimate_above`` vertices (at 300,000 vertices it would take minutes to half an hour),
+    or ``varifold_shapes`` (warped, target) where the caller has such copies already.
     """
     moved = warped
     warped = warped.to(torch.float64)
@@ -236,7 +238,8 @@ def registration_metrics(
         jac=torch.linalg.det(jacobians),
         truth=truth,
         sigma=varifold_sigma,
-        varifold_shapes=(warped.decimate(decimate_above), target.decimate(decimate_above)),
+        varifold_shapes=varifold_shapes
+        or (warped.decimate(decimate_above), target.decimate(decimate_above)),
     )
     out["jacobian_points"] = source.n_points
     compared = {"before": source, "prealigned": prealigned}

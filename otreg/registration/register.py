@@ -312,7 +312,7 @@ def register(
     seconds = {"prealign_seconds": time.perf_counter() - start}
     moved = src
     if linear is not None:  # the linear map is fitted in float64
-        moved = src.with_points(linear(src.points.double()).detach().to(plan.dtype))
+        moved = src.mapped(lambda p: linear(p.double()).detach().to(plan.dtype))
     if plan.signal is not None:
         signals.check_signs("register", plan.signal, moved, tgt)
     history: list[dict] = []
@@ -366,6 +366,13 @@ def _metrics(plan: _Plan, source, prealigned, target, warped, linear, deformatio
     """What the registration reports (:func:`metrics.registration_metrics`, the energy,
     the unconverged Sinkhorn evaluations, ``metrics_seconds``); a fold warns."""
     start = time.perf_counter()
+    moved = source if prealigned is None else prealigned
+    varifold_shapes = None
+    if moved.n_faces and moved.n_points > METRIC_POINTS and target.n_points > METRIC_POINTS:
+        with torch.no_grad():  # the warped copy: the pre-aligned one's, deformed
+            coarse = moved.decimate(METRIC_POINTS)
+            coarse = coarse if deformation is None else coarse.mapped(deformation)
+        varifold_shapes = (coarse, target.decimate(METRIC_POINTS))
     found = metrics.registration_metrics(
         warped,
         transform_jacobians(linear, deformation, source.points),
@@ -375,6 +382,7 @@ def _metrics(plan: _Plan, source, prealigned, target, warped, linear, deformatio
         truth=plan.truth,
         varifold_sigma=plan.varifold_sigma,
         decimate_above=METRIC_POINTS,
+        varifold_shapes=varifold_shapes,
     )
     if found["jacobian_negative_fraction"] > 0:
         warn(
