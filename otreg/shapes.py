@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from .reductions.sparse import grid_labels
+
 __all__ = ["Shape"]
 
 
@@ -152,8 +154,7 @@ class Shape:
         the moved surface is then the moved decimation, with no new pass over the mesh."""
         out = self.with_points(fn(self.points))
         for (n, _, _), coarse in self._decimations.items():
-            key = (n, out.points._version, -1 if out.faces is None else out.faces._version)
-            out._decimations[key] = coarse.mapped(fn)
+            out._decimations[(n, out.points._version, out.faces._version)] = coarse.mapped(fn)
         return out
 
     def with_data(self, **arrays: torch.Tensor | np.ndarray) -> Shape:
@@ -427,7 +428,8 @@ class Shape:
         """Vertex clustering (where VTK is missing): the vertices merged by grid cell, the
         cell's side found by bisection so that about ``target_points`` cells are occupied;
         a cell's vertex is the mean of its vertices, and the triangles that keep three
-        distinct cells remain (once each, in their orientation)."""
+        distinct cells remain (once each, in their orientation). The cells are the multiscale
+        solver's (:func:`otreg.reductions.sparse.grid_labels`)."""
         global _clustering_warned
         if not _clustering_warned:
             _clustering_warned = True
@@ -438,19 +440,19 @@ class Shape:
                 stacklevel=3,
             )
         x = self.points.detach()
-        span = float((x.max(0).values - x.min(0).values).max())
+        span = max(float((x.max(0).values - x.min(0).values).max()), 1e-12)
         lo, hi = 0.0, span
         for _ in range(30):
             side = (lo + hi) / 2
-            labels = torch.unique(_grid_cells(x, side), return_inverse=True)[1]
-            if int(labels.max()) + 1 > target_points:
+            if int(grid_labels(x, side).max()) + 1 > target_points:
                 lo = side
             else:
                 hi = side
-        labels = torch.unique(_grid_cells(x, hi), return_inverse=True)[1]
+        labels = grid_labels(x, hi)
         k = int(labels.max()) + 1
         counts = torch.bincount(labels, minlength=k).to(x.dtype)
-        points = torch.zeros(k, 3, dtype=x.dtype, device=x.device).index_add_(0, labels, x)
+        points = torch.zeros(k, x.shape[1], dtype=x.dtype, device=x.device)
+        points.index_add_(0, labels, x)
         faces = labels[self.faces]
         a, b, c = faces.unbind(1)
         distinct = (a != b) & (b != c) & (a != c)
@@ -487,13 +489,6 @@ class Shape:
 _clustering_warned = False
 #: See :meth:`Shape.decimate`: the size of the copy a large surface's decimations go through.
 DECIMATION_STEP = 20_000
-
-
-def _grid_cells(x: torch.Tensor, side: float) -> torch.Tensor:
-    """One integer key a point of ``x`` (N, 3): its cell in a grid of side ``side``."""
-    cells = torch.floor((x - x.min(0).values) / max(side, 1e-12)).long()
-    dims = cells.max(0).values + 1
-    return (cells[:, 0] * dims[1] + cells[:, 1]) * dims[2] + cells[:, 2]
 
 
 def _pyvista():

@@ -89,14 +89,6 @@ def unavailable() -> str | None:
     return None
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether these kernels take the tensor: float32/64, on CUDA (or any device under the
-    interpreter), with Triton importable."""
-    return (
-        x.dtype in DTYPES and (x.device.type == "cuda" or interpreted()) and unavailable() is None
-    )
-
-
 @functools.cache
 def _kernels() -> types.SimpleNamespace:
     """The jitted kernels (Triton imported here, on first use)."""
