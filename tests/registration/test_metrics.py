@@ -29,6 +29,20 @@ def test_distances_between_concentric_spheres():
         M.surface_distances(inner, outer, to="faces")
 
 
+def test_point_to_surface_distances_equal_an_unbounded_search():
+    """Each search is bounded by the nearest vertex's distance: the distances are those of
+    VTK's unbounded closest-cell search, for points inside, outside, far and on vertices."""
+    import numpy as np
+
+    s = sphere(1.0)
+    g = np.random.default_rng(0)
+    points = np.concatenate([g.normal(size=(3000, 3)) * 0.8, s.points.numpy()[:50], [[5.0, 0, 0]]])
+    ours = M.point_to_surface_distances(points, s)
+    _, closest = s.to_pyvista().find_closest_cell(points, return_closest_point=True)
+    np.testing.assert_allclose(ours, np.linalg.norm(points - closest, axis=1), atol=1e-12)
+    assert ours[3000:3050].max() < 1e-12 and abs(ours[-1] - 4.0) < 1e-3
+
+
 def test_jacobian_of_a_linear_map_and_vertex_error():
     A = torch.tensor([[2.0, 0.1, 0], [0, 1.5, 0], [0, 0, 0.5]], dtype=torch.float64)
     x = torch.rand(20, 3, dtype=torch.float64)
