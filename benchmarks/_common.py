@@ -37,22 +37,29 @@ def run_worker(
     timeout: float,
     env: dict[str, str] | None = None,
     flag: str = "--worker",
+    progress: bool = False,
 ) -> dict:
     """Run ``python script --worker ARGS`` in a fresh process; return its JSON (or an error).
 
     ``env`` adds environment variables for the worker (e.g. glibc malloc settings); ``flag``
-    replaces ``--worker`` for a script with several kinds of worker.
+    replaces ``--worker`` for a script with several kinds of worker; ``progress``: the
+    worker's stderr goes to this process's as it comes (rows printed there survive a
+    timeout) instead of into the error message.
     """
     cmd = [sys.executable, script, flag, *args]
     env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
+    stderr = None if progress else subprocess.PIPE
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(
+            cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout, env=env
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timeout after {timeout:.0f} s"}
     for line in reversed(proc.stdout.strip().splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+    lines = (proc.stderr or "").strip().splitlines()
+    return {"error": (lines or [f"no output (exit status {proc.returncode})"])[-1][:200]}
 
 
 def machine() -> str:

@@ -21,7 +21,8 @@ Rows, each in a fresh process:
     python benchmarks/gpu.py --quick               # N = 1e4 only
     python benchmarks/gpu.py --tune                # the Triton kernels' tiles and warps
 
-Each row is printed as it completes, so that a run cut short still shows what it measured.
+Each row is printed as it completes (the throughput and tuning workers' on stderr), so that
+a run cut short still shows what it measured.
 """
 
 from __future__ import annotations
@@ -314,7 +315,7 @@ def main() -> None:
     )
     print(env, flush=True)
     if args.tune:
-        r = run_worker(__file__, ["tune"], 20 * args.timeout)
+        r = run_worker(__file__, ["tune"], 20 * args.timeout, progress=True)
         print(json.dumps({"best": r.get("best")}))
         print(table(r.get("rows", [r]), [("kind", "reduction", ""), ("tile", "tile", ""),
                     ("warps", "warps", ""), ("seconds", "time (s)", "{:.4f}"),
@@ -323,7 +324,10 @@ def main() -> None:
     backends = ["triton"] + (["keops"] if ok else []) + ["blocked"]
     sizes = [10_000] if args.quick else [100_000, 1_000_000]
     r = run_worker(
-        __file__, ["throughput", ",".join(backends), ",".join(map(str, sizes))], 4 * args.timeout
+        __file__,
+        ["throughput", ",".join(backends), ",".join(map(str, sizes))],
+        4 * args.timeout,
+        progress=True,
     )
     rows = r.get("rows", [r])
     body = env + "\n\n" + table(
