@@ -214,19 +214,25 @@ def _kernels() -> types.SimpleNamespace:
     @triton.jit
     def _weights(s, lse, G, V, OUT, b, rn, rm, mask_n, mask_m, N, M, KIND: tl.constexpr,
                  E: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):  # fmt: skip
-        """W'_ij, dL / ds_ij up to the constant the caller applies: g_i P_ij (softmin),
-        e^s_ij <g_i, v_j> (kernel product), P_ij (<g_i, v_j> - <g_i, out_i>) (softmax
-        average); zero outside the tiles' rows and columns."""
+        """(W'_ij, K_ij): W' is dL / ds_ij up to the constant the caller applies, g_i P_ij
+        (softmin), K_ij <g_i, v_j> (kernel product), P_ij (<g_i, v_j> - <g_i, out_i>)
+        (softmax average); K the kernel's factor, e^s_ij (kernel product) or the plan's row
+        P_ij (the others); both zero outside the tiles' rows and columns."""
+        live = mask_n[:, None] & mask_m[None, :]
+        if KIND == 1:
+            k = tl.where(live, tl.exp2(s), 0.0)
+        else:
+            k = tl.where(live, tl.exp2(s - lse[:, None]), 0.0)
         if KIND == 0:
             g = tl.load(G + b * N + rn, mask=mask_n, other=0.0)
-            w = g[:, None] * tl.exp2(s - lse[:, None])
+            w = g[:, None] * k
         elif KIND == 1:
-            w = tl.exp2(s) * _row_column_dot(G, V, b, rn, rm, mask_n, mask_m, N, M, E, BN, BM)
+            w = k * _row_column_dot(G, V, b, rn, rm, mask_n, mask_m, N, M, E, BN, BM)
         else:
             go = _row_dot(G, OUT, b, rn, mask_n, N, E, BN)
             gv = _row_column_dot(G, V, b, rn, rm, mask_n, mask_m, N, M, E, BN, BM)
-            w = tl.exp2(s - lse[:, None]) * (gv - go[:, None])
-        return tl.where(mask_n[:, None] & mask_m[None, :], w, 0.0)
+            w = k * (gv - go[:, None])
+        return w, k
 
     @triton.jit
     def _backward_rows(
@@ -250,7 +256,7 @@ def _kernels() -> types.SimpleNamespace:
             mask_m = rm < hi
             s, c = _scores(X, Y, H, b, rn, rm, mask_n, mask_m, N, M, floor, KIND != 1, COST,
                            D, BN, BM)  # fmt: skip
-            w = _weights(s, lse, G, V, OUT, b, rn, rm, mask_n, mask_m, N, M, KIND, E, BN, BM)
+            w, _ = _weights(s, lse, G, V, OUT, b, rn, rm, mask_n, mask_m, N, M, KIND, E, BN, BM)
             if COST == 1:
                 w = w / c
             acc = _displacements(acc, w, X, Y, b, rn, rm, mask_n, mask_m, N, M, rd, D, 1)
@@ -282,18 +288,13 @@ def _kernels() -> types.SimpleNamespace:
             lse = tl.load(LSE + b * N + rn, mask=mask_n, other=0.0)
             s, c = _scores(X, Y, H, b, rn, rm, mask_n, mask_m, N, M, floor, KIND != 1, COST,
                            D, BN, BM)  # fmt: skip
-            w = _weights(s, lse, G, V, OUT, b, rn, rm, mask_n, mask_m, N, M, KIND, E, BN, BM)
+            w, k = _weights(s, lse, G, V, OUT, b, rn, rm, mask_n, mask_m, N, M, KIND, E, BN, BM)
             plain += tl.sum(w, axis=0)
             if COST == 1:
                 w = w / c
             acc = _displacements(acc, w, X, Y, b, rn, rm, mask_n, mask_m, N, M, rd, D, 0)
             if KIND != 0:
-                live = mask_n[:, None] & mask_m[None, :]
-                if KIND == 1:
-                    p = tl.where(live, tl.exp2(s), 0.0)
-                else:
-                    p = tl.where(live, tl.exp2(s - lse[:, None]), 0.0)
-                gv = _accumulate(gv, p, G, b, rn, mask_n, N, re, E, 0)
+                gv = _accumulate(gv, k, G, b, rn, mask_n, N, re, E, 0)
         row = (b * S + split) * M + rm
         tl.store(GY + row[:, None] * D + rd[None, :], acc, mask=mask_m[:, None] & (rd[None, :] < D))
         tl.store(GH + row, plain, mask=mask_m)
