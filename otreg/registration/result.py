@@ -26,9 +26,9 @@ from ..io import (
 )
 from ..ot.solver import sinkhorn
 from ..shapes import Shape
+from . import metrics
 from .lddmm import LDDMM
 from .linear import _Linear
-from .metrics import label_dice
 
 __all__ = ["Registration"]
 
@@ -363,7 +363,9 @@ class Registration:
         every = np.arange(goal.n_points)
         left_out = tuple(int(k) for k in ignore)
         return {
-            when: label_dice(_carry(given, shape, goal.points, True).values, truth, every, left_out)
+            when: metrics.label_dice(
+                _carry(given, shape, goal.points, True).values, truth, every, left_out
+            )
             for when, shape in (("dice", self.warped), ("before_dice", before))
         }
 
@@ -560,28 +562,24 @@ def _carry(given: VertexValues, origin: Shape, points: torch.Tensor, labels: boo
 
 def nearest_triangles(points: torch.Tensor, surface: Shape) -> tuple[np.ndarray, np.ndarray]:
     """For each point ``(M, 3)``, the three vertices of the surface's nearest triangle
-    ``(M, 3)`` and the barycentric coordinates of the nearest point on it ``(M, 3)`` (VTK's
-    closest-cell search; the nearest vertex, weight 1, without pyvista)."""
+    ``(M, 3)`` and the barycentric coordinates of the nearest point on it ``(M, 3)`` (libigl's
+    closest points; the nearest vertex, weight 1, where libigl does not import)."""
     pts = points.detach().cpu().double().numpy()
-    try:
-        mesh = surface.to_pyvista()
-    except ImportError:  # pragma: no cover - pyvista missing: the nearest vertex
+    if not metrics._closest_points_available():  # pragma: no cover - libigl missing
         from scipy.spatial import cKDTree
 
         tree = cKDTree(surface.points.detach().cpu().double().numpy())
         nearest = tree.query(pts)[1]
         return np.repeat(nearest[:, None], 3, 1), np.tile([1.0, 0.0, 0.0], (len(pts), 1))
-    cells, closest = mesh.find_closest_cell(pts, return_closest_point=True)
+    import igl
+
+    _, cells, closest = metrics.closest_surface_points(pts, surface)
     faces = surface.faces.cpu().numpy()[cells]
     corners = surface.points.detach().cpu().double().numpy()[faces]  # (M, 3, 3)
-    a, b, c = corners[:, 0], corners[:, 1], corners[:, 2]
-    v0, v1, v2 = b - a, c - a, closest - a
-    d00, d01, d11 = (v0 * v0).sum(1), (v0 * v1).sum(1), (v1 * v1).sum(1)
-    d20, d21 = (v2 * v0).sum(1), (v2 * v1).sum(1)
-    den = d00 * d11 - d01 * d01
-    den = np.where(np.abs(den) > 1e-30, den, 1.0)  # a degenerate triangle: its first vertex
-    wb, wc = (d11 * d20 - d01 * d21) / den, (d00 * d21 - d01 * d20) / den
-    w = np.clip(np.stack([1 - wb - wc, wb, wc], 1), 0.0, 1.0)
+    a, b, c = (np.ascontiguousarray(corners[:, k]) for k in range(3))
+    w = igl.barycentric_coordinates(closest, a, b, c)
+    w = np.where(np.isfinite(w).all(1, keepdims=True), w, [1.0, 0.0, 0.0])  # degenerate: a corner
+    w = np.clip(w, 0.0, 1.0)
     w /= np.maximum(w.sum(1, keepdims=True), 1e-30)
     return faces, w
 

@@ -29,9 +29,9 @@ def test_distances_between_concentric_spheres():
         M.surface_distances(inner, outer, to="faces")
 
 
-def test_point_to_surface_distances_equal_an_unbounded_search():
-    """Each search is bounded by the nearest vertex's distance: the distances are those of
-    VTK's unbounded closest-cell search, for points inside, outside, far and on vertices."""
+def test_point_to_surface_distances_equal_vtks_closest_cells():
+    """libigl's distances are those of VTK's closest-cell search (an independent oracle),
+    for points inside, outside, far and on vertices."""
     import numpy as np
 
     s = sphere(1.0)
@@ -41,6 +41,9 @@ def test_point_to_surface_distances_equal_an_unbounded_search():
     _, closest = s.to_pyvista().find_closest_cell(points, return_closest_point=True)
     np.testing.assert_allclose(ours, np.linalg.norm(points - closest, axis=1), atol=1e-12)
     assert ours[3000:3050].max() < 1e-12 and abs(ours[-1] - 4.0) < 1e-3
+    cloud = Shape(s.points)
+    with pytest.raises(ValueError, match="no triangles"):
+        M.point_to_surface_distances(points, cloud)
 
 
 def test_jacobian_of_a_linear_map_and_vertex_error():
