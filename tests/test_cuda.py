@@ -49,6 +49,46 @@ def test_auto_on_cuda_runs_the_gpu_kernels():
     assert x.grad.device.type == "cuda" and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_block_sparse_kernels_on_cuda_equal_the_torch_ones(dtype):
+    pytest.importorskip("triton")
+    from otreg.reductions import sparse
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(4000, 3, generator=g, dtype=dtype).cuda()
+    y = torch.rand(3000, 3, generator=g, dtype=dtype).cuda()
+    cx = sparse.grid_clusters(x, torch.full((4000,), 1 / 4000, dtype=dtype, device="cuda"), 0.1)
+    cy = sparse.grid_clusters(y, torch.full((3000,), 1 / 3000, dtype=dtype, device="cuda"), 0.1)
+    I, J = (torch.cdist(cx.centres, cy.centres) < 0.25).nonzero(as_tuple=True)
+    h = torch.randn(3000, generator=g, dtype=dtype).cuda()
+    w = torch.randn(4000, generator=g, dtype=dtype).cuda()
+    results = []
+    for backend in ("torch", "auto"):
+        kernel = sparse.BlockSparse(cx, cy, I, J, backend=backend)
+        assert kernel.uses_triton(x) == (backend == "auto")
+        inputs = [t.clone().requires_grad_(True) for t in (cx.points, cy.points, h)]
+        out = kernel.softmin(*inputs, 0.01)
+        results.append((out, *torch.autograd.grad((out * w).sum(), inputs)))
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    for ours, ref in zip(results[1], results[0]):
+        assert float((ours - ref).detach().abs().max() / ref.detach().abs().max()) < tol
+
+
+def test_a_multiscale_divergence_on_cuda_equals_the_cpu_one():
+    pytest.importorskip("triton")
+    x = otreg.datasets.noisy_sphere(20000, seed=1)
+    y = otreg.datasets.noisy_sphere(20000, radius=0.8, center=(0.3, 0, 0), seed=2)
+    out = []
+    for device in ("cpu", "cuda"):
+        xd = x.to(device).requires_grad_(True)
+        value = otreg.sinkhorn_divergence(xd, y.to(device), blur=0.01, multiscale=True)
+        (grad,) = torch.autograd.grad(value, xd)
+        out.append((value.double().cpu(), grad.double().cpu()))
+    (v_cpu, g_cpu), (v_gpu, g_gpu) = out
+    assert abs(float(v_gpu - v_cpu)) < 1e-4 * abs(float(v_cpu))
+    assert float((g_gpu - g_cpu).norm() / g_cpu.norm()) < 1e-2
+
+
 def test_register_on_cuda_shapes():
     pv = pytest.importorskip("pyvista")
     ball = otreg.Shape.from_pyvista(pv.Sphere(radius=20)).to(torch.float64)

@@ -469,8 +469,9 @@ class TruncatedKernel:
         I, J = _pattern_pairs(self.cx, self.cy, fb, gb, dx, dy, threshold, candidates, self.scale)
         if refresh and len(I) > KEEP_FRACTION * len(candidates[0]):
             return  # the current kernels hold every pair that matters
-        xy = BlockSparse(self.cx, self.cy, I, J)
-        yx = xy if self.symmetric else BlockSparse(self.cy, self.cx, J, I)
+        backend = {"auto": "auto", "triton": "triton"}.get(self.p.backend, "torch")
+        xy = BlockSparse(self.cx, self.cy, I, J, backend=backend)
+        yx = xy if self.symmetric else BlockSparse(self.cy, self.cx, J, I, backend=backend)
         self.kernels = _Kernels(xy, yx, (I, J))
         self.n_pairs.append(xy.n_pairs)
 

@@ -48,10 +48,11 @@ import functools
 import math
 import os
 import types
+from dataclasses import dataclass
 
 import torch
 
-from ..costs import SQRT_FLOOR, Cost
+from ..costs import SQRT_FLOOR, Cost, get_cost
 from ._blocked import dense_backward
 
 __all__: list[str] = []
@@ -72,6 +73,7 @@ LOG2E = 1 / math.log(2)
 LN2 = math.log(2)
 #: The dtypes the kernels compute in.
 DTYPES = (torch.float32, torch.float64)
+_SQEUCLIDEAN = get_cost("sqeuclidean")
 
 
 def interpreted() -> bool:
@@ -303,6 +305,90 @@ def _kernels() -> types.SimpleNamespace:
                 GV + row[:, None] * E + re[None, :], gv, mask=mask_m[:, None] & (re[None, :] < E)
             )
 
+    @triton.jit
+    def _sparse_forward(
+        X, Y, H, LSE, T_LO, T_HI, T_OWNER, R_PTR, R_LO, R_HI, N, M,
+        D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+    ):  # fmt: skip
+        """One task (rows T_LO..T_HI of one cluster) against its cluster's column ranges
+        R_LO..R_HI (R_PTR[owner] .. R_PTR[owner + 1]): LSE (N,) the rows' base-2
+        log-sum-exp."""
+        t = tl.program_id(0)
+        lo, hi, owner = tl.load(T_LO + t), tl.load(T_HI + t), tl.load(T_OWNER + t)
+        rn = lo + tl.arange(0, BN)
+        mask_n = rn < hi
+        m_i = tl.full((BN,), float("-inf"), dtype=X.dtype.element_ty)
+        l_i = tl.zeros((BN,), dtype=X.dtype.element_ty)
+        for r in range(tl.load(R_PTR + owner), tl.load(R_PTR + owner + 1)):
+            first, last = tl.load(R_LO + r), tl.load(R_HI + r)
+            for start in range(first, last, BM):
+                rm = start + tl.arange(0, BM)
+                mask_m = rm < last
+                s, _ = _scores(X, Y, H, 0, rn, rm, mask_n, mask_m, N, M, 0.0, True, 0, D, BN, BM)
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - shift[:, None])
+                l_i = l_i * tl.exp2(m_i - shift) + tl.sum(p, axis=1)
+                m_i = m_new
+        tl.store(LSE + rn, m_i + tl.log2(l_i), mask=mask_n)
+
+    @triton.jit
+    def _sparse_rows(
+        X, Y, H, LSE, TOTAL, GX, T_LO, T_HI, T_OWNER, R_PTR, R_LO, R_HI, N, M,
+        D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+    ):  # fmt: skip
+        """For one task's rows, over its cluster's column ranges: TOTAL (N,) sum_j P_ij and
+        GX (N, D) sum_j P_ij (x_i - y_j), with P_ij = 2^(s_ij - LSE_i)."""
+        t = tl.program_id(0)
+        lo, hi, owner = tl.load(T_LO + t), tl.load(T_HI + t), tl.load(T_OWNER + t)
+        rn = lo + tl.arange(0, BN)
+        rd = tl.arange(0, DP)
+        mask_n = rn < hi
+        lse = tl.load(LSE + rn, mask=mask_n, other=0.0)
+        total = tl.zeros((BN,), dtype=X.dtype.element_ty)
+        acc = tl.zeros((BN, DP), dtype=X.dtype.element_ty)
+        for r in range(tl.load(R_PTR + owner), tl.load(R_PTR + owner + 1)):
+            first, last = tl.load(R_LO + r), tl.load(R_HI + r)
+            for start in range(first, last, BM):
+                rm = start + tl.arange(0, BM)
+                mask_m = rm < last
+                s, _ = _scores(X, Y, H, 0, rn, rm, mask_n, mask_m, N, M, 0.0, True, 0, D, BN, BM)
+                w = tl.where(mask_n[:, None] & mask_m[None, :], tl.exp2(s - lse[:, None]), 0.0)
+                total += tl.sum(w, axis=1)
+                acc = _displacements(acc, w, X, Y, 0, rn, rm, mask_n, mask_m, N, M, rd, D, 1)
+        tl.store(TOTAL + rn, total, mask=mask_n)
+        tl.store(GX + rn[:, None] * D + rd[None, :], acc, mask=mask_n[:, None] & (rd[None, :] < D))
+
+    @triton.jit
+    def _sparse_columns(
+        X, Y, H, LSE, WEIGHT, GY, GH, T_LO, T_HI, T_OWNER, R_PTR, R_LO, R_HI, N, M,
+        D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+    ):  # fmt: skip
+        """For one task's columns (T_LO..T_HI of one column cluster), over the row ranges
+        of the row clusters that keep it: GH (M,) sum_i w_i P_ij and GY (M, D) sum_i w_i
+        P_ij (y_j - x_i), with w = WEIGHT (N,) and P_ij = 2^(s_ij - LSE_i)."""
+        t = tl.program_id(0)
+        lo, hi, owner = tl.load(T_LO + t), tl.load(T_HI + t), tl.load(T_OWNER + t)
+        rm = lo + tl.arange(0, BM)
+        rd = tl.arange(0, DP)
+        mask_m = rm < hi
+        plain = tl.zeros((BM,), dtype=X.dtype.element_ty)
+        acc = tl.zeros((BM, DP), dtype=X.dtype.element_ty)
+        for r in range(tl.load(R_PTR + owner), tl.load(R_PTR + owner + 1)):
+            first, last = tl.load(R_LO + r), tl.load(R_HI + r)
+            for start in range(first, last, BN):
+                rn = start + tl.arange(0, BN)
+                mask_n = rn < last
+                lse = tl.load(LSE + rn, mask=mask_n, other=0.0)
+                wi = tl.load(WEIGHT + rn, mask=mask_n, other=0.0)
+                s, _ = _scores(X, Y, H, 0, rn, rm, mask_n, mask_m, N, M, 0.0, True, 0, D, BN, BM)
+                live = mask_n[:, None] & mask_m[None, :]
+                w = tl.where(live, wi[:, None] * tl.exp2(s - lse[:, None]), 0.0)
+                plain += tl.sum(w, axis=0)
+                acc = _displacements(acc, w, X, Y, 0, rn, rm, mask_n, mask_m, N, M, rd, D, 0)
+        tl.store(GH + rm, plain, mask=mask_m)
+        tl.store(GY + rm[:, None] * D + rd[None, :], acc, mask=mask_m[:, None] & (rd[None, :] < D))
+
     # a kernel finds the jitted functions it calls among its module's globals, when it is
     # compiled (or interpreted): they are made here, on first use, so they go there now
     globals().update(
@@ -318,6 +404,9 @@ def _kernels() -> types.SimpleNamespace:
         forward=_forward,
         backward_rows=_backward_rows,
         backward_columns=_backward_columns,
+        sparse_forward=_sparse_forward,
+        sparse_rows=_sparse_rows,
+        sparse_columns=_sparse_columns,
     )
 
 
@@ -471,3 +560,76 @@ def triton_reduction(
     if kind == "softmin":
         return out[..., 0]
     return out[..., 0] if flat else out
+
+
+# ------------------------------------------------------------------ block-sparse softmin
+@dataclass
+class Ranges:
+    """A block-sparse pattern as the sparse kernels read it: *tasks* (consecutive points of
+    one cluster, at most a tile, ``(T,)`` each: first, past-the-last, owning cluster) and,
+    for each cluster, the ranges of the other cloud it sums over (``ptr`` ``(K + 1,)``
+    into ``lo`` and ``hi``, ``(R,)``: runs of kept clusters stored one after the other,
+    merged). All int32 tensors on the points' device."""
+
+    task_lo: torch.Tensor
+    task_hi: torch.Tensor
+    task_owner: torch.Tensor
+    ptr: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+    @property
+    def n_tasks(self) -> int:
+        return int(self.task_lo.shape[0])
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The six tensors, in the kernels' argument order."""
+        return self.task_lo, self.task_hi, self.task_owner, self.ptr, self.lo, self.hi
+
+
+def sparse_softmin(rows: Ranges, x, y, h, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``-eps log sum_j exp(h_j - |x_i - y_j|^2 / (2 eps))`` over the kept columns of each
+    row (x (N, D), y (M, D), h (M,), sorted by cluster), and its base-2 log-sum-exp; no
+    autograd. ``rows``: the tasks over x and the column ranges of each row cluster."""
+    k = _kernels()
+    N, D = x.shape
+    xs, ys, hs, _, _ = _scaled(x, y, h, eps, _SQEUCLIDEAN)
+    lse = torch.empty(N, dtype=x.dtype, device=x.device)
+    bn, bm = BLOCKS[x.dtype]
+    if rows.n_tasks:
+        _launch(k.sparse_forward, (rows.n_tasks,), xs, ys, hs, lse, *rows.tensors(), N,
+                y.shape[0], dtype=x.dtype, D=D)  # fmt: skip
+    return (-eps * LN2) * lse, lse
+
+
+def sparse_gradients(
+    rows: Ranges, cols: Ranges, x, y, h, eps: float, out, grad_out, needs=(True, True, True)
+) -> list[torch.Tensor | None]:
+    """The gradients of ``sum_i grad_out_i softmin_i`` (:func:`sparse_softmin`'s ``out``) in
+    x (N, D), y (M, D) and h (M,), None where ``needs`` is False: G_i (x_i - sum_j P_ij y_j),
+    sum_i G_i P_ij (y_j - x_i) and -eps sum_i G_i P_ij, each row of P normalised by its
+    computed sum (as the torch path does). ``cols``: the tasks over y and the row ranges of
+    the row clusters keeping each column cluster."""
+    k = _kernels()
+    N, D = x.shape
+    M = y.shape[0]
+    xs, ys, hs, scale, _ = _scaled(x, y, h, eps, _SQEUCLIDEAN)
+    lse = (out / (-eps * LN2)).contiguous()
+    total = torch.empty(N, dtype=x.dtype, device=x.device)
+    moved = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    sizes = dict(dtype=x.dtype, D=D, DP=_pow2(D))
+    if rows.n_tasks:
+        _launch(k.sparse_rows, (rows.n_tasks,), xs, ys, hs, lse, total, moved, *rows.tensors(),
+                N, M, **sizes)  # fmt: skip
+    g = grad_out.to(x.dtype)
+    gx = g[:, None] * moved / total.clamp_min(torch.finfo(x.dtype).tiny)[:, None] / scale
+    gy = gh = None
+    if needs[1] or needs[2]:
+        weight = (g / total.clamp_min(torch.finfo(x.dtype).tiny)).contiguous()
+        gy = torch.zeros(M, D, dtype=x.dtype, device=x.device)
+        gh = torch.zeros(M, dtype=x.dtype, device=x.device)
+        if cols.n_tasks:
+            _launch(k.sparse_columns, (cols.n_tasks,), xs, ys, hs, lse, weight, gy, gh,
+                    *cols.tensors(), N, M, **sizes)  # fmt: skip
+        gy, gh = gy / scale, -eps * gh
+    return [gx if needs[0] else None, gy if needs[1] else None, gh if needs[2] else None]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _dense, _note_backend
+from . import _dense, _note_backend, _triton
 from ._blocked import _softmax_
 
 __all__: list[str] = []
@@ -112,6 +112,34 @@ def clusters_by_label(x: torch.Tensor, a: torch.Tensor, labels: torch.Tensor) ->
     return Clusters(order, starts, labels, centres, masses, radii, xs)
 
 
+def _ranges_of(
+    own: Clusters, other: Clusters, I: np.ndarray, J: np.ndarray, tile: int, device
+) -> _triton.Ranges:
+    """The Triton kernels' view of the pattern ``(I, J)`` (clusters of ``own``, clusters of
+    ``other``): tasks of at most ``tile`` points of one cluster of ``own``, and for each
+    cluster the runs of consecutive kept clusters of ``other`` as point ranges."""
+    sizes = own.sizes.cpu().numpy()
+    starts = own.starts[:-1].cpu().numpy()
+    per = -(-sizes // tile)
+    owner = np.repeat(np.arange(len(sizes)), per)
+    k = np.arange(owner.size) - np.repeat(np.cumsum(per) - per, per)
+    task_lo = starts[owner] + k * tile
+    task_hi = np.minimum(task_lo + tile, starts[owner] + sizes[owner])
+    order = np.lexsort((J, I))
+    I, J = I[order], J[order]
+    new = np.ones(len(I), dtype=bool)
+    new[1:] = (I[1:] != I[:-1]) | (J[1:] != J[:-1] + 1)  # a run of consecutive clusters
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(I)) - 1
+    other_starts = other.starts.cpu().numpy()
+    ptr = np.concatenate([[0], np.cumsum(np.bincount(I[first], minlength=len(sizes)))])
+    as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)  # noqa: E731
+    return _triton.Ranges(
+        as_int(task_lo), as_int(task_hi), as_int(owner), as_int(ptr),
+        as_int(other_starts[J[first]]), as_int(other_starts[J[last] + 1]),
+    )  # fmt: skip
+
+
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated ``arange(s, s + n)`` for each (s, n): (values, owner of each value)."""
     owner = np.repeat(np.arange(len(lengths)), lengths)
@@ -158,6 +186,10 @@ class BlockSparse:
             (default 256 MB; gathering and centring them costs as much as the chunk's
             matrix product). Chunks beyond it rebuild them at each call, so memory stays
             O(cluster pairs + chunk) however many point pairs the pattern holds.
+        backend: ``"auto"`` (the Triton kernels on a GPU where Triton imports, the chunked
+            torch products elsewhere), ``"triton"`` or ``"torch"``. The Triton kernels sum
+            each tile of a cluster's rows over the runs of its kept column clusters,
+            stored one after the other (as KeOps' ranges do): no padding, no gathered copy.
     """
 
     def __init__(
@@ -168,8 +200,12 @@ class BlockSparse:
         J: torch.Tensor,
         block_elements: int = 1 << 22,
         cache_bytes: int = 1 << 28,
+        backend: str = "auto",
     ) -> None:
         self.rows, self.cols = rows, cols
+        self.backend = backend
+        self._pattern = (I, J)
+        self._ranges: dict = {}  # the Triton kernels' tasks and ranges, by dtype
         self._own = None  # padded copies of the clusterings' own points
         self._geometry_cache: dict = {}
         # a column slot costs 4 bytes of index and (D + 1) numbers of centred geometry
@@ -184,13 +220,25 @@ class BlockSparse:
         K = len(n_rows)
         self._ptr = np.concatenate([[0], np.cumsum(np.bincount(I_np, minlength=K))])
         lengths = np.bincount(I_np, weights=self._col_sizes[self._J], minlength=K).astype(np.int64)
+        self._layout = (n_rows, lengths, block_elements)
+        self._chunks: list | None = None
+
+    @property
+    def chunks(self) -> list:
+        """The torch path's chunks: (row clusters (C,), row indices (C, R), column indices
+        (C, L) or None), built on first use (the Triton path needs them only to list close
+        pairs)."""
+        if self._chunks is None:
+            self._chunks, self._widths = [], []
+            self._build_chunks(*self._layout)
+        return self._chunks
+
+    def _build_chunks(self, n_rows: np.ndarray, lengths: np.ndarray, block_elements: int):
         # sorted by size then by list length: neighbours in this order pad little
         order = np.lexsort((lengths, n_rows))
-        self.chunks = []  # (row clusters (C,), row indices (C, R), column indices or None)
-        self._widths = []
-        N = int(rows.starts[-1])
-        row_starts = rows.starts[:-1].cpu().numpy()
-        device = rows.centres.device
+        N = int(self.rows.starts[-1])
+        row_starts = self.rows.starts[:-1].cpu().numpy()
+        device = self.rows.centres.device
         for chunk in _greedy_chunks(
             n_rows[order].tolist(), lengths[order].tolist(), block_elements
         ):
@@ -201,10 +249,11 @@ class BlockSparse:
             row_idx = np.where(np.arange(tallest) < n_rows[chunk, None], row_idx, N)
             self._widths.append(longest)
             chunk_t = torch.from_numpy(chunk).to(device)
-            self.chunks.append((chunk_t, torch.from_numpy(row_idx).to(device), None))
+            self._chunks.append((chunk_t, torch.from_numpy(row_idx).to(device), None))
             if self._slots_left >= len(chunk) * longest:  # keep the columns while they fit
                 self._slots_left -= len(chunk) * longest
-                self.chunks[-1] = (*self.chunks[-1][:2], self._column_indices(len(self.chunks) - 1))
+                k = len(self._chunks) - 1
+                self._chunks[-1] = (*self._chunks[-1][:2], self._column_indices(k))
 
     def release_geometry(self) -> None:
         """Drop the cached centred coordinates (the gradient gathers its own); the column
@@ -215,9 +264,9 @@ class BlockSparse:
     def _column_indices(self, k: int) -> torch.Tensor:
         """Chunk k's (C, L) column indices (the points of each row cluster's kept column
         clusters, M for padding): stored when they fit the cache, else rebuilt per call."""
-        if self.chunks[k][2] is not None:
-            return self.chunks[k][2]
-        chunk = self.chunks[k][0].cpu().numpy()
+        if self._chunks[k][2] is not None:
+            return self._chunks[k][2]
+        chunk = self._chunks[k][0].cpu().numpy()
         pairs, pair_owner = _ranges(self._ptr[chunk], self._ptr[chunk + 1] - self._ptr[chunk])
         Jc = self._J[pairs]
         pts, pt_pair = _ranges(self._col_starts[Jc], self._col_sizes[Jc])
@@ -235,6 +284,28 @@ class BlockSparse:
         clouds x (N, D), y (M, D) and h (M,); differentiable in x, y and h."""
         _note_backend("multiscale")
         return _SparseSoftmin.apply(self, eps, x.contiguous(), y.contiguous(), h.contiguous())
+
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        """Whether the reductions on ``x`` go through the Triton kernels."""
+        if self.backend == "torch":
+            return False
+        if self.backend == "triton":
+            return True
+        return (
+            x.device.type == "cuda" and x.dtype in _triton.DTYPES and _triton.unavailable() is None
+        )
+
+    def triton_ranges(self, dtype: torch.dtype) -> tuple[_triton.Ranges, _triton.Ranges]:
+        """The Triton kernels' (rows, columns) tasks and ranges for tiles of ``dtype``."""
+        if dtype not in self._ranges:
+            I, J = (t.cpu().numpy() for t in self._pattern)
+            bn, bm = _triton.BLOCKS[dtype]
+            device = self.rows.centres.device
+            self._ranges[dtype] = (
+                _ranges_of(self.rows, self.cols, I, J, bn, device),
+                _ranges_of(self.cols, self.rows, J, I, bm, device),
+            )
+        return self._ranges[dtype]
 
     def _geometry(self, k: int, px: torch.Tensor, py: torch.Tensor, col_idx: torch.Tensor):
         """Chunk k's centred rows X (C, R, D), |X|^2/2 (C, R, 1), columns Y (C, L, D) and
@@ -281,7 +352,10 @@ class BlockSparse:
         sum_i G_i P_ij (y_j - x_i) and -eps sum_i G_i P_ij: each chunk's P once (each row
         normalised by its computed sum), then two batched products. G is scaled to at most 1
         and its negligible entries zeroed, so that no product is a denormal number (as the
-        blocked backward does)."""
+        blocked backward does). On the Triton path (:meth:`uses_triton`), the kernels'."""
+        if self.uses_triton(x):
+            rows, cols = self.triton_ranges(x.dtype)
+            return _triton.sparse_gradients(rows, cols, x, y, h, eps, out, grad_out, needs)
         px, py, ph = self._padded(x, y, h)
         D = x.shape[1]
         gx = torch.zeros_like(px) if needs[0] else None
@@ -324,6 +398,12 @@ class BlockSparse:
 class _SparseSoftmin(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel: BlockSparse, eps: float, x, y, h):
+        ctx.kernel, ctx.eps = kernel, eps
+        if kernel.uses_triton(x):
+            rows, _ = kernel.triton_ranges(x.dtype)
+            result = _triton.sparse_softmin(rows, x, y, h, eps)[0]
+            ctx.save_for_backward(x, y, h, result)
+            return result
         px, py, ph = kernel._padded(x, y, h)
         out = x.new_empty(x.shape[0] + 1)
         for k, (_, row_idx, _) in enumerate(kernel.chunks):
@@ -336,7 +416,6 @@ class _SparseSoftmin(torch.autograd.Function):
             _, m, total = _softmax_(s)
             row = total.log_().add_(m).mul_(-eps).add_(x_sq)
             out.index_copy_(0, row_idx.view(-1), row.view(-1))
-        ctx.kernel, ctx.eps = kernel, eps
         result = out[:-1]
         ctx.save_for_backward(x, y, h, result)
         return result

@@ -110,3 +110,33 @@ def test_what_the_kernels_cannot_take_is_named(monkeypatch):
     monkeypatch.setattr(_triton, "unavailable", lambda: "triton cannot be imported (no)")
     with pytest.raises(otreg.KeOpsUnavailable, match="triton cannot be imported"):
         softmin(x, x, torch.zeros(1, 5), 0.1, c, "triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_block_sparse_softmin_equals_the_torch_one(dtype, monkeypatch):
+    """The multiscale solver's truncated softmin (a pattern of kept cluster pairs) and its
+    gradients in x, y and h by the Triton kernels, against the chunked torch products on
+    the same pattern; small tiles, so that clusters span several tasks and runs of
+    consecutive clusters merge."""
+    from otreg.reductions import sparse
+
+    monkeypatch.setattr(_triton, "BLOCKS", {torch.float64: (8, 8), torch.float32: (16, 8)})
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.rand(70, 3, generator=g, dtype=dtype), torch.rand(50, 3, generator=g, dtype=dtype)
+    cx = sparse.grid_clusters(x, torch.full((70,), 1 / 70, dtype=dtype), 0.5)
+    cy = sparse.grid_clusters(y, torch.full((50,), 1 / 50, dtype=dtype), 0.5)
+    I, J = (torch.cdist(cx.centres, cy.centres) < 0.7).nonzero(as_tuple=True)
+    assert len(I) < cx.n_clusters * cy.n_clusters  # a truncated pattern
+    assert int(cx.sizes.max()) > 8  # a cluster over one task
+    h = torch.randn(50, generator=g, dtype=dtype)
+    w = torch.linspace(-1, 2, 70, dtype=dtype)
+    results = []
+    for backend in ("torch", "triton"):
+        kernel = sparse.BlockSparse(cx, cy, I, J, backend=backend)
+        inputs = [t.clone().requires_grad_(True) for t in (cx.points, cy.points, h)]
+        out = kernel.softmin(*inputs, 0.05)
+        results.append((out, *torch.autograd.grad((out * w).sum(), inputs)))
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    for name, ours, ref in zip(("value", "x", "y", "h"), results[1], results[0]):
+        err = float((ours - ref).detach().abs().max() / ref.detach().abs().max())
+        assert err <= tol, (name, err)
