@@ -5,9 +5,9 @@ holding the host, the process id, the start time and a heartbeat that a thread o
 rewrites every :data:`HEARTBEAT` seconds, with the holder's resident memory, read every
 :data:`MEMORY_SAMPLE` seconds and written at once when it grows by a tenth: the last reading
 before a worker dies tells an out-of-memory kill from other crashes. A lock is stale, and
-broken by the next process that wants it, when its holder is a dead process of this host,
-or when its heartbeat is older than :data:`STALE_AFTER` seconds (a holder on another host,
-or a hung one): killed jobs never block a rerun.
+broken by the next process that wants it, when its holder is a dead (or zombie) process of
+this host, or when its heartbeat is older than :data:`STALE_AFTER` seconds (a holder on
+another host, or a hung one): killed jobs never block a rerun.
 """
 
 from __future__ import annotations
@@ -50,13 +50,20 @@ def read_lock(path: Path) -> dict | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs: not gone, and not a zombie (killed, not
+    yet reaped by its parent: it holds its pid but runs nothing)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's live process
         return True
-    return True
+    try:
+        import psutil
+
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except Exception:  # psutil missing, or the process ended meanwhile
+        return True
 
 
 def is_stale(doc: dict | None, now: float | None = None) -> bool:

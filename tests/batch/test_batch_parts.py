@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from otreg.batch import Pair, all_pairs, pairs_to_template, read_manifest, write_manifest
@@ -147,10 +148,18 @@ def test_a_live_lock_blocks_and_a_released_one_does_not(tmp_path):
 def test_stale_locks_are_broken(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    # killed and not yet reaped by its parent (this process): a zombie holds its pid
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    zombie.kill()
+    wait_until = time.time() + 10
+    while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.time() < wait_until
+        time.sleep(0.05)
     path = tmp_path / ".locks" / "p.lock"
     path.parent.mkdir()
     cases = [
         {"host": socket.gethostname(), "pid": dead.pid, "heartbeat": time.time()},
+        {"host": socket.gethostname(), "pid": zombie.pid, "heartbeat": time.time()},
         {"host": "another-node", "pid": 1, "heartbeat": time.time() - STALE_AFTER - 1},
     ]
     for doc in cases:
@@ -158,6 +167,7 @@ def test_stale_locks_are_broken(tmp_path):
         path.write_text(json.dumps(doc))
         with PairLock(tmp_path, "p") as lock:
             assert lock.broke["pid"] == doc["pid"]
+    zombie.wait()
     fresh = {"host": "another-node", "pid": 1, "heartbeat": time.time()}
     assert not is_stale(fresh)
     path.write_text(json.dumps(fresh))
