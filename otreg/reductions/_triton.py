@@ -306,6 +306,15 @@ def _kernels() -> types.SimpleNamespace:
             )
 
     @triton.jit
+    def _task(T_LO, T_HI, T_OWNER, R_PTR):
+        """This program's task of a block-sparse kernel: its first and past-the-last points
+        and its owning cluster's ranges, ``(lo, hi, r0, r1)``."""
+        t = tl.program_id(0)
+        owner = tl.load(T_OWNER + t)
+        r0, r1 = tl.load(R_PTR + owner), tl.load(R_PTR + owner + 1)
+        return tl.load(T_LO + t), tl.load(T_HI + t), r0, r1
+
+    @triton.jit
     def _sparse_forward(
         X, Y, H, LSE, T_LO, T_HI, T_OWNER, R_PTR, R_LO, R_HI, N, M,
         D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
@@ -313,13 +322,12 @@ def _kernels() -> types.SimpleNamespace:
         """One task (rows T_LO..T_HI of one cluster) against its cluster's column ranges
         R_LO..R_HI (R_PTR[owner] .. R_PTR[owner + 1]): LSE (N,) the rows' base-2
         log-sum-exp."""
-        t = tl.program_id(0)
-        lo, hi, owner = tl.load(T_LO + t), tl.load(T_HI + t), tl.load(T_OWNER + t)
+        lo, hi, r0, r1 = _task(T_LO, T_HI, T_OWNER, R_PTR)
         rn = lo + tl.arange(0, BN)
         mask_n = rn < hi
         m_i = tl.full((BN,), float("-inf"), dtype=X.dtype.element_ty)
         l_i = tl.zeros((BN,), dtype=X.dtype.element_ty)
-        for r in range(tl.load(R_PTR + owner), tl.load(R_PTR + owner + 1)):
+        for r in range(r0, r1):
             first, last = tl.load(R_LO + r), tl.load(R_HI + r)
             for start in range(first, last, BM):
                 rm = start + tl.arange(0, BM)
@@ -339,15 +347,14 @@ def _kernels() -> types.SimpleNamespace:
     ):  # fmt: skip
         """For one task's rows, over its cluster's column ranges: TOTAL (N,) sum_j P_ij and
         GX (N, D) sum_j P_ij (x_i - y_j), with P_ij = 2^(s_ij - LSE_i)."""
-        t = tl.program_id(0)
-        lo, hi, owner = tl.load(T_LO + t), tl.load(T_HI + t), tl.load(T_OWNER + t)
+        lo, hi, r0, r1 = _task(T_LO, T_HI, T_OWNER, R_PTR)
         rn = lo + tl.arange(0, BN)
         rd = tl.arange(0, DP)
         mask_n = rn < hi
         lse = tl.load(LSE + rn, mask=mask_n, other=0.0)
         total = tl.zeros((BN,), dtype=X.dtype.element_ty)
         acc = tl.zeros((BN, DP), dtype=X.dtype.element_ty)
-        for r in range(tl.load(R_PTR + owner), tl.load(R_PTR + owner + 1)):
+        for r in range(r0, r1):
             first, last = tl.load(R_LO + r), tl.load(R_HI + r)
             for start in range(first, last, BM):
                 rm = start + tl.arange(0, BM)
@@ -367,14 +374,13 @@ def _kernels() -> types.SimpleNamespace:
         """For one task's columns (T_LO..T_HI of one column cluster), over the row ranges
         of the row clusters that keep it: GH (M,) sum_i w_i P_ij and GY (M, D) sum_i w_i
         P_ij (y_j - x_i), with w = WEIGHT (N,) and P_ij = 2^(s_ij - LSE_i)."""
-        t = tl.program_id(0)
-        lo, hi, owner = tl.load(T_LO + t), tl.load(T_HI + t), tl.load(T_OWNER + t)
+        lo, hi, r0, r1 = _task(T_LO, T_HI, T_OWNER, R_PTR)
         rm = lo + tl.arange(0, BM)
         rd = tl.arange(0, DP)
         mask_m = rm < hi
         plain = tl.zeros((BM,), dtype=X.dtype.element_ty)
         acc = tl.zeros((BM, DP), dtype=X.dtype.element_ty)
-        for r in range(tl.load(R_PTR + owner), tl.load(R_PTR + owner + 1)):
+        for r in range(r0, r1):
             first, last = tl.load(R_LO + r), tl.load(R_HI + r)
             for start in range(first, last, BN):
                 rn = start + tl.arange(0, BN)
@@ -398,6 +404,7 @@ def _kernels() -> types.SimpleNamespace:
         _row_dot=_row_dot,
         _row_column_dot=_row_column_dot,
         _weights=_weights,
+        _task=_task,
     )
     return types.SimpleNamespace(
         triton=triton,
