@@ -80,7 +80,7 @@ def test_a_multiscale_divergence_on_cuda_equals_the_cpu_one():
     y = otreg.datasets.noisy_sphere(20000, radius=0.8, center=(0.3, 0, 0), seed=2)
     out = []
     for device in ("cpu", "cuda"):
-        xd = x.to(device).requires_grad_(True)
+        xd = x.detach().to(device).requires_grad_(True)
         value = otreg.sinkhorn_divergence(xd, y.to(device), blur=0.01, multiscale=True)
         (grad,) = torch.autograd.grad(value, xd)
         out.append((value.double().cpu(), grad.double().cpu()))
