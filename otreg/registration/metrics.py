@@ -60,7 +60,11 @@ def closest_surface_points(
             f"closest_surface_points: the shape has no triangles ({shape.n_points} points); "
             "measure to its vertices instead (surface_distances(..., to='vertices'))"
         )
-    pts = np.ascontiguousarray(points, dtype=np.float64).reshape(-1, 3)
+    pts = np.ascontiguousarray(points, dtype=np.float64)
+    if pts.ndim != 2 or pts.shape[1] != 3:
+        raise ValueError(
+            f"closest_surface_points: points has shape {pts.shape}; it must be (N, 3) (mm)"
+        )
     vertices = np.ascontiguousarray(shape.points.detach().cpu().double().numpy())
     faces = np.ascontiguousarray(shape.faces.detach().cpu().numpy(), dtype=np.int64)
     return igl.point_mesh_squared_distance(pts, vertices, faces)

@@ -44,6 +44,8 @@ def test_point_to_surface_distances_equal_vtks_closest_cells():
     cloud = Shape(s.points)
     with pytest.raises(ValueError, match="no triangles"):
         M.point_to_surface_distances(points, cloud)
+    with pytest.raises(ValueError, match=r"points has shape \(4, 2\); it must be \(N, 3\)"):
+        M.closest_surface_points(points[:4, :2], s)
 
 
 def test_jacobian_of_a_linear_map_and_vertex_error():
