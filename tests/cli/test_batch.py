@@ -342,7 +342,7 @@ def test_a_pair_that_kills_its_worker_fails_alone(subjects, tmp_path):
     recs = records(tmp_path / "out")
     assert recs["crash"]["error"]["class"] == "crash"
     assert "died 3 times" in recs["crash"]["error"]["reason"]
-    assert recs["fine"]["status"] == "done"
+    assert recs["fine"]["status"] == "done", recs["fine"]
 
 
 def test_a_pair_over_the_memory_limit_fails_out_of_memory_alone(subjects, tmp_path):
@@ -370,7 +370,7 @@ def test_a_pair_over_the_memory_limit_fails_out_of_memory_alone(subjects, tmp_pa
     assert error["class"] == "out of memory", error
     assert "of a 1,431 MB limit" in error["reason"]
     assert 0.7 * 1431 < recs["hog"]["peak_rss_mb"] < 1431
-    assert recs["fine"]["status"] == "done"
+    assert recs["fine"]["status"] == "done", recs["fine"]
     failed = list(csv.DictReader(open(out / "failed.csv")))
     assert [(row["pair_id"], row["class"]) for row in failed] == [("hog", "out of memory")]
 
