@@ -628,15 +628,14 @@ def sparse_gradients(
     if rows.n_tasks:
         _launch(k.sparse_rows, (rows.n_tasks,), xs, ys, hs, lse, total, moved, *rows.tensors(),
                 N, M, **sizes)  # fmt: skip
-    g = grad_out.to(x.dtype)
-    gx = g[:, None] * moved / total.clamp_min(torch.finfo(x.dtype).tiny)[:, None] / scale
+    weight = (grad_out.to(x.dtype) / total.clamp_min(torch.finfo(x.dtype).tiny)).contiguous()
+    gx = weight[:, None] * moved / scale if needs[0] else None
     gy = gh = None
     if needs[1] or needs[2]:
-        weight = (g / total.clamp_min(torch.finfo(x.dtype).tiny)).contiguous()
         gy = torch.zeros(M, D, dtype=x.dtype, device=x.device)
         gh = torch.zeros(M, dtype=x.dtype, device=x.device)
         if cols.n_tasks:
             _launch(k.sparse_columns, (cols.n_tasks,), xs, ys, hs, lse, weight, gy, gh,
                     *cols.tensors(), N, M, **sizes)  # fmt: skip
         gy, gh = gy / scale, -eps * gh
-    return [gx if needs[0] else None, gy if needs[1] else None, gh if needs[2] else None]
+    return [gx, gy if needs[1] else None, gh if needs[2] else None]
