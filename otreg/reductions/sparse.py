@@ -1,4 +1,5 @@
-r"""Block-sparse softmin over clustered clouds: the kernel truncation of multiscale Sinkhorn.
+r"""Block-sparse reductions over clustered clouds: the kernel truncation of multiscale
+Sinkhorn, and of narrow Gaussian kernels.
 
 The points of each cloud are grouped into the cells of a regular grid (clusters), stored
 contiguously (the cloud sorted by cluster). A *pattern* lists the pairs of clusters (I, J)
@@ -9,7 +10,9 @@ whose points may interact; the softmin
     \mathrm{softmin}_i = -\varepsilon \log \sum_{j \in J(i)}
         \exp(h_j - C(x_i, y_j)/\varepsilon)
 
-then runs over the kept pairs only, in chunks of row clusters: each chunk gathers its rows
+then runs over the kept pairs only (and so does :func:`gaussian_product`, the sum
+:math:`\sum_{j \in J(i)} \exp(-|x_i - y_j|^2 / 2\sigma^2) v_j`, for the pairs of cells
+closer than ``TRUNCATION_SIGMAS`` widths), in chunks of row clusters: each chunk gathers its rows
 (padded to the chunk's largest cluster) and the points of the column clusters each row
 cluster keeps (padded to the chunk's longest list), and makes one batched matrix product.
 Coordinates are taken relative to the row cluster's centre, which keeps float32 scores
@@ -20,7 +23,7 @@ stays small.
 of a plan near a permutation, a few pairs a point), and :func:`close_pairs` finds them in a
 pattern.
 
-No well-kept CPU library does block-sparse log-sum-exp reductions (KeOps' ``ranges`` do on
+No well-kept CPU library does block-sparse log-sum-exp or kernel reductions (KeOps' ``ranges`` do on
 its own, slower CPU backend), so this module is written here. Only the squared Euclidean cost
 |x - y|^2 / 2 is supported (the truncation bound in :mod:`otreg.ot.multiscale` relies on it).
 """
@@ -393,6 +396,124 @@ class BlockSparse:
                 moved = weight.unsqueeze(2) * Y - torch.bmm(Q.transpose(1, 2), X)
                 gy.index_add_(0, cols, moved.view(-1, D))
         return [None if g is None else g[:-1] * scale for g in (gx, gy, gh)]
+
+    def gaussian_product(
+        self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, sigma: float
+    ) -> torch.Tensor:
+        """sum_{kept j} exp(-|x_i - y_j|^2 / (2 sigma^2)) v_j, (N, E), for the sorted clouds x
+        (N, D), y (M, D) and values v (M, E); differentiable in x, y and v (torch path)."""
+        _note_backend("truncated")
+        return _SparseGaussian.apply(self, sigma, x.contiguous(), y.contiguous(), v.contiguous())
+
+    def _gaussian_chunks(self, x, y, v, sigma):
+        """Each chunk's (row indices (C, R), column indices (C, L), centred rows X (C, R, D)
+        and columns Y (C, L, D), kernel values K (C, R, L), values V (C, L, E))."""
+        px, py, _ = self._padded(x, y, x.new_zeros(y.shape[0]))
+        pv = torch.cat([v, v.new_zeros(1, v.shape[1])])
+        floor = _dense.product_floor(x.dtype)
+        a = 1.0 / (sigma * sigma)
+        for k, (_, row_idx, _) in enumerate(self.chunks):
+            col_idx = self._column_indices(k)
+            X, x_sq, Y, y_sq = self._geometry(k, px, py, col_idx)
+            # -|X - Y|^2 / (2 sigma^2) = (<X, Y> - |X|^2 / 2 - |Y|^2 / 2) / sigma^2
+            K = torch.baddbmm(y_sq.neg().unsqueeze(1), X, Y.transpose(1, 2)).sub_(x_sq)
+            K.mul_(a).clamp_(min=floor).exp_()
+            V = pv.index_select(0, col_idx.view(-1)).view(*col_idx.shape, v.shape[1])
+            yield row_idx, col_idx, X, Y, K, V
+
+
+class _SparseGaussian(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel: BlockSparse, sigma: float, x, y, v):
+        ctx.kernel, ctx.sigma = kernel, sigma
+        out = x.new_zeros(x.shape[0] + 1, v.shape[1])
+        for row_idx, _, _, _, K, V in kernel._gaussian_chunks(x, y, v, sigma):
+            out.index_copy_(0, row_idx.view(-1), torch.bmm(K, V).view(-1, v.shape[1]))
+        ctx.save_for_backward(x, y, v)
+        return out[:-1]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        """With K_ij the kernel and W_ij = K_ij (G_i . v_j): x_i gets
+        sum_j W_ij (y_j - x_i) / sigma^2, y_j gets sum_i W_ij (x_i - y_j) / sigma^2 and v_j
+        gets sum_i K_ij G_i; each chunk's K recomputed, no autograd graph."""
+        x, y, v = ctx.saved_tensors
+        kernel, a = ctx.kernel, 1.0 / (ctx.sigma * ctx.sigma)
+        need_x, need_y, need_v = ctx.needs_input_grad[2:]
+        D, E = x.shape[1], v.shape[1]
+        gx = x.new_zeros(x.shape[0] + 1, D) if need_x else None
+        gy = y.new_zeros(y.shape[0] + 1, D) if need_y else None
+        gv = v.new_zeros(v.shape[0] + 1, E) if need_v else None
+        pad_g = torch.cat([grad_out, grad_out.new_zeros(1, E)])
+        for row_idx, col_idx, X, Y, K, V in kernel._gaussian_chunks(x, y, v, ctx.sigma):
+            G = pad_g.index_select(0, row_idx.view(-1)).view(*row_idx.shape, E)
+            cols = col_idx.view(-1).long()
+            if gv is not None:
+                gv.index_add_(0, cols, torch.bmm(K.transpose(1, 2), G).view(-1, E))
+            if gx is None and gy is None:
+                continue
+            W = K.mul_(torch.bmm(G, V.transpose(1, 2)))
+            if gx is not None:
+                moved = torch.bmm(W, Y) - W.sum(2, keepdim=True) * X
+                gx.index_add_(0, row_idx.view(-1), moved.view(-1, D), alpha=a)
+            if gy is not None:
+                moved = torch.bmm(W.transpose(1, 2), X) - W.sum(1).unsqueeze(2) * Y
+                gy.index_add_(0, cols, moved.view(-1, D), alpha=a)
+        return (None, None, *(None if g is None else g[:-1] for g in (gx, gy, gv)))
+
+
+#: the Gaussian kernel product drops the pairs farther apart than this many widths (the
+#: terms left out are below exp(-TRUNCATION_SIGMAS^2 / 2) = 1.3e-14 of the largest)
+TRUNCATION_SIGMAS = 8.0
+#: its grid cells are this many widths wide. Measured on a real hemisphere's vertices (a
+#: varifold term's products, forward and gradient, float32): cells 2 widths wide took 2 to 5
+#: times as long as 4 to 6 (more, smaller matrix products)
+CELL_SIGMAS = 5.0
+#: the truncated product runs where it keeps at most this fraction of the pairs: at a third
+#: (3,000 control points and 8,000 vertices of a hemisphere, a 4.3 mm kernel) it was as slow
+#: as the blocked reduction over all pairs
+MAX_KEPT_FRACTION = 0.25
+
+
+def truncated_gaussian(
+    x: torch.Tensor, y: torch.Tensor, sigma: float, max_fraction: float = MAX_KEPT_FRACTION
+) -> tuple[BlockSparse, torch.Tensor, torch.Tensor] | None:
+    """The block-sparse pattern of the Gaussian kernel of width ``sigma`` between ``x``
+    (N, D) and ``y`` (M, D): grid cells ``CELL_SIGMAS * sigma`` wide, the pairs of cells
+    that may hold points within ``TRUNCATION_SIGMAS * sigma`` of each other kept. Returns
+    ``(kernel, x's order, y's order)`` (the permutations that sort each cloud by cell), or
+    None when the kept pairs are more than ``max_fraction`` of all N * M (a dense
+    reduction is then as fast)."""
+    x, y = x.detach(), y.detach()
+    if x.shape[0] == 0 or y.shape[0] == 0:
+        return None
+    reach = TRUNCATION_SIGMAS * sigma
+    extent = torch.cat([x, y]).amax(0) - torch.cat([x, y]).amin(0)
+    if float(extent.norm()) <= reach:
+        return None
+    rows = grid_clusters(x, x.new_ones(x.shape[0]), CELL_SIGMAS * sigma)
+    cols = grid_clusters(y, y.new_ones(y.shape[0]), CELL_SIGMAS * sigma)
+    gap = torch.cdist(rows.centres, cols.centres) - rows.radii[:, None] - cols.radii[None, :]
+    I, J = (gap <= reach).nonzero(as_tuple=True)
+    kept = int((rows.sizes[I] * cols.sizes[J]).sum())
+    if kept > max_fraction * x.shape[0] * y.shape[0]:
+        return None
+    return BlockSparse(rows, cols, I, J, backend="torch"), rows.order, cols.order
+
+
+def gaussian_product(
+    x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, sigma: float
+) -> torch.Tensor | None:
+    """``sum_j exp(-|x_i - y_j|^2 / (2 sigma^2)) v_j`` for x (N, D), y (M, D), v (M, E),
+    over the pairs of :func:`truncated_gaussian`'s pattern: (N, E), differentiable in x, y
+    and v; None where the pattern would keep most pairs."""
+    found = truncated_gaussian(x, y, sigma)
+    if found is None:
+        return None
+    kernel, x_order, y_order = found
+    sorted_out = kernel.gaussian_product(x[x_order], y[y_order], v[y_order], sigma)
+    return torch.empty_like(sorted_out).index_copy(0, x_order, sorted_out)
 
 
 class _SparseSoftmin(torch.autograd.Function):

@@ -13,6 +13,7 @@ import torch
 from .. import reductions
 from .._checks import check_positive
 from ..costs import get_cost
+from ..reductions import sparse
 
 __all__: list[str] = []
 
@@ -64,9 +65,20 @@ class GaussianKernel:
             return self.matrix(x, y) @ v
         out = None
         for s, w in zip(self.sigmas, self.weights):
-            term = reductions.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]
+            term = self._product(x, y, v, s)
             out = w * term if out is None else out + w * term
         return out
+
+    def _product(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, s: float):
+        """One width's ``sum_j exp(-|x_i - y_j|^2 / (2 s^2)) v_j``: on the CPU, over the
+        pairs closer than :data:`~otreg.reductions.sparse.TRUNCATION_SIGMAS` widths where
+        those are few (a narrow kernel on a large surface:
+        :func:`otreg.reductions.sparse.gaussian_product`), else a reduction over all pairs."""
+        if self.backend == "auto" and x.device.type == "cpu":
+            term = sparse.gaussian_product(x, y, v, s)
+            if term is not None:
+                return term
+        return reductions.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]
 
     def matrix(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The dense kernel matrix ``k(x_i, y_j)``: x (N, D), y (M, D) -> (N, M) (for a few
@@ -85,7 +97,7 @@ class GaussianKernel:
             return k @ v, kd @ v
         out = deriv = None
         for s, w in zip(self.sigmas, self.weights):
-            term = reductions.kernel_product(x[None], y[None], v[None], s * s, _SQ, self.backend)[0]
+            term = self._product(x, y, v, s)
             out = w * term if out is None else out + w * term
             d = (w / (s * s)) * term
             deriv = d if deriv is None else deriv + d
