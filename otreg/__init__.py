@@ -25,6 +25,7 @@ from .registration import (
     LDDMMOptions,
     Level,
     PrealignOptions,
+    RefineOptions,
     Registration,
     register,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "Registration",
     "LDDMMOptions",
     "PrealignOptions",
+    "RefineOptions",
     "LBFGSOptions",
     "Level",
     "registration",

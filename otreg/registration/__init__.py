@@ -1,7 +1,7 @@
 """Registration of surfaces: pre-alignment, LDDMM, data terms, metrics."""
 
 from . import metrics
-from .lddmm import LDDMM
+from .lddmm import LDDMM, ComposedLDDMM
 from .linear import Affine, Rigid, Similarity
 from .losses import (
     LOSSES,
@@ -10,7 +10,15 @@ from .losses import (
     make_loss,
     varifold_distance,
 )
-from .options import MODELS, PREALIGNS, LBFGSOptions, LDDMMOptions, Level, PrealignOptions
+from .options import (
+    MODELS,
+    PREALIGNS,
+    LBFGSOptions,
+    LDDMMOptions,
+    Level,
+    PrealignOptions,
+    RefineOptions,
+)
 from .prealign import prealign
 from .register import register
 from .result import Registration
@@ -20,10 +28,12 @@ __all__ = [
     "Registration",
     "prealign",
     "LDDMMOptions",
+    "RefineOptions",
     "PrealignOptions",
     "LBFGSOptions",
     "Level",
     "LDDMM",
+    "ComposedLDDMM",
     "Rigid",
     "Similarity",
     "Affine",

@@ -13,7 +13,11 @@ With D the diagonal of the target's bounding box (mm) and A the target's area (m
 - levels at scales ``LEVEL_SCALES * D`` (a hemisphere: 6.5 then 4.4 mm; a hippocampus: 1.6
   then 1.0 mm), each with A / scale^2 vertices (about one per scale-sized patch) within
   ``LEVEL_POINTS_RANGE``;
-- the width of the varifold distance in the metrics: D / 50.
+- the width of the varifold distance in the metrics: D / 50;
+- the refinement (:class:`~otreg.registration.RefineOptions`): a Gaussian of width D / 54
+  (half the narrower width above; a hemisphere: 4 mm), control points by the same rule
+  within ``REFINE_CONTROL_POINTS_RANGE``, levels at ``REFINE_LEVEL_SCALES * D`` (a
+  hemisphere: 2.2 mm) with A / scale^2 vertices within ``REFINE_LEVEL_POINTS_RANGE``.
 
 The values chosen are recorded in the result's ``options`` (``options["scale"]``).
 """
@@ -34,6 +38,10 @@ CONTROL_POINTS_RANGE = (100, 1000)
 LEVEL_SCALES = (0.03, 0.02)
 LEVEL_POINTS_RANGE = (200, 3000)
 METRIC_SIGMA_FRACTION = 0.02
+REFINE_SIGMA_FRACTION = 1 / 54
+REFINE_CONTROL_POINTS_RANGE = (100, 3000)
+REFINE_LEVEL_SCALES = (0.0085,)
+REFINE_LEVEL_POINTS_RANGE = (200, 12000)
 
 
 @dataclass(frozen=True)
@@ -67,14 +75,33 @@ def default_control_points(scale: ShapeScale, sigma: float) -> int:
     return _clamp(CONTROL_POINTS_PER_SIGMA2 * scale.area_mm2 / sigma**2, CONTROL_POINTS_RANGE)
 
 
-def default_levels(scale: ShapeScale) -> list[tuple[int, float]]:
+def default_levels(
+    scale: ShapeScale, fractions=LEVEL_SCALES, points=LEVEL_POINTS_RANGE
+) -> list[tuple[int, float]]:
     """Coarse-to-fine ``(points, scale mm)`` levels."""
     out = []
-    for fraction in LEVEL_SCALES:
+    for fraction in fractions:
         s = round(fraction * scale.size_mm, 2)
-        n = _clamp(scale.area_mm2 / s**2, LEVEL_POINTS_RANGE)
+        n = _clamp(scale.area_mm2 / s**2, points)
         out.append((min(n, max(scale.vertices, 4)), s))
     return out
+
+
+def default_refine_sigma(scale: ShapeScale) -> float:
+    """The refinement's kernel width, mm."""
+    return round(REFINE_SIGMA_FRACTION * scale.size_mm, 2)
+
+
+def default_refine_control_points(scale: ShapeScale, sigma: float) -> int:
+    """The refinement's number of control points for a kernel whose widest width is
+    ``sigma`` mm."""
+    n = CONTROL_POINTS_PER_SIGMA2 * scale.area_mm2 / sigma**2
+    return _clamp(n, REFINE_CONTROL_POINTS_RANGE)
+
+
+def default_refine_levels(scale: ShapeScale) -> list[tuple[int, float]]:
+    """The refinement's ``(points, scale mm)`` levels."""
+    return default_levels(scale, REFINE_LEVEL_SCALES, REFINE_LEVEL_POINTS_RANGE)
 
 
 def default_metric_sigma(scale: ShapeScale) -> float:

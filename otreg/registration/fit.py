@@ -43,12 +43,16 @@ class Fit:
     start: float
     signal: str | None = None
     signal_weight: float = 1.0
+    #: the history's number of this fit's first level (a refinement's follow the first fit's)
+    first_level: int = 0
+    #: the progress bar's name for this fit ("" or "refine ")
+    name: str = ""
 
 
 def fit_levels(fit: Fit, src: Shape, tgt: Shape, levels: list[Level]) -> None:
     """Fit ``fit.deformation`` to ``tgt`` level by level (coarse to fine), in place; each
     evaluation appended to ``fit.history``."""
-    for level, lv in enumerate(levels):
+    for level, lv in enumerate(levels, start=fit.first_level):
         s_level, t_level = src.decimate(lv.points), tgt.decimate(lv.points)
         s_level = signals.with_level_signal(s_level, src, fit.signal)
         t_level = signals.with_level_signal(t_level, tgt, fit.signal)
@@ -60,8 +64,9 @@ def fit_levels(fit: Fit, src: Shape, tgt: Shape, levels: list[Level]) -> None:
             for name in lv.loss
             if name != "landmarks"
         }
+        number = level - fit.first_level + 1
         label = (
-            f"level {level + 1}/{len(levels)} ({s_level.n_points} pts, "
+            f"{fit.name}level {number}/{len(levels)} ({s_level.n_points} pts, "
             f"{'+'.join(lv.loss)} at {lv.scale:g} mm)"
         )
         _fit_level(fit, s_level, t_level, terms, lv.loss, level, label)
@@ -70,8 +75,8 @@ def fit_levels(fit: Fit, src: Shape, tgt: Shape, levels: list[Level]) -> None:
         )
         if unconverged:
             warn(
-                f"register: at level {level + 1}, {unconverged} evaluation(s) of the Sinkhorn "
-                "term did not reach its tol even from scratch (their values are not a "
+                f"register: at {fit.name}level {number}, {unconverged} evaluation(s) of the "
+                "Sinkhorn term did not reach its tol even from scratch (their values are not a "
                 "divergence); the history marks them (sinkhorn_converged). Raise the level's "
                 "scale or sinkhorn max_iter",
                 ConvergenceWarning,

@@ -34,7 +34,7 @@ from ..loops.budget import resolve_strategy
 from .kernels import GaussianKernel
 from .options import INTEGRATORS, LDDMMOptions
 
-__all__ = ["LDDMM"]
+__all__ = ["LDDMM", "ComposedLDDMM"]
 
 #: :meth:`LDDMM.whitened` factors the control points' kernel matrix up to this many points
 #: (a dense (N, N) matrix: 200 MB and a second or two at 5,000)
@@ -197,7 +197,8 @@ class LDDMM(nn.Module):
         undone from the last to the first, each by solving ``step(z) = y`` for z with the
         fixed-point iteration ``z <- z - (step(z) - y)`` (it contracts while the step moves
         points by less than their spacing changes: ``h |Dv| < 1``). The inverse of the discrete
-        map :meth:`forward` applies, to ``tol`` times the points' size.
+        map :meth:`forward` applies, to ``tol`` times the points' size (at least 8 of the
+        dtype's epsilons).
 
         Example:
             >>> import torch
@@ -218,6 +219,7 @@ class LDDMM(nn.Module):
                 q, p, _ = self._step((q, p, y[:0]))
                 states.append((q, p))
             scale = float(y.abs().max()) if y.numel() else 1.0
+            tol = max(tol, 8 * torch.finfo(q.dtype).eps)  # what the dtype can reach
             for q, p in reversed(states):
                 z = y
                 for _ in range(max_iter):
@@ -254,6 +256,10 @@ class LDDMM(nn.Module):
         map of the same integrator's steps, so it is the Jacobian of the discrete map that
         :meth:`forward` applies, to rounding): no backward pass, no taped graph, the
         kernel sums of :meth:`forward` with D * D more values each."""
+        return self.forward_with_jacobians(points)[1]
+
+    def forward_with_jacobians(self, points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(forward(points), jacobians(points))`` in one flow, no gradient."""
         with torch.no_grad():
             q = self.control_points.to(self.momenta.dtype)
             p = self.momenta.detach()
@@ -289,7 +295,7 @@ class LDDMM(nn.Module):
                         u + h / 6 * (a + 2 * b + 2 * c + d)
                         for u, a, b, c, d in zip(state, k1, k2, k3, k4)
                     )
-        return F
+        return x.to(points.dtype), F
 
     def hamiltonian(self, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """H(q, p) = 1/2 sum_ij p_i . k(q_i, q_j) p_j, in mm^2."""
@@ -351,17 +357,130 @@ class LDDMM(nn.Module):
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> LDDMM:
-        """The deformation that :meth:`to_arrays` wrote (float64)."""
+        """The deformation that :meth:`to_arrays` wrote, in the momenta's dtype (a float32 fit
+        maps points as it did)."""
+        momenta = torch.as_tensor(arrays["momenta"])
         deformation = cls(
             torch.as_tensor(arrays["control_points"]),
             sigma=arrays["sigma"].tolist(),
             kernel_weights=arrays["kernel_weights"].tolist(),
             n_steps=int(arrays["n_steps"]),
             integrator=str(arrays["integrator"]),
-        ).double()
+        ).to(momenta.dtype if momenta.is_floating_point() else torch.float64)
         with torch.no_grad():
-            deformation.momenta.copy_(torch.as_tensor(arrays["momenta"]))
+            deformation.momenta.copy_(momenta)
         return deformation
+
+
+class ComposedLDDMM(nn.Module):
+    """LDDMM deformations applied one after the other: :func:`otreg.register`'s fit and its
+    refinement (fitted afterwards, from where the first left the source, with a narrower
+    kernel). The composition of diffeomorphisms is one; it has :class:`LDDMM`'s
+    ``forward``, ``inverse``, ``jacobians``, ``trajectory`` and ``energy``.
+
+    Args:
+        stages: the deformations, in the order they apply; each one's control points lie
+            where the ones before moved them.
+
+    Example:
+        >>> import torch
+        >>> from otreg.registration import LDDMM, ComposedLDDMM
+        >>> first = LDDMM(torch.randn(30, 3) * 10, sigma=8.0).double()
+        >>> second = LDDMM(torch.randn(60, 3) * 10, sigma=3.0, n_steps=2).double()
+        >>> with torch.no_grad():
+        ...     _ = first.momenta.normal_(), second.momenta.normal_()
+        >>> phi = ComposedLDDMM([first, second])
+        >>> x = torch.randn(100, 3, dtype=torch.float64) * 10
+        >>> bool((phi(x) - second(first(x))).abs().max() == 0)
+        True
+        >>> bool((phi.inverse(phi(x)) - x).abs().max() < 1e-8)
+        True
+    """
+
+    def __init__(self, stages: Sequence[LDDMM]) -> None:
+        super().__init__()
+        stages = list(stages)
+        if not stages or not all(isinstance(s, LDDMM) for s in stages):
+            raise TypeError(
+                f"ComposedLDDMM: stages must be a non-empty sequence of LDDMM, got {stages!r}"
+            )
+        self.stages = nn.ModuleList(stages)
+
+    def extra_repr(self) -> str:
+        """The number of stages."""
+        return f"{len(self.stages)} stages"
+
+    @property
+    def control_points(self) -> torch.Tensor:
+        """The first stage's control points (the others start where it moved them)."""
+        return self.stages[0].control_points
+
+    @property
+    def momenta(self) -> torch.Tensor:
+        """The first stage's momenta."""
+        return self.stages[0].momenta
+
+    @property
+    def kernel(self) -> GaussianKernel:
+        """The first stage's kernel."""
+        return self.stages[0].kernel
+
+    def forward(self, points: torch.Tensor) -> torch.Tensor:
+        """Deformed positions of ``points`` (N, 3) after every stage."""
+        for stage in self.stages:
+            points = stage(points)
+        return points
+
+    def inverse(self, points: torch.Tensor, tol: float = 1e-10, max_iter: int = 50) -> torch.Tensor:
+        """The stages' :meth:`LDDMM.inverse`, last first."""
+        for stage in reversed(self.stages):
+            points = stage.inverse(points, tol, max_iter)
+        return points
+
+    def jacobians(self, points: torch.Tensor) -> torch.Tensor:
+        """``d phi(x) / dx`` at ``points`` (N, D): ``(N, D, D)``, the product of each stage's
+        :meth:`LDDMM.jacobians` at the points it receives, no gradient."""
+        return self.forward_with_jacobians(points)[1]
+
+    def forward_with_jacobians(self, points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(forward(points), jacobians(points))``, each stage's flow run once, no gradient."""
+        F = None
+        for stage in self.stages:
+            points, J = stage.forward_with_jacobians(points)
+            F = J if F is None else J @ F
+        return points, F
+
+    def trajectory(self, points: torch.Tensor) -> list[torch.Tensor]:
+        """Positions of ``points`` at every time step of every stage, no gradient."""
+        out = [points]
+        for stage in self.stages:
+            out += stage.trajectory(out[-1])[1:]
+        return out
+
+    def energy(self) -> torch.Tensor:
+        """The sum of the stages' deformation energies, mm^2."""
+        return sum(stage.energy() for stage in self.stages)
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """The first stage's :meth:`LDDMM.to_arrays`, and each later stage's with its keys
+        prefixed ``stage2_``, ``stage3_``..."""
+        out = self.stages[0].to_arrays()
+        for k, stage in enumerate(self.stages[1:], start=2):
+            out.update({f"stage{k}_{key}": a for key, a in stage.to_arrays().items()})
+        return out
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> LDDMM | ComposedLDDMM:
+        """What :meth:`to_arrays` (or :meth:`LDDMM.to_arrays`) wrote: an :class:`LDDMM`
+        when it holds one stage."""
+        stages = [LDDMM.from_arrays(arrays)]
+        while f"stage{len(stages) + 1}_momenta" in arrays:
+            prefix = f"stage{len(stages) + 1}_"
+            own = {
+                key.removeprefix(prefix): a for key, a in arrays.items() if key.startswith(prefix)
+            }
+            stages.append(LDDMM.from_arrays(own))
+        return stages[0] if len(stages) == 1 else cls(stages)
 
 
 class _Whitening(nn.Module):

@@ -27,7 +27,7 @@ from ..io import (
 from ..ot.solver import sinkhorn
 from ..shapes import Shape
 from . import metrics
-from .lddmm import LDDMM
+from .lddmm import LDDMM, ComposedLDDMM
 from .linear import _Linear
 
 __all__ = ["Registration"]
@@ -47,13 +47,16 @@ class Registration:
     Attributes:
         warped: the source moved by the whole transform (all its vertices).
         linear: the pre-alignment (Rigid/Similarity/Affine module) or None.
-        deformation: the fitted :class:`~otreg.registration.LDDMM` or None.
+        deformation: the fitted :class:`~otreg.registration.LDDMM`, or with a refinement
+            the :class:`~otreg.registration.ComposedLDDMM` of it and the refinement's, or
+            None (a linear model).
         history: one dict per objective evaluation: level, evaluation, loss, energy, data
             terms, seconds.
         metrics: surface distances, varifold distance, Jacobian determinants (and vertex
             errors when the truth was given); the time of the whole call (``seconds``) and
             of its parts: ``prealign_seconds``, ``fit_seconds`` (every level),
-            ``metrics_seconds`` (these metrics themselves).
+            ``metrics_seconds`` (every source vertex moved, with its Jacobian, and these
+            metrics).
         options: the effective options of the run (the option objects' fields).
         inputs: the files the source and target were read from (``{"source": path or
             None, "target": ...}``, absolute paths); :meth:`save` never writes over them.
@@ -73,7 +76,7 @@ class Registration:
 
     warped: Shape
     linear: torch.nn.Module | None
-    deformation: LDDMM | None
+    deformation: LDDMM | ComposedLDDMM | None
     history: list[dict] = field(default_factory=list, repr=False)
     metrics: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict, repr=False)
@@ -82,7 +85,8 @@ class Registration:
 
     @property
     def momenta(self) -> torch.Tensor | None:
-        """The fitted momenta ``(K, 3)``, detached; None without a deformation."""
+        """The fitted momenta ``(K, 3)`` (the first LDDMM's, with a refinement), detached;
+        None without a deformation."""
         return None if self.deformation is None else self.deformation.momenta.detach()
 
     def transform(self, what: torch.Tensor | np.ndarray | Shape) -> torch.Tensor | Shape:
@@ -461,7 +465,7 @@ class Registration:
             with np.load(paths["parameters"], allow_pickle=False) as arrays:
                 ids["parameters"] = arrays["run_id"] if "run_id" in arrays.files else None
                 linear = _Linear.from_arrays(arrays) if "linear_kind" in arrays else None
-                deformation = LDDMM.from_arrays(arrays) if "momenta" in arrays else None
+                deformation = ComposedLDDMM.from_arrays(arrays) if "momenta" in arrays else None
         except Exception as err:  # a zip, pickle or array error: say which file
             raise ValueError(_unreadable(caller, paths["parameters"], err)) from err
         try:
@@ -584,10 +588,19 @@ def nearest_triangles(points: torch.Tensor, surface: Shape) -> tuple[np.ndarray,
     return faces, w
 
 
-def transform_jacobians(linear, deformation: LDDMM | None, points) -> torch.Tensor:
+def transform_jacobians(linear, deformation: LDDMM | ComposedLDDMM | None, points) -> torch.Tensor:
     """The Jacobian matrices ``(N, 3, 3)``, float64, of ``deformation`` after ``linear``
     (either may be None) at ``points`` (N, 3): the linear map's matrix times the
     deformation's Jacobians at the moved points, no gradient."""
+    return transform_with_jacobians(linear, deformation, points)[1]
+
+
+def transform_with_jacobians(
+    linear, deformation: LDDMM | ComposedLDDMM | None, points
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(moved points (N, 3), Jacobian matrices (N, 3, 3))``, both float64 on the
+    transform's device, of ``deformation`` after ``linear`` at ``points``: one flow for both,
+    no gradient."""
     x = torch.as_tensor(points).detach().double()
     for part in (deformation, linear):  # computed where the transform lives
         if part is not None:
@@ -601,8 +614,10 @@ def transform_jacobians(linear, deformation: LDDMM | None, points) -> torch.Tens
     if deformation is None:
         J = torch.eye(3, dtype=x.dtype, device=x.device).expand(x.shape[0], 3, 3)
     else:
-        J = deformation.jacobians(x).double()
-    return J if A is None else J @ A
+        with torch.no_grad():
+            x, J = deformation.forward_with_jacobians(x)
+        x, J = x.double(), J.double()
+    return x, (J if A is None else J @ A)
 
 
 def _unreadable(caller: str, path: Path, err: Exception) -> str:

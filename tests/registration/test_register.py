@@ -43,6 +43,7 @@ def test_register_small_saves_loads_and_reports(pial_small, tmp_path):
         optimizer=LBFGSOptions(max_iter=10),
         truth=subject.shape.points,
         progress=False,
+        dtype=torch.float64,  # the Jacobians are compared with autograd's to 1e-10
     )
     assert isinstance(res, Registration) and res.warped.n_points == pial_small.n_points
     assert res.metrics["vertex_error_mean_mm"] < before
@@ -81,7 +82,7 @@ def test_lddmm_recovers_a_synthetic_subject_of_fsaverage5():
     assert before > 4.0
     assert res.metrics["vertex_error_mean_mm"] < 1.0
     assert res.metrics["jacobian_negative_fraction"] == 0.0
-    assert [h["level"] for h in res.history][-1] == 1  # both levels ran
+    assert sorted({h["level"] for h in res.history}) == [0, 1, 2]  # two levels, the refinement's
     assert "sinkhorn" in res.history[0] and "varifold" in res.history[-1]
 
 
@@ -214,7 +215,7 @@ def test_sinkhorn_term_stays_a_divergence_on_a_large_deformation():
     left = datasets.fsaverage5("pial", "left").decimate(2000)
     right = datasets.fsaverage5("pial", "right").decimate(2000)
     res = register(left, right, levels=(Level(1000, 6.0, "sinkhorn"),), progress=False)
-    hs = res.history
+    hs = [h for h in res.history if h["level"] == 0]  # the refinement's level: the varifold
     assert hs and all(h["sinkhorn"] >= 0 for h in hs)
     assert all(h["sinkhorn_converged"] for h in hs)
     assert max(h["energy"] for h in hs) < 1e5
@@ -255,6 +256,7 @@ def test_tol_is_relative_to_the_level_start(pial_small):
             levels=[(300, 6.0 * factor, "sinkhorn")],
             optimizer=LBFGSOptions(max_iter=30, tol=1e-2),
             progress=False,
+            refine=False,
         )
         counts.append(len(res.history))
     assert counts[0] < 30 and abs(counts[0] - counts[1]) <= 2, counts
