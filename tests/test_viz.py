@@ -132,7 +132,7 @@ def fitted():
     pv = pytest.importorskip("pyvista")
     import torch
 
-    from otreg import LBFGSOptions, Shape, register
+    from otreg import LBFGSOptions, RefineOptions, Shape, register
 
     src = Shape.from_pyvista(pv.Sphere(radius=20, theta_resolution=24, phi_resolution=24))
     src = src.to(torch.float64)
@@ -143,6 +143,7 @@ def fitted():
         prealign="none",
         levels=[(300, 3.0, "varifold")],
         optimizer=LBFGSOptions(max_iter=6),
+        refine=RefineOptions(sigma=5.0, levels=[(500, 2.5)]),  # drawn as one deformation
         progress=False,
     )
     return res, src, tgt
@@ -182,7 +183,7 @@ def test_animate_flow_writes_one_frame_a_time_step(fitted, tmp_path):
     path = animate_flow(res, src, tmp_path / "flow.gif", target=tgt, window_size=(300, 250))
     gif = Image.open(path)
     frames = [np.asarray(f.convert("RGB"), dtype=int) for f in ImageSequence.Iterator(gif)]
-    assert len(frames) == res.deformation.n_steps + 1
+    assert len(frames) == res.deformation.n_steps + 1 == 6 + 2 + 1  # the refinement's too
     assert frames[0].shape == (250, 300, 3) and gif.info.get("loop") == 0
     assert np.abs(frames[0] - frames[-1]).mean() > 1  # the shape moved
     assert _orange(frames[-1]).mean() > 0.02

@@ -49,6 +49,8 @@ class JobOptions:
             (>= 100); None: the full surfaces. The saved warped surface is always the
             full source carried through the map.
         max_iter: L-BFGS iterations a level; None: :class:`~otreg.LBFGSOptions`' default.
+        refine: after the LDDMM fit, fit the narrower refinement
+            (:class:`~otreg.RefineOptions`' defaults); false: the first fit alone.
         picture: draw ``picture.png`` and ``history.png``.
 
     Example:
@@ -63,6 +65,7 @@ class JobOptions:
     sigma: float | None = None
     points: int | None = None
     max_iter: int | None = None
+    refine: bool = True
     picture: bool = True
 
     def __post_init__(self) -> None:
@@ -80,8 +83,11 @@ class JobOptions:
             check_int(what, "points", self.points, 100)
         if self.max_iter is not None:
             check_int(what, "max_iter", self.max_iter, 1)
-        if not isinstance(self.picture, bool):
-            raise TypeError(f"{what}: picture must be true or false, got {self.picture!r}")
+        for name in ("refine", "picture"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"{what}: {name} must be true or false, got {getattr(self, name)!r}"
+                )
 
     @classmethod
     def from_mapping(cls, values: object, what: str, base: JobOptions | None = None) -> JobOptions:
@@ -112,6 +118,7 @@ class JobOptions:
             "prealign": self.prealign,
             "loss": self.loss,
             "optimizer": optimizer,
+            "refine": self.refine,
         }
 
     def record(self) -> dict:

@@ -180,6 +180,11 @@ def registration_options(f):
             help="L-BFGS iterations a level [default: LBFGSOptions' {LBFGSOptions().max_iter}].",
         ),
         click.option(
+            "--refine/--no-refine",
+            default=None,
+            help="After the LDDMM fit, fit a narrower one on what is left [default: on].",
+        ),
+        click.option(
             "--picture/--no-picture",
             default=None,
             help="Draw picture.png and history.png [default: on].",

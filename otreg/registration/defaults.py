@@ -15,9 +15,14 @@ With D the diagonal of the target's bounding box (mm) and A the target's area (m
   ``LEVEL_POINTS_RANGE``;
 - the width of the varifold distance in the metrics: D / 50;
 - the refinement (:class:`~otreg.registration.RefineOptions`): a Gaussian of width D / 54
-  (half the narrower width above; a hemisphere: 4 mm), control points by the same rule
-  within ``REFINE_CONTROL_POINTS_RANGE``, levels at ``REFINE_LEVEL_SCALES * D`` (a
-  hemisphere: 2.2 mm) with A / scale^2 vertices within ``REFINE_LEVEL_POINTS_RANGE``.
+  (half the narrower width above; a hemisphere: 4 mm) but at least
+  ``REFINE_EDGE_SIGMAS`` times the source's mean edge length (a kernel narrower than the
+  spacing of the control points folds the surface between them: a 20 mm sphere of 530
+  vertices folded at 1.5% of them), control points by the same rule within
+  ``REFINE_CONTROL_POINTS_RANGE``, one level at ``REFINE_LEVEL_SIGMAS`` of that width (a
+  hemisphere: 2 mm) with A / scale^2 vertices within ``REFINE_LEVEL_POINTS_RANGE``. Where
+  that width would not be below ``REFINE_MAX_OF_FINEST`` of the LDDMM's narrowest, a mesh
+  too coarse for anything finer, ``refine=True`` fits no refinement.
 
 The values chosen are recorded in the result's ``options`` (``options["scale"]``).
 """
@@ -25,6 +30,8 @@ The values chosen are recorded in the result's ``options`` (``options["scale"]``
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from ..shapes import Shape
 
@@ -39,8 +46,10 @@ LEVEL_SCALES = (0.03, 0.02)
 LEVEL_POINTS_RANGE = (200, 3000)
 METRIC_SIGMA_FRACTION = 0.02
 REFINE_SIGMA_FRACTION = 1 / 54
+REFINE_EDGE_SIGMAS = 1.3
+REFINE_MAX_OF_FINEST = 0.75
 REFINE_CONTROL_POINTS_RANGE = (100, 3000)
-REFINE_LEVEL_SCALES = (0.0085,)
+REFINE_LEVEL_SIGMAS = 0.46
 REFINE_LEVEL_POINTS_RANGE = (200, 12000)
 
 
@@ -87,9 +96,21 @@ def default_levels(
     return out
 
 
-def default_refine_sigma(scale: ShapeScale) -> float:
-    """The refinement's kernel width, mm."""
-    return round(REFINE_SIGMA_FRACTION * scale.size_mm, 2)
+def mean_edge_mm(shape: Shape) -> float:
+    """The mean length of a surface's triangle edges, mm (each interior edge counted twice)."""
+    p, f = shape.points.detach(), shape.faces
+    ends = torch.stack([f, f.roll(-1, dims=1)], -1).reshape(-1, 2)
+    return float((p[ends[:, 0]] - p[ends[:, 1]]).norm(dim=1).mean())
+
+
+def default_refine_sigma(
+    scale: ShapeScale, source_edge_mm: float, finest_mm: float
+) -> float | None:
+    """The refinement's kernel width, mm, for a source of mean edge ``source_edge_mm`` after
+    an LDDMM whose narrowest width is ``finest_mm``; None where the mesh is too coarse for a
+    width below ``REFINE_MAX_OF_FINEST * finest_mm``."""
+    sigma = max(REFINE_SIGMA_FRACTION * scale.size_mm, REFINE_EDGE_SIGMAS * source_edge_mm)
+    return None if sigma > REFINE_MAX_OF_FINEST * finest_mm else round(sigma, 2)
 
 
 def default_refine_control_points(scale: ShapeScale, sigma: float) -> int:
@@ -99,9 +120,11 @@ def default_refine_control_points(scale: ShapeScale, sigma: float) -> int:
     return _clamp(n, REFINE_CONTROL_POINTS_RANGE)
 
 
-def default_refine_levels(scale: ShapeScale) -> list[tuple[int, float]]:
-    """The refinement's ``(points, scale mm)`` levels."""
-    return default_levels(scale, REFINE_LEVEL_SCALES, REFINE_LEVEL_POINTS_RANGE)
+def default_refine_levels(scale: ShapeScale, sigma: float) -> list[tuple[int, float]]:
+    """The refinement's ``(points, scale mm)`` levels for its kernel's narrowest width
+    ``sigma`` mm."""
+    fraction = REFINE_LEVEL_SIGMAS * sigma / scale.size_mm
+    return default_levels(scale, (fraction,), REFINE_LEVEL_POINTS_RANGE)
 
 
 def default_metric_sigma(scale: ShapeScale) -> float:

@@ -425,6 +425,11 @@ class ComposedLDDMM(nn.Module):
         """The first stage's kernel."""
         return self.stages[0].kernel
 
+    @property
+    def n_steps(self) -> int:
+        """The time steps of all stages (:meth:`trajectory` has one more position)."""
+        return sum(stage.n_steps for stage in self.stages)
+
     def forward(self, points: torch.Tensor) -> torch.Tensor:
         """Deformed positions of ``points`` (N, 3) after every stage."""
         for stage in self.stages:

@@ -111,7 +111,9 @@ class RefineOptions:
 
     Args:
         sigma: kernel width(s), mm; None: half the first LDDMM's narrowest default width
-            (a 54th of the target's size; a hemisphere: 4 mm).
+            (a 54th of the target's size; a hemisphere: 4 mm), but no narrower than the
+            source's mesh can carry (:mod:`otreg.registration.defaults`; ``refine=True``
+            fits no refinement on a mesh too coarse for one).
         control_points: None: from the target's area and sigma, as the first LDDMM's, within
             :data:`~otreg.registration.defaults.REFINE_CONTROL_POINTS_RANGE`.
         n_steps: time steps of its geodesic shooting: what is left to move is small against

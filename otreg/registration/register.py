@@ -203,7 +203,7 @@ def _plan(
             n_cp = defaults.default_control_points(scale, widest)
         lddmm = dataclasses.replace(lddmm, sigma=sigma, control_points=n_cp)
     levels = _levels(defaults.default_levels(scale) if levels is None else levels, loss, caller)
-    refine, refine_levels = _refinement(caller, refine, lddmm, loss, scale)
+    refine, refine_levels = _refinement(caller, refine, lddmm, loss, scale, source)
     if any("landmarks" in lv.loss for lv in levels + refine_levels) and landmarks is None:
         raise ValueError(f"{caller}: loss has 'landmarks' but landmarks= is None")
     if any("currents" in lv.loss for lv in levels + refine_levels):
@@ -237,10 +237,11 @@ def _plan(
 
 
 def _refinement(
-    caller: str, refine, lddmm: LDDMMOptions | None, loss, scale: defaults.ShapeScale
+    caller: str, refine, lddmm: LDDMMOptions | None, loss, scale: defaults.ShapeScale, source
 ) -> tuple[RefineOptions | None, list[Level]]:
     """The refinement's options with its kernel, control points and levels resolved for
-    this pair (None and no levels for ``refine=False`` or a linear model)."""
+    this pair (None and no levels for ``refine=False``, a linear model, or ``refine=True``
+    on a source too coarse for a narrower kernel)."""
     if isinstance(refine, RefineOptions):
         if lddmm is None:
             raise ValueError(
@@ -253,14 +254,20 @@ def _refinement(
         refine = RefineOptions()
     else:
         raise TypeError(f"{caller}: refine must be True, False or a RefineOptions, got {refine!r}")
-    sigma = defaults.default_refine_sigma(scale) if refine.sigma is None else refine.sigma
+    sigma = refine.sigma
+    if sigma is None:
+        finest = min(GaussianKernel(lddmm.sigma, caller=caller).sigmas)
+        sigma = defaults.default_refine_sigma(scale, defaults.mean_edge_mm(source), finest)
+        if sigma is None:
+            return None, []
+    narrowest = min(GaussianKernel(sigma, caller=caller).sigmas)
     n_cp = refine.control_points
     if n_cp is None:
         widest = max(GaussianKernel(sigma, caller=caller).sigmas)
         n_cp = defaults.default_refine_control_points(scale, widest)
     levels = refine.levels
     if levels is None:
-        levels = defaults.default_refine_levels(scale)
+        levels = defaults.default_refine_levels(scale, narrowest)
     levels = _levels(levels, loss, caller, refine=True)
     refine = dataclasses.replace(refine, sigma=sigma, control_points=n_cp, levels=tuple(levels))
     return refine, levels

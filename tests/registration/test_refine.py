@@ -91,10 +91,13 @@ def test_the_refinement_gets_closer_and_is_recorded(pial_small, bumpy, tmp_path)
     # the defaults, derived from the target, are recorded
     scale = defaults.shape_scale(bumpy)
     options = refined.options["refine"]
-    assert options["sigma"] == defaults.default_refine_sigma(scale)
+    # the small pial surface's edges (11 mm) make the width, not the size (a 54th: 4 mm)
+    edge = defaults.mean_edge_mm(pial_small)
+    assert options["sigma"] == round(defaults.REFINE_EDGE_SIGMAS * edge, 2) > 4 * 2
+    assert options["sigma"] == defaults.default_refine_sigma(scale, edge, 25.0)
     assert options["n_steps"] == 2
     assert [tuple(lv.values())[:2] for lv in options["levels"]] == [
-        tuple(lv) for lv in defaults.default_refine_levels(scale)
+        tuple(lv) for lv in defaults.default_refine_levels(scale, options["sigma"])
     ]
     assert all(lv["loss"] == {"varifold": 1.0} for lv in options["levels"])
     assert {h["level"] for h in refined.history} == {0, 1}  # the refinement's level follows
@@ -103,6 +106,19 @@ def test_the_refinement_gets_closer_and_is_recorded(pial_small, bumpy, tmp_path)
     x = pial_small.points[:40]  # float32 flows; the rigid map comes back as its matrix
     assert torch.allclose(back.transform(x), refined.transform(x), rtol=0, atol=1e-4)
     assert torch.allclose(refined.transform(pial_small.points), refined.warped.points, atol=1e-4)
+
+
+def test_a_mesh_too_coarse_for_a_narrower_kernel_is_not_refined(pial_small):
+    """The LDDMM's own narrowest width is already about the mesh's spacing: refine=True fits
+    nothing more (a narrower kernel between the control points would fold the surface)."""
+    res = register(
+        pial_small,
+        pial_small.with_points(pial_small.points * 1.03),
+        model=otreg.LDDMMOptions(sigma=12.0, control_points=150),
+        levels=((300, 5.0),),
+        progress=False,
+    )
+    assert isinstance(res.deformation, LDDMM) and res.options["refine"] is None
 
 
 def test_refine_options_are_kept(pial_small):
