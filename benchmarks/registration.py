@@ -22,9 +22,9 @@ Pairs (mm; inputs shipped in installed wheels, or KeOps' source distribution):
 - ``hemispheres``: fsaverage5's left pial onto its mirrored right pial.
 
 otreg runs with its defaults (derived from the target's size) on the full pair, on the
-template pairs once more matching mean curvature too (``signal="curvature"``) and once with
-an affine model alone, and on the individuals' once more with finer settings
-(:func:`finer`).
+template and individual pairs once more without the refinement (``refine=False``: what it
+buys and costs), on the template pairs once more matching mean curvature too
+(``signal="curvature"``) and once with an affine model alone.
 
 The template pairs are also scored against the HCP's own correspondence between the two
 templates, which otreg never sees: the fsaverage-to-fs_LR sphere registration of the HCP's
@@ -69,7 +69,7 @@ METHODS = (
     "otreg",
     "otreg, curvature signal",
     "otreg, affine",
-    "otreg, finer",
+    "otreg, no refinement",
     "HCP spheres",
     "scikit-shapes",
 )
@@ -177,29 +177,14 @@ def hcp_reference(hemi: str, target) -> dict | None:
     }
 
 
-def finer(target) -> dict:
-    """``register``'s options for a finer fit than the defaults': a third kernel half as
-    wide as the defaults' finest, 3,000 control points, and a last level at half the
-    defaults' finest scale on 8,000 vertices."""
-    from otreg import LDDMMOptions
-    from otreg.registration import defaults
-
-    scale = defaults.shape_scale(target)
-    sigma = defaults.default_sigma(scale)
-    levels = defaults.default_levels(scale)
-    return {
-        "model": LDDMMOptions(sigma=(*sigma, round(sigma[-1] / 2, 2)), control_points=3000),
-        "levels": [*levels, (8000, round(levels[-1][1] / 2, 2))],
-    }
-
-
-def run_otreg(source, target, truth, signal=None, fine=False, model="lddmm"):
-    """otreg's ``register`` with its defaults (``fine``: :func:`finer`'s): the warped
-    points and the result's metrics."""
+def run_otreg(source, target, truth, signal=None, refine=True, model="lddmm"):
+    """otreg's ``register`` with its defaults (``refine=False``: without the refinement):
+    the warped points and the result's metrics."""
     from otreg import register
 
-    kw = finer(target) if fine else {"model": model}
-    res = register(source, target, truth=truth, signal=signal, progress=False, **kw)
+    res = register(
+        source, target, model=model, truth=truth, signal=signal, refine=refine, progress=False
+    )
     m = res.metrics
     out = {"evaluations": len(res.history)}
     keys = ("jacobian_min", "jacobian_negative_fraction", "jacobian_points", "prealign_seconds",
@@ -287,9 +272,9 @@ def worker(method: str, pair: str, points: int) -> dict:
         warped_points, extra = reference["points"], {}
     else:
         signal = "curvature" if method == "otreg, curvature signal" else None
-        fine = method == "otreg, finer"
+        refine = method != "otreg, no refinement"
         model = "affine" if method == "otreg, affine" else "lddmm"
-        warped_points, extra = run_otreg(source, target, truth, signal, fine, model)
+        warped_points, extra = run_otreg(source, target, truth, signal, refine, model)
     seconds = time.perf_counter() - start if method != "HCP spheres" else None
     next_seconds = None
     if method == "otreg" and pair == "hippocampus":  # a batch worker's next pair
@@ -353,10 +338,10 @@ def main() -> None:
     rows = []
     for pair in pairs:
         runs = [("otreg", 0)]
+        if pair.startswith(("templates", "individual")):  # what the refinement buys and costs
+            runs.append(("otreg, no refinement", 0))
         if pair.startswith("templates"):  # folds matched by what is on them too; the rest
             runs += [("otreg, curvature signal", 0), ("otreg, affine", 0), ("HCP spheres", 0)]
-        if pair.startswith("individual"):  # what a finer fit buys, and costs
-            runs.append(("otreg, finer", 0))
         if not args.no_peer and pair != "full-resolution" and not pair.startswith("individual"):
             runs += [("otreg", args.small), ("scikit-shapes", args.small)]
         base = None
