@@ -140,7 +140,7 @@ class Registration:
             >>> ball = otreg.Shape.from_pyvista(pv.Sphere(radius=20)).to(torch.float64)
             >>> res = otreg.register(ball, ball.with_points(ball.points * 1.1), progress=False)
             >>> x = ball.points[:5]
-            >>> bool((res.inverse_transform(res.transform(x)) - x).abs().max() < 1e-4)  # float32 fit
+            >>> bool((res.inverse_transform(res.transform(x)) - x).abs().max() < 1e-4)
             True
         """
         if isinstance(what, Shape):
