@@ -43,6 +43,18 @@ def _set(obj: object, name: str, value: object) -> None:
     object.__setattr__(obj, name, value)  # normalising a frozen dataclass's own field
 
 
+def _check_flow(options, caller: str) -> None:
+    """The fields LDDMMOptions and RefineOptions share: ``sigma`` (normalised to a float or a
+    tuple of floats), ``control_points`` and ``n_steps``."""
+    if options.sigma is not None:
+        sigmas = GaussianKernel(options.sigma, caller=caller).sigmas
+        single = isinstance(options.sigma, (int, float))
+        _set(options, "sigma", sigmas[0] if single else tuple(sigmas))
+    if options.control_points is not None:
+        check_int(caller, "control_points", options.control_points, 4)
+    check_int(caller, "n_steps", options.n_steps, 1)
+
+
 @dataclass(frozen=True)
 class LDDMMOptions:
     """``model=LDDMMOptions(...)``: the LDDMM deformation.
@@ -80,13 +92,7 @@ class LDDMMOptions:
 
     def __post_init__(self) -> None:
         caller = "LDDMMOptions"
-        if self.sigma is not None:
-            sigmas = GaussianKernel(self.sigma, caller=caller).sigmas
-            single = isinstance(self.sigma, (int, float))
-            _set(self, "sigma", sigmas[0] if single else tuple(sigmas))
-        if self.control_points is not None:
-            check_int(caller, "control_points", self.control_points, 4)
-        check_int(caller, "n_steps", self.n_steps, 1)
+        _check_flow(self, caller)
         check_choice(caller, "integrator", self.integrator, INTEGRATORS)
         _set(
             self,
@@ -137,13 +143,7 @@ class RefineOptions:
 
     def __post_init__(self) -> None:
         caller = "RefineOptions"
-        if self.sigma is not None:
-            sigmas = GaussianKernel(self.sigma, caller=caller).sigmas
-            single = isinstance(self.sigma, (int, float))
-            _set(self, "sigma", sigmas[0] if single else tuple(sigmas))
-        if self.control_points is not None:
-            check_int(caller, "control_points", self.control_points, 4)
-        check_int(caller, "n_steps", self.n_steps, 1)
+        _check_flow(self, caller)
         if self.levels is not None:
             if isinstance(self.levels, (str, bytes)) or not isinstance(self.levels, Sequence):
                 raise TypeError(
