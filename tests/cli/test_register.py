@@ -273,3 +273,18 @@ def test_register_on_the_cpu_device_writes_its_record(two_meshes, tmp_path):
     args = ["register", *two_meshes, "-o", str(out), "--model", "rigid", "--no-picture"]
     assert run(*args, "--device", "cpu").exit_code == 0
     assert json.loads((out / "registration.json").read_text())["metrics"]["mean_mm"] >= 0
+
+
+def test_no_refine_reaches_register(two_meshes, tmp_path):
+    pytest.importorskip("pyvista")
+    from otreg.batch import JobOptions
+
+    out = tmp_path / "out"
+    args = ["register", *two_meshes, "-o", str(out), "--max-iter", "2", "--no-picture"]
+    result = run(*args, "--no-refine")
+    assert result.exit_code == 0, result.output
+    options = json.loads((out / "registration.json").read_text())["options"]
+    assert options["model"] == "lddmm" and options["refine"] is None
+    assert JobOptions().register_options()["refine"] is True
+    with pytest.raises(TypeError, match="row 3: refine must be true or false, got 'yes'"):
+        JobOptions.from_mapping({"refine": "yes"}, "row 3")
