@@ -260,14 +260,13 @@ def _refinement(
         sigma = defaults.default_refine_sigma(scale, defaults.mean_edge_mm(source), finest)
         if sigma is None:
             return None, []
-    narrowest = min(GaussianKernel(sigma, caller=caller).sigmas)
+    sigmas = GaussianKernel(sigma, caller=caller).sigmas
     n_cp = refine.control_points
     if n_cp is None:
-        widest = max(GaussianKernel(sigma, caller=caller).sigmas)
-        n_cp = defaults.default_refine_control_points(scale, widest)
+        n_cp = defaults.default_refine_control_points(scale, max(sigmas))
     levels = refine.levels
     if levels is None:
-        levels = defaults.default_refine_levels(scale, narrowest)
+        levels = defaults.default_refine_levels(scale, min(sigmas))
     levels = _levels(levels, loss, caller, refine=True)
     refine = dataclasses.replace(refine, sigma=sigma, control_points=n_cp, levels=tuple(levels))
     return refine, levels
