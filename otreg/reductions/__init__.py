@@ -110,7 +110,8 @@ _tracking = threading.local()
 def track() -> Iterator[list[str]]:
     """Within the block, the backends that this thread's reductions run, in the order of
     their first use (``"tensorized"``, ``"blocked"``, ``"keops"``, ``"multiscale"`` for the
-    block-sparse truncated softmins), as they ran: after ``auto``'s choice and any
+    block-sparse truncated softmins, ``"truncated"`` for the truncated Gaussian kernel
+    products of :mod:`otreg.reductions.sparse`), as they ran: after ``auto``'s choice and any
     fallback. A reduction's backward pass runs on the backend of its forward pass. Blocks
     may nest; each records what ran inside it.
 

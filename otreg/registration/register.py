@@ -423,12 +423,10 @@ def _fit_deformation(
     # moved by the first fit (not every vertex), and that one's own decimations
     sizes = [lv.points for lv in plan.refine_levels]
     base = moved.decimate(max(sizes + [refine.control_points]))
-    for n in sizes:  # decimated once here, then moved with the shape
+    for n in [*sizes, refine.control_points]:  # decimated once here, moved with the shape
         base.decimate(n)
-    control_points = base.decimate(refine.control_points).points
     with torch.no_grad():
         base = base.mapped(lambda p: deformation(p).detach())
-        control_points = deformation(control_points).detach()
         if landmarks is not None:
             landmarks = (deformation(landmarks[0]).detach(), landmarks[1])
     options = LDDMMOptions(
@@ -440,6 +438,7 @@ def _fit_deformation(
         strategy=plan.lddmm.strategy,
         memory=plan.lddmm.memory,
     )
+    control_points = base.decimate(refine.control_points).points  # already moved
     second = LDDMM.from_options(control_points, options).to(plan.dtype)
     fit = dataclasses.replace(
         fit,
