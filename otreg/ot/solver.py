@@ -103,7 +103,7 @@ def sinkhorn(
     form: str = "log",
     backend: str = "auto",
     tol: float | Accuracy = 1e-3,
-    max_iter: int = 1000,
+    max_iter: int = 2000,
     relaxation: float | str = "anderson",
     backward: str | Implicit | Unroll = "envelope",
     multiscale: bool | str | Multiscale = "auto",
