@@ -474,6 +474,11 @@ CELL_SIGMAS = 5.0
 #: (3,000 control points and 8,000 vertices of a hemisphere, a 4.3 mm kernel) it was as slow
 #: as the blocked reduction over all pairs
 MAX_KEPT_FRACTION = 0.25
+#: before the pattern is built, the fraction of pairs within reach is estimated on about
+#: this many points of each cloud (evenly strided): the pattern keeps at least those pairs,
+#: so where they are already more than the largest kept fraction it is not built (building
+#: it took 1.4 ms for 1,000 control points of a hemisphere, the estimate 0.1 ms)
+SAMPLED_POINTS = 256
 
 
 def truncated_gaussian(
@@ -484,13 +489,18 @@ def truncated_gaussian(
     that may hold points within ``TRUNCATION_SIGMAS * sigma`` of each other kept. Returns
     ``(kernel, x's order, y's order)`` (the permutations that sort each cloud by cell), or
     None when the kept pairs are more than ``max_fraction`` of all N * M (a dense
-    reduction is then as fast)."""
+    reduction is then as fast), or when an evenly strided sample of the pairs
+    (:data:`SAMPLED_POINTS` a side) already has more than that fraction within reach."""
     x, y = x.detach(), y.detach()
     if x.shape[0] == 0 or y.shape[0] == 0:
         return None
     reach = TRUNCATION_SIGMAS * sigma
     extent = torch.cat([x, y]).amax(0) - torch.cat([x, y]).amin(0)
     if float(extent.norm()) <= reach:
+        return None
+    xs = x[:: max(1, x.shape[0] // SAMPLED_POINTS)]
+    ys = y[:: max(1, y.shape[0] // SAMPLED_POINTS)]
+    if float((torch.cdist(xs, ys) <= reach).double().mean()) > max_fraction:
         return None
     rows = grid_clusters(x, x.new_ones(x.shape[0]), CELL_SIGMAS * sigma)
     cols = grid_clusters(y, y.new_ones(y.shape[0]), CELL_SIGMAS * sigma)

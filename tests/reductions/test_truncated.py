@@ -53,6 +53,19 @@ def test_a_wide_kernel_goes_over_all_pairs():
     assert sparse.gaussian_product(x[:0], y, torch.ones(200, 1, dtype=D), 2.0) is None
 
 
+def test_a_sample_of_the_pairs_decides_before_the_pattern_is_built(monkeypatch):
+    # the pairs within reach, estimated on a strided sample, are already above the largest
+    # kept fraction at 8 mm on the 150 mm sheet (0.37): no grid is built; at 2 mm it is
+    x, y = sheet(3000, 9), sheet(2000, 10)
+    within = float((torch.cdist(x, y) <= sparse.TRUNCATION_SIGMAS * 8.0).double().mean())
+    assert within > sparse.MAX_KEPT_FRACTION  # what the sample estimates
+    built = []
+    grid = sparse.grid_clusters
+    monkeypatch.setattr(sparse, "grid_clusters", lambda *a: built.append(1) or grid(*a))
+    assert sparse.truncated_gaussian(x, y, 8.0) is None and not built
+    assert sparse.truncated_gaussian(x, y, 2.0) is not None and len(built) == 2
+
+
 @pytest.mark.parametrize("sigma, truncated", [(2.0, True), (40.0, False)])
 def test_the_deformation_kernel_truncates_narrow_widths_only(sigma, truncated):
     x, y, v = sheet(1200, 7), sheet(1000, 8), torch.randn(1000, 3, dtype=D)
