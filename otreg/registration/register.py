@@ -263,7 +263,7 @@ def _refinement(
     sigmas = GaussianKernel(sigma, caller=caller).sigmas
     n_cp = refine.control_points
     if n_cp is None:
-        n_cp = defaults.default_refine_control_points(scale, max(sigmas))
+        n_cp = defaults.default_refine_control_points(scale, max(sigmas), source.n_points)
     levels = refine.levels
     if levels is None:
         levels = defaults.default_refine_levels(scale, min(sigmas))

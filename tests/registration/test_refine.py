@@ -96,6 +96,9 @@ def test_the_refinement_gets_closer_and_is_recorded(pial_small, bumpy, tmp_path)
     assert options["sigma"] == round(defaults.REFINE_EDGE_SIGMAS * edge, 2) > 4 * 2
     assert options["sigma"] == defaults.default_refine_sigma(scale, edge, 25.0)
     assert options["n_steps"] == 2
+    # control points by the area rule, but at most one for every two source vertices
+    cps = defaults.default_refine_control_points(scale, options["sigma"], pial_small.n_points)
+    assert options["control_points"] == cps <= max(100, pial_small.n_points // 2)
     assert [tuple(lv.values())[:2] for lv in options["levels"]] == [
         tuple(lv) for lv in defaults.default_refine_levels(scale, options["sigma"])
     ]
@@ -133,3 +136,14 @@ def test_refine_options_are_kept(pial_small):
     assert stage.kernel.sigmas == [5.0] and stage.n_steps == 3
     assert stage.control_points.shape[0] == pytest.approx(200, abs=20)
     assert res.options["refine"]["levels"][0]["points"] == 400
+
+
+def test_the_refinement_has_at_most_a_control_point_for_every_two_source_vertices():
+    # a 3,001-vertex hippocampus at a 1.04 mm kernel: the area rule asks for the 3,000 of the
+    # range's top, the source can pin down 1,500; a hemisphere keeps the area rule's count
+    small = defaults.ShapeScale(size_mm=40.0, area_mm2=2500.0, vertices=3001)
+    assert defaults.default_refine_control_points(small, 1.04, 3001) == 1500
+    assert defaults.default_refine_control_points(small, 1.04, 100) == 100  # the range's floor
+    hemisphere = defaults.ShapeScale(size_mm=210.0, area_mm2=70_000.0, vertices=10242)
+    assert defaults.default_refine_control_points(hemisphere, 4.0, 10242) == 3000
+    assert defaults.default_refine_control_points(hemisphere, 10.0, 10242) == 2800  # 4 A / s^2
