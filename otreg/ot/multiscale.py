@@ -91,7 +91,9 @@ ANNEAL_TRUNCATE = 3.0
 #: the list dropped is above ``exp(-truncate)`` of its row); past that, the pattern's
 #: softmin runs and the list is rebuilt from it. Measured on two noisy spheres 0.5 apart
 #: at blur 0.01, N = 5,000: margins of 5, 10, 20 and 40 eps rebuilt it 104, 58, 31 and 16
-#: times in 370 iterations, for 2.2, 1.6, 1.3 and 1.4 s
+#: times in 370 iterations, for 2.2, 1.6, 1.3 and 1.4 s; on the clusters against a ball
+#: (benchmarks/sinkhorn_family.py, 1,300 iterations, rebuilt 89 times at 20 eps), 5, 10, 20,
+#: 40 and 80 eps took 18.9, 12.0, 11.0, 13.5 and 28.2 s
 LIST_MARGIN = 20.0
 #: ... if it holds at most this fraction of the cluster pattern's pairs (a blur larger than
 #: the points' spacing keeps many pairs a point: the blocks' matrix products are faster then)
