@@ -496,7 +496,8 @@ def truncated_gaussian(
     if x.shape[0] == 0 or y.shape[0] == 0:
         return None
     reach = TRUNCATION_SIGMAS * sigma
-    extent = torch.cat([x, y]).amax(0) - torch.cat([x, y]).amin(0)
+    both = torch.cat([x, y])
+    extent = both.amax(0) - both.amin(0)
     if float(extent.norm()) <= reach:
         return None
     xs = x[:: max(1, x.shape[0] // SAMPLED_POINTS)]
