@@ -86,15 +86,21 @@ JUMP = 0.5
 #: truncation (in units of the current eps) during the annealing
 ANNEAL_TRUNCATE = 3.0
 #: at the final eps the softmins sum over a list of the pattern's point pairs
-#: (:class:`PairList`) whose slack was within ``truncate + LIST_MARGIN`` eps, while the
-#: potentials have moved by less than ``LIST_MARGIN`` eps since (then no pair of the pattern
+#: (:class:`PairList`) whose slack was within ``truncate + margin`` eps, while the
+#: potentials have moved by less than ``margin`` eps since (then no pair of the pattern
 #: the list dropped is above ``exp(-truncate)`` of its row); past that, the pattern's
-#: softmin runs and the list is rebuilt from it. Measured on two noisy spheres 0.5 apart
-#: at blur 0.01, N = 5,000: margins of 5, 10, 20 and 40 eps rebuilt it 104, 58, 31 and 16
-#: times in 370 iterations, for 2.2, 1.6, 1.3 and 1.4 s; on the clusters against a ball
-#: (benchmarks/sinkhorn_family.py, 1,300 iterations, rebuilt 89 times at 20 eps), 5, 10, 20,
-#: 40 and 80 eps took 18.9, 12.0, 11.0, 13.5 and 28.2 s
-LIST_MARGIN = 20.0
+#: softmin runs and the list is rebuilt from it. The first margin; a list that would hold
+#: too many pairs (below) is tried again at half the margin, down to ``LIST_MIN_MARGIN``.
+#: Measured with the list's sparse matrix-vector products (benchmarks/sinkhorn_family.py,
+#: N = 5,000, divergence with its gradient, two cores): on the clusters against a ball
+#: (1,300 iterations) 20, 30, 40 and 60 eps took 7.9, 7.0, 6.3 and 27 s (at 60 the list
+#: held too many pairs and the pattern's softmins ran); on noisy spheres 0.5 apart 0.83,
+#: 0.69 and 0.73 s at 20, 40 and 60 eps; on two brain surfaces (where the list does not
+#: pay) the same 5.0 to 5.6 s. (With the earlier gathers and scatters a pair, 20 eps was
+#: the fastest: the clusters took 18.9, 12.0, 11.0, 13.5 and 28.2 s at 5, 10, 20, 40, 80.)
+LIST_MARGIN = 40.0
+#: the smallest margin a list is tried at before the pattern's softmins are kept
+LIST_MIN_MARGIN = 10.0
 #: ... if it holds at most this fraction of the cluster pattern's pairs (a blur larger than
 #: the points' spacing keeps many pairs a point: the blocks' matrix products are faster then)
 LIST_FRACTION = 0.1
@@ -330,6 +336,7 @@ class TruncatedKernel:
         self.n_pairs: list[int] = []  # pairs summed by each pattern, for reports
         self._list: PairList | None = None  # the point pairs at the final eps
         self._list_pays = True  # False once a list held too many pairs to pay
+        self.list_margin = LIST_MARGIN  # halved while a list would hold too many pairs
         self.list_builds = 0  # lists tried, and the pairs of each one used, for reports
         self.list_pairs: list[int] = []
 
@@ -381,33 +388,37 @@ class TruncatedKernel:
 
     def rounding_floor(self, eps: float, *potentials: torch.Tensor) -> float:
         """The marginals' rounding noise (the stall rule's floor): on a pair list, the
-        points' dtype's at the size of its scores (``truncate + LIST_MARGIN``), since the
+        points' dtype's at the size of its scores (``truncate + list_margin``), since the
         potentials are float64; else at the size of the potentials over eps."""
         dtype = self.cx.points.dtype
         if eps == self.p.eps and self._list is not None:
-            return torch.finfo(dtype).eps * (self.truncate + LIST_MARGIN)
+            return torch.finfo(dtype).eps * (self.truncate + self.list_margin)
         return rounding_floor(eps, *potentials, dtype=dtype)
 
     def _within(self, df: torch.Tensor, dg: torch.Tensor) -> bool:
         """Whether potentials that moved by df (N,), dg (M,) since the list was built
         leave every pair it dropped below ``exp(-truncate)`` of its row (NaN: no)."""
         moved = float(df.max()) + float(dg.max())
-        return moved <= LIST_MARGIN * self.p.eps
+        return moved <= self.list_margin * self.p.eps
 
     def _build_list(self, f: torch.Tensor, g: torch.Tensor) -> None:
-        """The pairs of the cluster pattern within ``truncate + LIST_MARGIN`` eps of the
+        """The pairs of the cluster pattern within ``truncate + list_margin`` eps of the
         potentials f (N,), g (M,) (sorted, float64), as the final eps's kernel, if few
-        enough."""
+        enough (else at half the margin, down to ``LIST_MIN_MARGIN``; then no list)."""
         eps, xy, dtype = self.p.eps, self.kernels.xy, self.cx.points.dtype
-        threshold = (self.truncate + LIST_MARGIN) * eps
         limit = int(min(LIST_FRACTION * xy.n_pairs, LIST_MAX_PAIRS))
-        found = close_pairs(
-            xy, self.cx.points, self.cy.points, f.to(dtype), g.to(dtype), threshold, limit
-        )
-        self.list_builds += 1
-        if found is None:
-            self._list, self._list_pays = None, False
-            return
+        while True:
+            threshold = (self.truncate + self.list_margin) * eps
+            found = close_pairs(
+                xy, self.cx.points, self.cy.points, f.to(dtype), g.to(dtype), threshold, limit
+            )
+            self.list_builds += 1
+            if found is not None:
+                break
+            if self.list_margin / 2 < LIST_MIN_MARGIN:
+                self._list, self._list_pays = None, False
+                return
+            self.list_margin /= 2
         i, j = found
         self.list_pairs.append(len(i))
         self._list = PairList(

@@ -30,6 +30,7 @@ its own, slower CPU backend), so this module is written here. Only the squared E
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -618,8 +619,11 @@ class PairList:
     number in it is of order one, whatever the size of the potentials. Each row's largest
     ``log b_j - r_ij`` is kept, so that the log-sum-exp's shift is that plus the largest
     (g_j - g0_j) / eps, with no pass for a maximum: a row whose terms all fall far below
-    that shift underflows to an infinite softmin, which the caller sees. Every pair is a
-    gather, an exponential and a scatter: no padding, no block.
+    that shift underflows to an infinite softmin, which the caller sees. The pairs' factors
+    ``exp(log b_j - r_ij - top_i)`` are computed once, as a sparse (CSR) matrix, so that a
+    softmin is one exponential a point and one sparse matrix-vector product (torch's,
+    which is MKL's on the CPU and cuSPARSE's on a GPU): no padding, no block, no
+    exponential a pair.
 
     Args:
         x, y: the sorted clouds (N, D), (M, D).
@@ -636,8 +640,9 @@ class PairList:
         d = x[i].double() - y[j].double()
         r = (((d * d).sum(1) / 2 - f0.double()[i] - g0.double()[j]) / eps).to(x.dtype)
         by_col = torch.argsort(j, stable=True)
-        self._rows = _Side(i, j, r, log_b, x.shape[0])
-        self._cols = _Side(j[by_col], i[by_col], r[by_col], log_a, y.shape[0])
+        n, m = x.shape[0], y.shape[0]
+        self._rows = _Side(i, j, r, log_b, n, m)
+        self._cols = _Side(j[by_col], i[by_col], r[by_col], log_a, m, n)
         self.n_pairs = int(i.shape[0])
 
     def softmin_rows(self, g: torch.Tensor) -> torch.Tensor:
@@ -651,19 +656,25 @@ class PairList:
 
 class _Side:
     """One direction of a :class:`PairList`: the pairs grouped by their point on this side
-    (``seg``), the other side's point (``other``), the weights' logs minus the scores and
-    each point's largest."""
+    (``seg``, sorted) against the other side's point (``other``), as the sparse matrix
+    (n, n_other) of ``exp(log w - r - top)``, with ``top`` each point's largest
+    ``log w - r``."""
 
-    def __init__(self, seg, other, r, log_w, n: int) -> None:
-        self.seg, self.other, self.n = seg, other, n
-        self.base = log_w.index_select(0, other) - r
-        top = self.base.new_full((n,), -torch.inf).scatter_reduce_(0, seg, self.base, "amax")
+    def __init__(self, seg, other, r, log_w, n: int, n_other: int) -> None:
+        base = log_w.index_select(0, other) - r
+        top = base.new_full((n,), -torch.inf).scatter_reduce_(0, seg, base, "amax")
         self.top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        starts = torch.zeros(n + 1, dtype=seg.dtype, device=seg.device)
+        starts[1:] = torch.bincount(seg, minlength=n).cumsum(0)
+        factors = base.sub_(self.top.index_select(0, seg)).exp_()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+            self.factors = torch.sparse_csr_tensor(
+                starts, other, factors, size=(n, n_other), check_invariants=False
+            )
 
     def lse(self, dh: torch.Tensor) -> torch.Tensor:
-        """Log sum exp(base + dh[other]) per point, (n,)."""
+        """Log sum exp(log w - r + dh[other]) per point, (n,)."""
         shift = float(dh.max())
-        score = dh.to(self.base.dtype).index_select(0, self.other).add_(self.base)
-        score.sub_(self.top.index_select(0, self.seg)).sub_(shift).exp_()
-        total = score.new_zeros(self.n).index_add_(0, self.seg, score)
-        return total.log_().add_(self.top).add_(shift)
+        u = (dh - shift).exp_().to(self.top.dtype)
+        return torch.mv(self.factors, u).log_().add_(self.top).add_(shift)

@@ -371,5 +371,26 @@ def test_a_pair_list_that_would_not_pay_is_not_used(monkeypatch):
     options = SinkhornOptions(blur=0.02, tol=1e-3, max_iter=5000, multiscale=True)
     p = Problem.build("t", x, y, None, None, options)
     sol = solve(p, p.x, p.a, p.y, p.b)
-    assert sol.rule.converged and sol.kernel.list_builds == 1  # tried once, given up
-    assert not sol.kernel.list_pairs
+    # tried at 40, 20 and 10 eps, then given up
+    assert sol.rule.converged and sol.kernel.list_builds == 3
+    assert not sol.kernel.list_pairs and sol.kernel.list_margin == multiscale.LIST_MIN_MARGIN
+
+
+def test_a_pair_list_over_the_limit_is_made_again_at_half_the_margin(monkeypatch):
+    """At 40 eps the first list holds about 3,030 pairs, at 20 eps about 2,100: with a
+    limit of 3,000 the lists are made at 20 eps, and the solve ends where the default's
+    does."""
+    x = noisy_sphere(400, seed=1, dtype=torch.float32)
+    y = noisy_sphere(450, radius=0.8, center=(0.5, 0.0, 0.0), seed=2, dtype=torch.float32)
+    options = SinkhornOptions(blur=0.02, tol=1e-4, max_iter=5000, multiscale=True)
+    p = Problem.build("t", x, y, None, None, options)
+    free = solve(p, p.x, p.a, p.y, p.b)
+    assert free.kernel.list_margin == multiscale.LIST_MARGIN == 40
+    assert free.kernel.list_pairs[0] > 3000
+    monkeypatch.setattr(multiscale, "LIST_MAX_PAIRS", 3000)
+    sol = solve(p, p.x, p.a, p.y, p.b)
+    assert sol.rule.converged and sol.kernel.list_margin == 20
+    assert sol.kernel.list_pairs and max(sol.kernel.list_pairs) <= 3000
+    assert float(sol.f.mean() + sol.g.mean()) == pytest.approx(
+        float(free.f.mean() + free.g.mean()), abs=1e-3 * p.eps
+    )  # the dual value (uniform weights)
