@@ -596,15 +596,17 @@ def close_pairs(
         cols = y_sq - pg.index_select(0, col_idx.view(-1).long()).view(col_idx.shape)
         s = torch.baddbmm(cols.unsqueeze(1), X, Y.transpose(1, 2), alpha=-1.0)
         s.add_(rows.unsqueeze(2))
-        close = s <= threshold
-        count += int(close.sum())
+        c, r, l = (s <= threshold).nonzero(as_tuple=True)
+        count += len(c)
         if count > limit:
             return None
-        c, r, l = close.nonzero(as_tuple=True)
         found_i.append(row_idx[c, r])
         found_j.append(col_idx[c, l].long())
     i, j, m = torch.cat(found_i), torch.cat(found_j), int(y.shape[0])
-    key = torch.sort(i * m + j).values  # by row, then column
+    key = i * m + j
+    if x.shape[0] * m < 2**31:  # a 32-bit sort takes half the time
+        key = key.int()
+    key = torch.sort(key).values.long()  # by row, then column
     return key // m, key % m
 
 
@@ -637,9 +639,13 @@ class PairList:
     def __init__(self, x, y, i, j, log_a, log_b, f0, g0, eps: float) -> None:
         self.eps = eps
         self.f0, self.g0 = f0, g0
-        d = x[i].double() - y[j].double()
-        r = (((d * d).sum(1) / 2 - f0.double()[i] - g0.double()[j]) / eps).to(x.dtype)
-        by_col = torch.argsort(j, stable=True)
+        xd, yd, sq = x.double(), y.double(), x.new_zeros(i.shape, dtype=torch.float64)
+        for k in range(x.shape[1]):  # coordinate by coordinate: no (P, D) copies
+            d = xd[:, k].index_select(0, i) - yd[:, k].index_select(0, j)
+            sq.addcmul_(d, d)
+        f0_i, g0_j = f0.double().index_select(0, i), g0.double().index_select(0, j)
+        r = sq.mul_(0.5).sub_(f0_i).sub_(g0_j).div_(eps).to(x.dtype)
+        by_col = torch.argsort(j.int(), stable=True)  # j < M; 32 bits sort faster
         n, m = x.shape[0], y.shape[0]
         self._rows = _Side(i, j, r, log_b, n, m)
         self._cols = _Side(j[by_col], i[by_col], r[by_col], log_a, m, n)
