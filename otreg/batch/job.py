@@ -19,7 +19,7 @@ from ..io import VertexValues, load_input, load_values, save_values
 from ..registration import LBFGSOptions, LDDMMOptions, PrealignOptions, register
 from ..registration.losses import LOSSES, SINKHORN_TERM
 from ..registration.options import MODELS, PREALIGNS
-from ..registration.result import OUTPUTS
+from ..registration.result import OUTPUTS, checked_values
 from ..shapes import Shape
 from ..viz import plot_registration
 from ..viz.surfaces import PICTURES
@@ -30,6 +30,8 @@ __all__ = ["JobOptions", "run_job"]
 JOB_LOSSES = tuple(name for name in LOSSES if name != "landmarks")
 #: Every file a job writes into its folder, by role.
 JOB_FILES = {**OUTPUTS, **PICTURES}
+#: ... and the beginnings of the names of the values it carries (and their confidence)
+CARRIED_PREFIXES = ("to-target_", "to-source_")
 
 
 @dataclass(frozen=True)
@@ -243,9 +245,9 @@ def run_job(
         raise TypeError(f"run_job: options must be a JobOptions, got {type(options).__name__}")
     device = check_device("run_job", device)
     full, full_target = _load("source", source, label, level), _load("target", target, label, level)
-    carried = {  # read once, before the work: (file, values) by the side they are carried to
-        "target": [(path, _read_values("source", path)) for path in source_values],
-        "source": [(path, _read_values("target", path)) for path in target_values],
+    carried = {  # read and checked before the work: (file, values) by the side they go to
+        "target": [_read_carried("source", path, full, full_target) for path in source_values],
+        "source": [_read_carried("target", path, full_target, full) for path in target_values],
     }
     src, tgt = (
         s
@@ -258,7 +260,7 @@ def run_job(
         truth = None if truth is None else truth.to(device)
     res = register(src, tgt, truth=truth, progress=progress, **options.register_options())
     if options.points is not None:  # the metrics are the decimated fit's
-        res.warped = res.transform(full)
+        res.warped, res.target = res.transform(full), full_target
     folder = Path(folder)
     for name in PICTURES.values():  # an earlier run's, which this one's would not replace
         (folder / name).unlink(missing_ok=True)
@@ -297,14 +299,25 @@ def _overlaps(res, source: Shape, target: Shape, carried: dict) -> dict:
     return out
 
 
-def _read_values(side: str, path: str | Path) -> VertexValues:
-    """The values of file ``path`` at the ``side``'s vertices; errors name it."""
+def _read_carried(side: str, path: str | Path, surface: Shape, other: Shape) -> tuple:
+    """``(path, values)``: the values of file ``path`` at the vertices of ``surface`` (the
+    ``side``; ``other`` the other side), checked as the transfer will carry them (one a
+    vertex, a map finite); errors name the file."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{side} values {path} does not exist")
     try:
-        return load_values(path)
+        values = load_values(path)
     except (ValueError, TypeError, OSError) as err:
         raise InputError(f"{side} values {path}: {err}") from err
+    try:
+        checked_values(f"{side} values {path}", values, surface, side)
+    except (ValueError, TypeError) as err:
+        name = "target" if side == "source" else "source"
+        hint = ""
+        if values.n_vertices == other.n_points != surface.n_points:
+            hint = f" (it has the {name}'s vertex count: are these {name} values?)"
+        raise InputError(f"{err}{hint}") from err
+    return path, values
 
 
 def _carry(

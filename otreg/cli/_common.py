@@ -8,7 +8,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +20,8 @@ from pathlib import Path
 import click
 import torch
 
-from ..batch.job import JOB_FILES, JOB_LOSSES, JOB_OPTION_NAMES, JobOptions
+from ..batch.job import CARRIED_PREFIXES, JOB_FILES, JOB_LOSSES, JOB_OPTION_NAMES, JobOptions
+from ..batch.worker import STAGING_PREFIX
 from ..io import VOLUME_EXTS, check_writable_folder, remove_empty_folders, same_file
 from ..registration.options import MODELS, PREALIGNS
 
@@ -26,8 +31,14 @@ __all__: list[str] = []
 @contextlib.contextmanager
 def output_folder(output: str, inputs: list[str], extra: tuple[str, ...] = ()) -> Iterator[Path]:
     """Refuse, before any work, an output folder that cannot be one, cannot be written
-    (it is created if missing) or whose files would replace an input. A folder created
-    here is removed again, if still empty, when the command fails."""
+    (it is created if missing) or whose files would replace an input; then yield a hidden
+    staging folder inside it for the command's files.
+
+    When the command ends well its files replace an earlier job's in the folder, and the
+    earlier job's files it did not write (:data:`JOB_FILES`, carried values ``to-*``) are
+    removed, so that the folder holds one run's results (inputs are never touched). When
+    it fails or is interrupted (Ctrl-C, or SIGTERM, which raises KeyboardInterrupt here)
+    the staging folder goes, the folder is as it was, and removed if this command made it."""
     folder = Path(output).expanduser()
     if folder.exists() and not folder.is_dir():
         raise click.BadParameter(f"{output} exists and is not a folder", param_hint="-o")
@@ -43,11 +54,45 @@ def output_folder(output: str, inputs: list[str], extra: tuple[str, ...] = ()) -
         created = check_writable_folder(folder, "otreg")
     except (PermissionError, ValueError) as err:
         raise click.BadParameter(str(err).removeprefix("otreg: "), param_hint="-o") from err
+    for old in folder.glob(STAGING_PREFIX + "*"):  # a killed run's
+        shutil.rmtree(old, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=folder))
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    if main and previous in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        yield folder
+        yield staging
+        _publish(staging, folder, inputs)
     except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
         remove_empty_folders(created)
         raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if main and previous in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _publish(staging: Path, folder: Path, inputs: list[str]) -> None:
+    """Move the staged files into ``folder``, first removing an earlier job's files that
+    they do not replace (never an input)."""
+    new = {p.name for p in staging.iterdir()}
+    for old in folder.iterdir():
+        earlier = old.name in JOB_FILES.values() or old.name.startswith(CARRIED_PREFIXES)
+        if (
+            earlier
+            and old.name not in new
+            and old.is_file()
+            and not any(same_file(old, given) for given in inputs)
+        ):
+            old.unlink()
+    for name in sorted(new):
+        os.replace(staging / name, folder / name)
 
 
 @contextlib.contextmanager

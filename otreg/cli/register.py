@@ -90,12 +90,12 @@ def register_cmd(
         for f in files
     ]
     inputs = [source, target, *source_values, *target_values]
-    with output_folder(output, inputs, tuple(carried)) as folder, warnings_as_lines():
+    with output_folder(output, inputs, tuple(carried)) as staging, warnings_as_lines():
         try:
             out = run_job(
                 source,
                 target,
-                folder,
+                staging,
                 options,
                 label=label,
                 level=level,
@@ -106,13 +106,13 @@ def register_cmd(
             )
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(str(err)) from err
-        _print_outputs(out.registration.metrics, folder)
+        written = sorted(p.name for p in staging.iterdir())
+    _print_outputs(out.registration.metrics, output, written)
 
 
-def _print_outputs(m: dict, folder: Path) -> None:
-    """What a job wrote, and its metrics."""
-    written = sorted(p.name for p in Path(folder).iterdir() if not p.name.startswith("."))
-    click.echo(f"wrote {folder}/ ({', '.join(written)})")
+def _print_outputs(m: dict, output: str, written: list[str]) -> None:
+    """What a job wrote (the files' names), and its metrics."""
+    click.echo(f"wrote {Path(output).expanduser()}/ ({', '.join(written)})")
     aligned = f", {m['prealigned_mean_mm']:.3f} mm pre-aligned" if "prealigned_mean_mm" in m else ""
     click.echo(
         f"  mean surface distance  {m['before_mean_mm']:.3f} mm before{aligned}, "
@@ -204,7 +204,7 @@ def demo(
     """Register two real brain surfaces (by default fsaverage5 onto Conte69) and write the
     warped surface, the parameters, the metrics and a picture."""
     set_threads(threads)
-    with output_folder(output, [], ("source.vtk", "target.vtk")) as folder:
+    with output_folder(output, [], ("source.vtk", "target.vtk")) as staging:
         try:
             source, target, truth, what = _demo_pair(pair, hemi, surface, points)
         except (ImportError, FileNotFoundError) as err:
@@ -212,15 +212,16 @@ def demo(
             fix = "" if "pip install" in str(err) else "; pip install 'otreg[data,mesh]'"
             raise click.ClickException(f"{err}{fix}") from err
         click.echo(f"{what}: {source.n_points:,} and {target.n_points:,} vertices")
-        save_shape(source, folder / "source.vtk")
-        save_shape(target, folder / "target.vtk")
+        save_shape(source, staging / "source.vtk")
+        save_shape(target, staging / "target.vtk")
         try:
             progress = check_progress("otreg demo", progress)
-            out = run_job(source, target, folder, JobOptions(), truth=truth, progress=progress,
+            out = run_job(source, target, staging, JobOptions(), truth=truth, progress=progress,
                           device=device)  # fmt: skip
         except ValueError as err:  # a device not here (the packaged surfaces are surfaces)
             raise click.ClickException(str(err)) from err
-        _print_outputs(out.registration.metrics, folder)
+        written = sorted(p.name for p in staging.iterdir())
+    _print_outputs(out.registration.metrics, output, written)
 
 
 def _demo_pair(pair: str, hemi: str, surface: str, points: int | None):

@@ -62,6 +62,9 @@ class Registration:
             None, "target": ...}``, absolute paths); :meth:`save` never writes over them.
         target: the target surface (in memory after :func:`register`; after :meth:`load`,
             read from ``inputs`` when :meth:`transfer` needs it).
+        target_summary: the target's vertex count, area (mm^2) and centroid (mm), as
+            :meth:`save` recorded them (after :meth:`load`): a target given later, or
+            read from a file that changed since, must match them.
 
     Example:
         >>> import pyvista as pv, torch, otreg, tempfile
@@ -82,6 +85,7 @@ class Registration:
     options: dict = field(default_factory=dict, repr=False)
     inputs: dict = field(default_factory=dict, repr=False)
     target: Shape | None = field(default=None, repr=False)
+    target_summary: dict | None = field(default=None, repr=False)
 
     @property
     def momenta(self) -> torch.Tensor | None:
@@ -133,7 +137,8 @@ class Registration:
         """Carry points ``(N, 3)`` (tensor or NumPy array) or a Shape of the target's space
         back to the source's: the deformation's flow undone step by step
         (:meth:`~otreg.registration.LDDMM.inverse`), then the pre-alignment's inverse.
-        ``inverse_transform(transform(x))`` is x to 1e-10 of its size.
+        ``inverse_transform(transform(x))`` is x to about 1e-6 of its size after a float32
+        fit (the default: the forward map's rounding), 1e-10 after ``dtype=torch.float64``.
 
         Example:
             >>> import pyvista as pv, torch, otreg
@@ -209,19 +214,8 @@ class Registration:
         check_choice(caller, "kind", kind, ("auto", "map", "labels"))
         goal = self._target(caller, target)
         origin, onto = (self.warped, goal) if to == "target" else (goal, self.warped)
-        given = _vertex_values(caller, values, origin, "source" if to == "target" else "target")
-        labels = given.is_labels if kind == "auto" else kind == "labels"
-        data = given.values
-        if labels and data.is_floating_point():
-            raise ValueError(
-                f"{caller}: kind='labels' but the values are {data.dtype}; labels are integers"
-            )
-        if not labels and not bool(torch.isfinite(data.double()).all()):
-            bad = int((~torch.isfinite(data.double())).sum())
-            raise ValueError(
-                f"{caller}: values hold {bad} NaN or infinite entries; a map is interpolated "
-                "and they would spread: fill them first"
-            )
+        role = "source" if to == "target" else "target"
+        given, labels = checked_values(caller, values, origin, role, kind)
         return _carry(given, origin, onto.points, labels)
 
     def label_probabilities(
@@ -378,17 +372,45 @@ class Registration:
         if given is not None:
             if not isinstance(given, Shape) or given.n_faces == 0:
                 raise TypeError(f"{caller}: target must be a surface Shape, got {given!r}")
+            self._check_target(caller, given, "the target given")
             return given
         if self.target is not None:
             return self.target
         path = self.inputs.get("target")
         if path and Path(path).is_file():
-            self.target = load_shape(path)
+            target = load_shape(path)
+            self._check_target(caller, target, f"the target file {path}")
+            self.target = target
             return self.target
         raise FileNotFoundError(
             f"{caller}: this result does not hold its target surface, and its file "
             f"({path or 'not recorded'}) is not there: give target= (the surface registered "
             "onto)"
+        )
+
+    def _check_target(self, caller: str, shape: Shape, what: str) -> None:
+        """Refuse a target that is not the surface registered onto (another template,
+        hemisphere, resolution or surface of the subject): its vertex count, area or
+        centroid differ from the registered target's (to 0.1% of its size)."""
+        known = _summary(self.target) if self.target is not None else self.target_summary
+        if not known:
+            return
+        have, size = _summary(shape), max(float(known["area_mm2"]) ** 0.5, 1e-12)
+        moved = float(np.linalg.norm(np.subtract(have["centroid_mm"], known["centroid_mm"])))
+        if have["vertices"] != known["vertices"]:
+            differs = f"{have['vertices']} vertices, the registered target {known['vertices']}"
+        elif abs(have["area_mm2"] - known["area_mm2"]) > 1e-3 * known["area_mm2"]:
+            differs = (
+                f"an area of {have['area_mm2']:.6g} mm^2, the registered target "
+                f"{known['area_mm2']:.6g}"
+            )
+        elif moved > 1e-3 * size:
+            differs = f"its centroid {moved:.3g} mm from the registered target's"
+        else:
+            return
+        raise ValueError(
+            f"{caller}: {what} is not the surface this registration was fitted onto "
+            f"({differs}): give that surface"
         )
 
     def jacobians(self, points: torch.Tensor) -> torch.Tensor:
@@ -427,6 +449,9 @@ class Registration:
             "history": self.history,
             "inputs": self.inputs,
         }
+        summary = _summary(self.target) if self.target is not None else self.target_summary
+        if summary:
+            doc["target_surface"] = summary
         text = json.dumps(doc, indent=2, default=str)
         atomic_write_all(
             {
@@ -492,7 +517,19 @@ class Registration:
             doc["metrics"],
             doc["options"],
             doc.get("inputs", {}),  # absent from results saved before it was recorded
+            target_summary=doc.get("target_surface"),
         )
+
+
+def _summary(shape: Shape) -> dict:
+    """A surface's vertex count, area (mm^2) and vertex centroid (mm): what a target given
+    to a saved registration is checked against."""
+    points = shape.points.detach().double().cpu()
+    return {
+        "vertices": int(shape.n_points),
+        "area_mm2": float(shape.area.detach().double().cpu()) if shape.n_faces else 0.0,
+        "centroid_mm": [float(c) for c in points.mean(0)],
+    }
 
 
 def _locate(caller: str, path: Path) -> tuple[Path, str]:
@@ -543,6 +580,29 @@ def _vertex_values(caller: str, values, surface: Shape, role: str) -> VertexValu
             f"{surface.n_points} vertices: give (N,) or (N, C) with N = {surface.n_points}"
         )
     return values
+
+
+def checked_values(
+    caller: str, values, surface: Shape, role: str, kind: str = "auto"
+) -> tuple[VertexValues, bool]:
+    """``values`` checked as :meth:`Registration.transfer` would carry them from
+    ``surface`` (the ``role``): one a vertex, labels integers, a map finite; with whether
+    they are carried as labels. :func:`~otreg.batch.run_job` checks its files with it
+    before the fit."""
+    given = _vertex_values(caller, values, surface, role)
+    labels = given.is_labels if kind == "auto" else kind == "labels"
+    data = given.values
+    if labels and data.is_floating_point():
+        raise ValueError(
+            f"{caller}: kind='labels' but the values are {data.dtype}; labels are integers"
+        )
+    if not labels and not bool(torch.isfinite(data.double()).all()):
+        bad = int((~torch.isfinite(data.double())).sum())
+        raise ValueError(
+            f"{caller}: values hold {bad} NaN or infinite entries; a map is interpolated "
+            "and they would spread: fill them first"
+        )
+    return given, labels
 
 
 def _carry(given: VertexValues, origin: Shape, points: torch.Tensor, labels: bool) -> VertexValues:

@@ -288,3 +288,124 @@ def test_no_refine_reaches_register(two_meshes, tmp_path):
     assert JobOptions().register_options()["refine"] is True
     with pytest.raises(TypeError, match="row 3: refine must be true or false, got 'yes'"):
         JobOptions.from_mapping({"refine": "yes"}, "row 3")
+
+
+def test_a_second_run_replaces_the_first_runs_carried_files_and_names_only_its_own(tmp_path):
+    """The first run carries a map; the second, into the same folder, carries none: the
+    first's to-target file goes, and the 'wrote' line lists what the second wrote."""
+    import pyvista as pv
+
+    from otreg import Shape, save_shape
+    from otreg.io import save_values
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    src = save_shape(ball, tmp_path / "src.vtk")
+    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
+    save_values(ball.points[:, 2].clone(), tmp_path / "z.func.gii")
+    out = tmp_path / "r"
+    base = ["register", str(src), str(tgt), "-o", str(out), "--model", "rigid", "--no-picture"]
+    first = run(*base, "--source-values", str(tmp_path / "z.func.gii"))
+    assert first.exit_code == 0 and "to-target_z.func.gii" in first.output
+    (out / "notes.txt").write_text("mine")  # not a job's file: kept
+    second = run(*base)
+    assert second.exit_code == 0
+    assert "to-target_z.func.gii" not in second.output
+    assert sorted(p.name for p in out.iterdir()) == [
+        "notes.txt",
+        "parameters.npz",
+        "registration.json",
+        "warped.vtk",
+    ]
+
+
+def test_values_are_checked_before_the_fit(tmp_path, monkeypatch):
+    """A values file of the wrong length or holding NaN fails before register runs,
+    naming the file (and, for the other side's count, saying so), and writes nothing."""
+    import pyvista as pv
+    import torch
+
+    from otreg import Shape, save_shape
+    from otreg.batch import job
+    from otreg.io import save_values
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    small = Shape.from_pyvista(pv.Sphere(radius=20, theta_resolution=10, phi_resolution=10))
+    src = save_shape(ball, tmp_path / "src.vtk")
+    tgt = save_shape(small, tmp_path / "tgt.vtk")
+    save_values(torch.zeros(100), tmp_path / "short.func.gii")
+    save_values(torch.zeros(small.n_points), tmp_path / "theirs.func.gii")
+    nan = torch.zeros(ball.n_points)
+    nan[3] = float("nan")
+    save_values(nan, tmp_path / "nan.func.gii")
+    monkeypatch.setattr(job, "register", lambda *a, **k: pytest.fail("the fit ran"))
+    out = tmp_path / "r"
+    for name, says in [
+        ("short", "values have shape (100,); the source has"),
+        ("theirs", "the target's vertex count: are these target values?"),
+        ("nan", "1 NaN or infinite entries"),
+    ]:
+        given = str(tmp_path / f"{name}.func.gii")
+        args = ["register", str(src), str(tgt), "-o", str(out), "--source-values", given]
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1, r.output
+        assert f"source values {tmp_path / name}.func.gii" in r.output and says in r.output
+        assert not out.exists()
+
+
+def test_transfer_refuses_a_target_that_was_not_registered_onto(tmp_path):
+    """--target of another surface (fewer vertices; the same vertices moved and scaled)
+    is refused, naming what differs; the recorded target's file replaced likewise."""
+    import pyvista as pv
+
+    from otreg import Shape, save_shape
+    from otreg.io import save_values
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    src = save_shape(ball, tmp_path / "src.vtk")
+    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
+    assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
+               "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    save_values(ball.points[:, 2].clone(), tmp_path / "z.func.gii")
+    other = Shape.from_pyvista(pv.Sphere(radius=20, theta_resolution=10, phi_resolution=10))
+    save_shape(other, tmp_path / "other.vtk")
+    save_shape(ball.with_points(ball.points * 1.1), tmp_path / "bigger.vtk")
+    base = ["transfer", str(tmp_path / "r"), str(tmp_path / "z.func.gii"), "-o"]
+    for name, says in [("other", "vertices, the registered target"), ("bigger", "an area of")]:
+        r = run(*base, str(tmp_path / "out.func.gii"), "--target", str(tmp_path / f"{name}.vtk"))
+        assert r.exit_code == 1 and "is not the surface this registration" in r.output
+        assert says in r.output and not (tmp_path / "out.func.gii").exists()
+    save_shape(ball.with_points(ball.points + 5.0), tgt)  # the recorded file, replaced
+    r = run(*base, str(tmp_path / "out.func.gii"))
+    assert r.exit_code == 1 and "centroid" in r.output
+    save_shape(ball.with_points(ball.points + 1.0), tgt)
+    assert run(*base, str(tmp_path / "out.func.gii")).exit_code == 0
+
+
+def test_sigterm_during_register_leaves_no_output(two_meshes, tmp_path):
+    """A scheduler's kill (SIGTERM) mid-run: exit by interrupt, no folder left behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    code = (
+        "import os, signal, sys; from otreg.batch import job; from otreg.cli import main\n"
+        "def slow(*a, **k):\n    print('fitting', flush=True); import time; time.sleep(60)\n"
+        "job.register = slow\n"
+        f"sys.argv = ['otreg', 'register', *{list(two_meshes)!r}, '-o', {str(out)!r}]\n"
+        "main()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "fitting"
+        assert out.is_dir()  # the staging folder is in it
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    deadline = time.monotonic() + 5
+    while out.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not out.exists()

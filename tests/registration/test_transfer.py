@@ -255,3 +255,25 @@ def test_a_file_of_another_kind_is_refused_not_read_as_numbers(tmp_path):
     labels = torch.tensor([3, 1, 2])
     back = load_values(save_values(labels, tmp_path / "labels.mgz"))
     assert torch.equal(back.values, labels) and back.is_labels
+
+
+def test_a_target_that_was_not_registered_onto_is_refused(ball, tmp_path):
+    """target= of another surface (other vertices; the same ones scaled or moved) is
+    refused naming what differs, in memory and after save and load; the right one works."""
+    target = ball.with_points(ball.points + 1.0)
+    res = otreg.register(ball, target, model="rigid", progress=False)
+    z = ball.points[:, 2]
+    coarse = otreg.Shape.from_pyvista(pv.Sphere(radius=20, theta_resolution=12)).to(D)
+    back = otreg.Registration.load(res.save(tmp_path / "out"))
+    assert back.target_summary["vertices"] == target.n_points
+    for result in (res, back):
+        for other, says in [
+            (coarse, f"{coarse.n_points} vertices, the registered target {target.n_points}"),
+            (target.with_points(target.points * 1.05), "an area of"),
+            (target.with_points(target.points + 3.0), "its centroid 5.2 mm from"),
+        ]:
+            with pytest.raises(ValueError, match="is not the surface this registration"):
+                result.transfer(z, target=other)
+            with pytest.raises(ValueError, match=says):
+                result.transfer(z, target=other)
+        assert result.transfer(z, target=target).values.shape == (target.n_points,)
