@@ -23,7 +23,7 @@ import torch
 from ..batch.job import CARRIED_PREFIXES, JOB_FILES, JOB_LOSSES, JOB_OPTION_NAMES, JobOptions
 from ..batch.worker import STAGING_PREFIX
 from ..io import VOLUME_EXTS, check_writable_folder, remove_empty_folders, same_file
-from ..registration.options import MODELS, PREALIGNS
+from ..registration.options import MODELS, PREALIGNS, LBFGSOptions
 
 __all__: list[str] = []
 
@@ -222,7 +222,7 @@ def registration_options(f):
         click.option(
             "--max-iter",
             type=click.IntRange(min=1),
-            help="L-BFGS iterations a level [default: LBFGSOptions' {LBFGSOptions().max_iter}].",
+            help=f"L-BFGS iterations a level [default: {LBFGSOptions().max_iter}].",
         ),
         click.option(
             "--refine/--no-refine",

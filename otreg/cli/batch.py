@@ -86,7 +86,7 @@ def runner_options(f):
             default="auto",
             show_default=True,
             help="Memory of a local worker ('4GB', or auto: the machine's / workers); a "
-            "worker above 95%% of it is restarted and its pair fails 'out of memory'.",
+            "worker above 95% of it is restarted and its pair fails 'out of memory'.",
         ),
         click.option("--dry-run", is_flag=True, help="Print what would run, and why; run nothing."),
         click.option("--rerun-failed", is_flag=True, help="Run again the pairs that failed."),

@@ -1,5 +1,7 @@
 """The otreg command group: info, and errors that name the file or option."""
 
+import re
+
 from click.testing import CliRunner
 
 from otreg.cli import main
@@ -29,3 +31,12 @@ def test_cli_errors_name_the_file_or_option(two_meshes, tmp_path):
     )
     assert result.exit_code == 2 and "--level (a threshold" in result.output
     assert "not both" in result.output
+
+
+def test_every_help_text_is_formatted():
+    """No unformatted placeholder or doubled percent sign reaches a user."""
+    for name in main.commands:
+        text = run(name, "--help").output
+        # {a|b} is click's own notation for choices
+        assert not re.search(r"\{[^}|]*\}", text) and "%%" not in text, (name, text)
+        assert "Usage:" in text
