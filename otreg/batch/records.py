@@ -28,6 +28,8 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from ..io import atomic_write
+
 __all__ = ["FORMAT", "FAILURE_CLASSES", "read_record", "find_records"]
 
 #: Version of the output layout and records; part of every resume key.
@@ -46,6 +48,25 @@ FAILURE_CLASSES = (
 
 DONE_NAME = "metrics.json"
 FAILED_NAME = "error.json"
+#: The batch folder's list of the pairs its last run planned, with each pair's key: a
+#: record of another key is from earlier inputs or options (the group page says "not run").
+PLAN_NAME = "plan.json"
+
+
+def write_plan(folder: str | Path, keys: dict[str, str]) -> None:
+    """Record the pairs a run planned (pair id -> key) in ``folder/plan.json``, atomically."""
+    text = json.dumps({"format": FORMAT, "keys": keys}, indent=1)
+    atomic_write(Path(folder) / PLAN_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def read_plan(folder: str | Path) -> dict[str, str] | None:
+    """The pair ids and keys of the last planned run (:func:`write_plan`), or None."""
+    try:
+        doc = json.loads((Path(folder) / PLAN_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    keys = doc.get("keys") if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+    return {str(k): str(v) for k, v in keys.items()} if isinstance(keys, dict) else None
 
 
 def read_record(path: str | Path) -> dict | None:

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..io import atomic_write
 from .flags import describe, flag_pairs
-from .records import FAILURE_CLASSES, find_records, overlap_keys, unreadable_records
+from .records import FAILURE_CLASSES, find_records, overlap_keys, read_plan, unreadable_records
 
 __all__ = ["build_report"]
 
@@ -104,7 +104,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}td.bad{color:#c00;font
 tr.failed{background:#fde8e8}tr.flagged{background:#fff4d6}td.why{white-space:normal;max-width:60em}
 #attention{border-left:4px solid #e0a000;padding:.2em .8em;background:#fffaf0}
 #attention.clear{border-color:#2ca02c;background:#f3fbf3}
-#attention tr.flag{background:#fff4d6}
+#attention tr.flag{background:#fff4d6}#attention tr.not-run,tr.not-run{background:#eef1f5}
 #attention tr.failure,#attention tr.unreadable{background:#fde8e8}
 .note{color:#555}.grid{display:flex;flex-wrap:wrap;gap:12px}
 figure{margin:0;width:360px;font-size:12px}figure img{width:360px;border:1px solid #ccc}
@@ -194,6 +194,7 @@ def _rows(folder: Path) -> tuple[list[dict], int]:
     many records were left out that way."""
     best: dict[str, dict] = {}
     records = find_records(folder)
+    plan = read_plan(folder) or {}
     for path, rec in records:
         metrics, error, files = (
             rec.get(k) if isinstance(rec.get(k), dict) else {}
@@ -201,9 +202,12 @@ def _rows(folder: Path) -> tuple[list[dict], int]:
         )
         rel = path.parent.relative_to(folder).as_posix()
         base = "" if rel == "." else quote(rel) + "/"
+        pid = str(rec["pair_id"])
         row = {
-            "id": str(rec["pair_id"]),
+            "id": pid,
             "done": rec["status"] == "done",
+            # a record of earlier inputs or options: the last run planned the pair again
+            "outdated": pid in plan and rec.get("key") != plan[pid],
             "metrics": {k: _num(v) for k, v in metrics.items() if _num(v) is not None},
             "error": error,
             "href": base or "./",
@@ -220,10 +224,23 @@ def _rows(folder: Path) -> tuple[list[dict], int]:
         old = best.get(row["id"])
         if old is None or (row["finished"], row["done"]) > (old["finished"], old["done"]):
             best[row["id"]] = row
-    flags = flag_pairs({pid: row["record"] for pid, row in best.items()})
+    stale = len(records) - len(best)
+    for pid in set(plan) - set(best):  # planned, never finished: as summary.csv says
+        best[pid] = {
+            "id": pid, "done": False, "outdated": True, "metrics": {}, "error": {},
+            "href": "./", "picture": None, "log": None, "subjects": (None, None),
+            "started": "", "finished": "", "seconds": None, "peak_rss_mb": None, "host": "",
+            "record": None,
+        }  # fmt: skip
+    for row in best.values():
+        row["state"] = "not run" if row["outdated"] else "done" if row["done"] else "failed"
+        if row["outdated"]:  # its numbers and picture are of other inputs or options
+            row.update(done=False, metrics={}, error={}, picture=None, seconds=None)
+    current = {pid: row["record"] for pid, row in best.items() if not row["outdated"]}
+    flags = flag_pairs(current)
     for pid, row in best.items():
         row["flags"] = flags.get(pid, [])
-    return [best[k] for k in sorted(best)], len(records) - len(best)
+    return [best[k] for k in sorted(best)], stale
 
 
 def _file_link(where: Path, base: str, name: object) -> str | None:
@@ -257,15 +274,21 @@ def _iso(text: str) -> datetime | None:
 
 
 def _page(rows: list[dict], stale: int, unreadable: list[Path], title: str, metric: str) -> str:
-    n_done = sum(r["done"] for r in rows)
+    n_done = sum(r["state"] == "done" for r in rows)
+    n_failed = sum(r["state"] == "failed" for r in rows)
     n_flagged = sum(bool(r["flags"]) for r in rows)
     secs = [r["seconds"] for r in rows if r["seconds"] is not None]
     times = [t for r in rows for t in (_iso(r["started"]), _iso(r["finished"])) if t]
     built = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     facts = [
         f'<span id="n-pairs">{len(rows)}</span> pairs: <span id="n-done">{n_done}</span> '
-        f'done, <span id="n-failed">{len(rows) - n_done}</span> failed, '
+        f'done, <span id="n-failed">{n_failed}</span> failed, '
         f'<span id="n-flagged">{n_flagged}</span> flagged'
+        + (
+            f', <span id="n-not-run">{len(rows) - n_done - n_failed}</span> not run'
+            if len(rows) > n_done + n_failed
+            else ""
+        )
         + (f", {len(unreadable)} unreadable record(s)" if unreadable else "")
     ]
     if secs:
@@ -306,7 +329,13 @@ def _attention(rows: list[dict], unreadable: list[Path]) -> str:
     items = []
     for r in rows:
         link = f'<a href="{_e(r["href"])}">{_e(r["id"])}</a>'
-        if not r["done"]:
+        if r["state"] == "not run":
+            items.append(
+                f'<tr class="not-run" data-pair="{_e(r["id"])}"><td>{link}</td><td><b>not run'
+                '</b></td><td class="why">the last run planned it (new inputs or options, or '
+                "never run) and did not finish it: the next run does</td></tr>"
+            )
+        elif not r["done"]:
             err = r["error"]
             log = f' <a href="{_e(r["log"])}">log</a>' if r["log"] else ""
             tb = err.get("traceback") if isinstance(err.get("traceback"), str) else ""
@@ -334,7 +363,7 @@ def _attention(rows: list[dict], unreadable: list[Path]) -> str:
             '<h2 id="attention-head">Needs attention</h2><p id="attention" class="clear">'
             "Every pair finished, and nothing looks unusual.</p>"
         )
-    failed = [r for r in rows if not r["done"]]
+    failed = [r for r in rows if r["state"] == "failed"]
     counts = Counter(str(r["error"].get("class") or "unknown") for r in failed)
     order = [c for c in FAILURE_CLASSES if c in counts] + sorted(set(counts) - {*FAILURE_CLASSES})
     by_class = ", ".join(
@@ -374,11 +403,11 @@ def _table(rows: list[dict]) -> str:
     head.append('<th data-key="picture" data-type="text">picture</th>')
     body = []
     for r in rows:
-        status = "done" if r["done"] else "failed"
-        if not r["done"]:
+        status = r["state"]
+        if status == "failed":
             status_cell = f"failed: {_e(r['error'].get('class') or 'unknown')}"
         else:
-            status_cell = "done"
+            status_cell = status
         marked = {f.metric: f.reason for f in r["flags"] if f.metric}
         kinds = ", ".join(dict.fromkeys(f.kind for f in r["flags"]))
         why = describe(r["flags"])
@@ -402,7 +431,8 @@ def _table(rows: list[dict]) -> str:
         cells.append(f'<td class="num" data-v="{"" if secs is None else secs}">{_fmt(secs)}</td>')
         pic = f'<a href="{_e(r["picture"])}">picture</a>' if r["picture"] else ""
         cells.append(f'<td data-v="{_e(r["picture"] or "")}">{pic}</td>')
-        kind = "failed" if not r["done"] else "flagged" if r["flags"] else "done"
+        kind = r["state"] if r["state"] != "done" else "flagged" if r["flags"] else "done"
+        kind = kind.replace(" ", "-")
         body.append(f'<tr class="pair {kind}" data-pair="{_e(r["id"])}">{"".join(cells)}</tr>')
     return (
         '<h2 id="pairs-section">Pairs</h2><p class="note">Before and after each '

@@ -347,6 +347,25 @@ def test_a_pair_run_again_shows_its_latest_record(tmp_path):
     assert "1 older record(s)" in page
 
 
+def test_records_of_earlier_inputs_are_not_run_as_the_summary_says(tmp_path):
+    """The last run planned p1 with a new key (its manifest row was fixed) and was stopped
+    before it finished, and p3 never ran: their rows say "not run", the old failure is
+    not counted or shown, as summary.csv has it; p2 is current."""
+    from otreg.batch.records import read_plan, write_plan
+
+    record(tmp_path, "p1", "failed", key="a" * 16)
+    record(tmp_path, "p2", key="b" * 16)
+    write_plan(tmp_path, {"p1": "c" * 16, "p2": "b" * 16, "p3": "d" * 16})
+    assert read_plan(tmp_path) == {"p1": "c" * 16, "p2": "b" * 16, "p3": "d" * 16}
+    page = build_report(tmp_path).read_text()
+    rows = re.findall(r'<tr class="pair ([a-z-]+)" data-pair="(p\d)"', page)
+    assert {pid: kind for kind, pid in rows} == {"p1": "not-run", "p2": "done", "p3": "not-run"}
+    assert '<span id="n-failed">0</span> failed' in page
+    assert '<span id="n-not-run">2</span> not run' in page
+    assert "boom" not in page and 'class="failure"' not in page
+    assert len(re.findall(r'<tr class="not-run" data-pair="p[13]">', page)) == 2
+
+
 def test_rebuild_is_the_same_except_the_date_and_leaves_no_temp_files(batch):
     def undated(path):
         return re.sub(r'<time id="built">[^<]*</time>', "", path.read_text())

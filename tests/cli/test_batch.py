@@ -22,6 +22,7 @@ pv = pytest.importorskip("pyvista")
 pytest.importorskip("distributed")
 
 from otreg.batch import find_records  # noqa: E402
+from otreg.batch.records import read_plan  # noqa: E402
 from otreg.registration import Registration  # noqa: E402
 
 OTREG = [sys.executable, "-m", "otreg"]
@@ -181,6 +182,8 @@ def test_a_changed_option_reruns_only_the_pairs_it_touches(subjects, tmp_path):
     assert second["a"]["batch_id"] == first["a"]["batch_id"]
     assert second["b"]["batch_id"] != first["b"]["batch_id"]
     assert second["b"]["options"]["sigma"] == 15.0
+    # the group page knows which records are of this plan
+    assert read_plan(out) == {pid: rec["key"] for pid, rec in second.items()}
     # a changed input's content (same path) reruns that pair only
     sphere(tmp_path / "subjects" / "s1.vtk", 43, 15, 2.0)
     dry = run("batch", m, "-o", out, *FAST, "--dry-run")
