@@ -12,6 +12,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["ConvergenceWarning", "FoldWarning"]
@@ -60,7 +61,10 @@ class FoldWarning(UserWarning):
 def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    return f"{type(x).__name__} {x!r}"[:120]
+    if isinstance(x, np.ndarray):
+        return f"a NumPy array of shape {x.shape} and dtype {x.dtype} (torch.as_tensor converts it)"
+    text = repr(x)
+    return f"{type(x).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def as_points(caller: str, name: str, x: object) -> tuple[torch.Tensor, bool]:

@@ -284,6 +284,9 @@ def transfer(
             res = Registration.load(result)
             given = load_values(values)
             target = None if target_file is None else load_shape(target_file)
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            raise click.ClickException(str(err)) from err
+        try:
             out = res.transfer(given, to=to, kind=kind, target=target)
             if same_file(output, values) or any(
                 same_file(output, p) for p in res.inputs.values() if p
@@ -291,9 +294,24 @@ def transfer(
                 raise ValueError(f"{output} is an input; otreg never overwrites one")
             save_values(out, output)
         except (ValueError, TypeError, FileNotFoundError) as err:
-            raise click.ClickException(str(err)) from err
+            raise click.ClickException(_in_cli_words(str(err), res, given, to)) from err
     what = "labels" if out.is_labels else "a map"
     conf = ""
     if out.confidence is not None:
         conf = f"; confidence below 0.5 at {int((out.confidence < 0.5).sum()):,} vertices"
     click.echo(f"wrote {output}: {what} at {out.n_vertices:,} {to} vertices{conf}")
+
+
+def _in_cli_words(message: str, res: Registration, given, to: str) -> str:
+    """A transfer's error in the command's words: its options, not the API's arguments,
+    and the other direction where the values have the other surface's vertex count."""
+    message = message.replace("give target= (", "give --target (")
+    if "values have shape" in message:
+        counts = {"source": res.warped.n_points}
+        if res.target_summary or res.target is not None:
+            counts["target"] = (res.target_summary or {}).get("vertices") or res.target.n_points
+        # values for --to target belong on the source; these look like the target's
+        belong, look = ("source", "target") if to == "target" else ("target", "source")
+        if counts.get(look) == given.n_vertices != counts.get(belong):
+            message += f" (they have the {look}'s vertex count: --to {belong}?)"
+    return message

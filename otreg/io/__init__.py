@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..shapes import Shape
@@ -268,10 +269,11 @@ def load_values(path: str | Path) -> VertexValues:
     return _values.read_values(path, caller)
 
 
-def save_values(values: VertexValues | torch.Tensor, path: str | Path) -> Path:
+def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Path) -> Path:
     """Write per-vertex values atomically, in the format of ``path``'s name (see
-    :func:`load_values`); a tensor is a map (floats) or labels (integers, no table).
-    Returns the path written.
+    :func:`load_values`); a tensor or array is a map (floats) or labels (integers, no
+    table). A ``.shape.gii`` map has GIFTI's shape intent; labels in GIFTI have a table
+    entry for every value (an annot's unassigned -1: ``???``). Returns the path written.
 
     Example:
         >>> import tempfile, torch
@@ -284,11 +286,14 @@ def save_values(values: VertexValues | torch.Tensor, path: str | Path) -> Path:
         [2.5, 3.0, 1.75]
     """
     caller = "save_values"
+    if isinstance(values, np.ndarray):
+        values = torch.as_tensor(values)
     if isinstance(values, torch.Tensor):
         values = VertexValues(values)
     if not isinstance(values, VertexValues):
         raise TypeError(
-            f"{caller}: values must be a VertexValues or a tensor, got {type(values).__name__}"
+            f"{caller}: values must be a VertexValues, a tensor or an array, got "
+            f"{type(values).__name__}"
         )
     path = Path(path).expanduser()
     kind = _values.suffix(path)
@@ -303,5 +308,5 @@ def save_values(values: VertexValues | torch.Tensor, path: str | Path) -> Path:
             f"{caller}: {path.name} holds labels but the values are {values.values.dtype}: "
             "give integers, or a .func.gii / .npy name for a map"
         )
-    atomic_write(path, lambda tmp: _values.write_values(values, tmp, kind))
+    atomic_write(path, lambda tmp: _values.write_values(values, tmp, kind, path.name))
     return path

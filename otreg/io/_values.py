@@ -46,6 +46,17 @@ class VertexValues:
     label_table: LabelTable | None = field(default=None)
     confidence: torch.Tensor | None = field(default=None, repr=False)
 
+    def __repr__(self) -> str:
+        dtype = str(self.values.dtype).removeprefix("torch.")
+        parts = [f"{tuple(self.values.shape)} {dtype}"]
+        if self.label_table:
+            names = [name for name, _ in self.label_table.values()]
+            more = f", ... {len(names) - 3} more" if len(names) > 3 else ""
+            parts.append(f"{len(names)} labels: {', '.join(names[:3])}{more}")
+        if self.confidence is not None:
+            parts.append("with confidence")
+        return f"VertexValues({'; '.join(parts)})"
+
     @property
     def is_labels(self) -> bool:
         """Whether these are labels (integers), not a map."""
@@ -176,9 +187,13 @@ def read_values(path: Path, caller: str) -> VertexValues:
         ) from err
 
 
-def write_values(values: VertexValues, path: Path, kind: str) -> None:
-    """Write values in the format ``kind`` (:func:`suffix` of the final name) at ``path``
-    (the temporary file the caller renames into place)."""
+#: The GIFTI intent of a map by its file's name (a label file's is NIFTI_INTENT_LABEL).
+MAP_INTENTS = {".shape.gii": "NIFTI_INTENT_SHAPE"}
+
+
+def write_values(values: VertexValues, path: Path, kind: str, name: str = "") -> None:
+    """Write values in the format ``kind`` (:func:`suffix` of the final name, ``name``) at
+    ``path`` (the temporary file the caller renames into place)."""
     import nibabel as nib
 
     data = values.values.detach().cpu().numpy()
@@ -203,7 +218,8 @@ def write_values(values: VertexValues, path: Path, kind: str) -> None:
     else:
         labels = values.is_labels
         columns = data[:, None] if data.ndim == 1 else data
-        intent = "NIFTI_INTENT_LABEL" if labels else "NIFTI_INTENT_NONE"
+        ends = next((e for e in MAP_INTENTS if name.lower().endswith(e)), None)
+        intent = "NIFTI_INTENT_LABEL" if labels else MAP_INTENTS.get(ends, "NIFTI_INTENT_NONE")
         dtype = np.int32 if labels else np.float32
         img = nib.GiftiImage(
             darrays=[
@@ -211,10 +227,14 @@ def write_values(values: VertexValues, path: Path, kind: str) -> None:
                 for c in columns.T
             ]
         )
-        if labels and values.label_table:
-            for key, (name, rgba) in sorted(values.label_table.items()):
+        if labels:  # every key written has an entry (-1, an annot's unassigned: ???)
+            table = dict(values.label_table or {})
+            for key in sorted(set(np.unique(data).tolist()) - set(table)):
+                table[key] = ("???", (0.0, 0.0, 0.0, 0.0)) if key == -1 else (
+                    f"label{key}", (0.5, 0.5, 0.5, 1.0))  # fmt: skip
+            for key, (label, rgba) in sorted(table.items()):
                 lab = nib.gifti.GiftiLabel(key=int(key), red=rgba[0], green=rgba[1],
                                            blue=rgba[2], alpha=rgba[3])  # fmt: skip
-                lab.label = name
+                lab.label = label
                 img.labeltable.labels.append(lab)
         nib.save(img, str(path))

@@ -193,6 +193,12 @@ class SinkhornLoss(nn.Module):
     arguments, GeomLoss's: weights before their points (``otreg.sinkhorn(x, y, a, b)``
     takes the points first).
 
+    The gradient is the envelope theorem's, exact at the converged potentials: it is as
+    accurate as the solve (``tol``, 1e-3 on the marginals by default). A float64
+    ``torch.autograd.gradcheck`` compares it with finite differences of the value, so give
+    the loss ``tol=1e-12`` there (on 5 x 6 random points at blur 0.5 the default ``tol``
+    leaves the gradient about 1e-5 off, and gradcheck failed on 1 of 20 draws).
+
     Args:
         blur: the final length scale, in the points' units (eps = blur ** p). The default,
             0.05, suits clouds of unit size; for brain surfaces in mm give 1 to 5 (mm): a

@@ -409,3 +409,30 @@ def test_sigterm_during_register_leaves_no_output(two_meshes, tmp_path):
     while out.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not out.exists()
+
+
+def test_transfer_of_values_of_the_other_side_says_which_way(tmp_path):
+    import pyvista as pv
+
+    from otreg import Shape, save_shape
+    from otreg.io import save_values
+
+    fine = Shape.from_pyvista(pv.Sphere(radius=20))
+    coarse = Shape.from_pyvista(pv.Sphere(radius=20, theta_resolution=12, phi_resolution=12))
+    src, tgt = save_shape(fine, tmp_path / "src.vtk"), save_shape(coarse, tmp_path / "tgt.vtk")
+    assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
+               "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    on_source = save_values(fine.points[:, 2].clone(), tmp_path / "s.func.gii")
+    on_target = save_values(coarse.points[:, 2].clone(), tmp_path / "t.func.gii")
+    for values, to, says in [
+        (on_source, "source", "they have the source's vertex count: --to target?"),
+        (on_target, "target", "they have the target's vertex count: --to source?"),
+    ]:
+        r = run("transfer", str(tmp_path / "r"), str(values), "-o", str(tmp_path / "o.func.gii"),
+                "--to", to)  # fmt: skip
+        assert r.exit_code == 1 and says in r.output, r.output
+        assert not (tmp_path / "o.func.gii").exists()
+    gone = tmp_path / "moved.vtk"
+    tgt.rename(gone)
+    r = run("transfer", str(tmp_path / "r"), str(on_source), "-o", str(tmp_path / "o.func.gii"))
+    assert r.exit_code == 1 and "give --target (" in r.output

@@ -20,6 +20,8 @@ def nan_at(t, idx=0):
 CASES = [
     # (description, args, kwargs, error, message fragment)
     ("x not a tensor", (x.numpy(), y), {}, TypeError, "x must be a torch.Tensor"),
+    # an array is described, not printed
+    ("x an array", (x.numpy(), y), {}, TypeError, "got a NumPy array of shape (5, 2) and"),
     ("integer points", (x.long(), y), {}, TypeError, "floating point"),
     ("1-D points", (x[:, 0], y), {}, ValueError, r"x has shape .*looks like weights"),
     ("mismatched dims", (x, y[:, :1]), {}, ValueError, "dimension 2"),

@@ -225,6 +225,26 @@ def test_map_files_round_trip(tmp_path, name):
     assert not back.is_labels
 
 
+def test_gifti_labels_have_an_entry_for_every_value_and_maps_their_intent(tmp_path):
+    """An annot's unassigned -1 (and a value its table lacks) get entries when written as
+    GIFTI labels; a .shape.gii map has GIFTI's shape intent; an array is written as a
+    tensor; the repr names the labels without listing the table."""
+    import nibabel as nib
+
+    table = {1: ("V1", (1.0, 0.0, 0.0, 1.0))}
+    labels = torch.tensor([-1, 1, 1, 5])
+    path = save_values(VertexValues(labels, table), tmp_path / "l.label.gii")
+    keys = {lab.key: lab.label for lab in nib.load(path).labeltable.labels}
+    assert keys == {-1: "???", 1: "V1", 5: "label5"}
+    shape = save_values(np.linspace(1.0, 3.0, 4), tmp_path / "thick.shape.gii")
+    assert nib.load(shape).darrays[0].intent == nib.nifti1.intent_codes["NIFTI_INTENT_SHAPE"]
+    torch.testing.assert_close(load_values(shape).values.double(), torch.linspace(1, 3, 4).double())
+    func = save_values(torch.rand(4), tmp_path / "a.func.gii")
+    assert nib.load(func).darrays[0].intent == nib.nifti1.intent_codes["NIFTI_INTENT_NONE"]
+    many = VertexValues(labels, {k: (f"L{k}", (0.0, 0.0, 0.0, 1.0)) for k in range(40)})
+    assert repr(many) == "VertexValues((4,) int64; 40 labels: L0, L1, L2, ... 37 more)"
+
+
 def test_value_files_errors_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.func.gii does not exist"):
         load_values(tmp_path / "nope.func.gii")
