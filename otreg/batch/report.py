@@ -389,7 +389,8 @@ def _table(rows: list[dict]) -> str:
     overlaps = [
         (f"{k[:-5]} Dice", f"before_{k}", k) for k in overlap_keys(r["metrics"] for r in rows)
     ]
-    present = [c for c in (*_TABLE, *overlaps) if any(c[2] in r["metrics"] for r in rows)]
+    # the label overlaps first: where a batch carried labels, they are what it is for
+    present = [c for c in (*overlaps, *_TABLE) if any(c[2] in r["metrics"] for r in rows)]
     head = ['<th data-key="pair" data-type="text">pair</th>']
     head.append('<th data-key="status" data-type="text">status</th>')
     head.append('<th data-key="flags" data-type="text">flags</th>')
@@ -451,7 +452,8 @@ def _line(reason: object, limit: int = 400) -> str:
 def _strips(rows: list[dict]) -> str:
     """A strip plot per key metric, one dot per pair linked to its picture (or folder),
     flagged values in red; the other metrics' (not the bookkeeping) one click away."""
-    key_strips = (*_KEY_STRIPS, *overlap_keys(r["metrics"] for r in rows))
+    overlaps = overlap_keys(r["metrics"] for r in rows)
+    key_strips = (*overlaps, *(f"before_{k}" for k in overlaps), *_KEY_STRIPS)
     keys = sorted(
         {k for r in rows for k in r["metrics"]} - _BOOKKEEPING - set(key_strips),
         key=lambda k: (k not in _NAMES, _name(k)),

@@ -171,8 +171,8 @@ def test_bookkeeping_gets_no_strip_plot(tmp_path):
 
 
 def test_label_overlaps_get_columns_strips_flags_and_csv_columns(tmp_path):
-    """A batch that measured label overlaps: before and after side by side in the table,
-    the after among the key strips, a pair far below the others flagged, both in the CSV."""
+    """A batch that measured label overlaps: before and after side by side, first in the
+    table and the strips, a pair far below the others flagged, both in the CSV."""
     from otreg.batch import Pair
     from otreg.batch.tables import write_tables
 
@@ -183,10 +183,13 @@ def test_label_overlaps_get_columns_strips_flags_and_csv_columns(tmp_path):
     page = build_report(tmp_path).read_text()
     heads = re.findall(r'<th data-key="([^"]+)"', page)
     assert heads.index("before_lh_aparc_dice") + 1 == heads.index("lh_aparc_dice")
+    # the first metrics of the table, and the first strips, before and after
+    assert heads[3:5] == ["before_lh_aparc_dice", "lh_aparc_dice"]
     shown = page.split('<details id="more-metrics">', 1)[0]
-    assert 'data-metric="lh_aparc_dice"' in shown  # among the key strips
+    strips = re.findall(r'data-metric="([^"]+)"', shown)
+    assert strips[:2] == ["lh_aparc_dice", "before_lh_aparc_dice"]
     assert "label overlap lh_aparc (Dice) after" in shown
-    assert "label overlap lh_aparc (Dice) before" in page
+    assert "label overlap lh_aparc (Dice) before" in shown
     flagged = dict(re.findall(r'<tr class="flag" data-pair="([^"]+)" data-kind="([^"]+)"', page))
     assert flagged == {"s6": "outlier"}
     assert "label overlap lh_aparc (Dice) 0.41 (median 0.86)" in page
