@@ -6,13 +6,16 @@ memory`` when its last heartbeat was near the worker's memory limit)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import shutil
 import signal
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 from .locks import HEARTBEAT, lock_path, read_lock
 from .records import failure_reason
@@ -141,15 +144,34 @@ def _threads_on_cluster(client) -> int:
     return max(1, min(cores[0] // len(cores) for cores in per_host.values()))
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While active, SIGTERM (a scheduler's or a user's kill) raises KeyboardInterrupt, so
+    that the work stops and cleans up as for Ctrl-C; only in the main thread, and where
+    SIGTERM had its default action (a handler someone set is kept)."""
+    main = threading.current_thread() is threading.main_thread()
+    active = main and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
+    if active:
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        if active:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def dispatch(cl: Cluster, specs: list[dict], records: dict, progress: bool, echo) -> None:
     """Run the pairs' specs on the cluster; each final record goes into ``records`` (by
-    pair id) as it comes, with a progress bar or a line a pair."""
+    pair id) as it comes, with a progress bar or a line a pair; SIGTERM stops it as Ctrl-C
+    does."""
+    with sigterm_as_interrupt():
+        _dispatch(cl, specs, records, progress, echo)
+
+
+def _dispatch(cl: Cluster, specs: list[dict], records: dict, progress: bool, echo) -> None:
     from distributed import wait
     from distributed.scheduler import KilledWorker
 
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous in (signal.SIG_DFL, None):  # a scheduler's kill: stop as for Ctrl-C
-        signal.signal(signal.SIGTERM, _raise_interrupt)
     client = cl.client
     by_key, futures = {}, []
     innocent: dict[str, int] = {}  # resubmissions of pairs killed before they started
@@ -218,7 +240,6 @@ def dispatch(cl: Cluster, specs: list[dict], records: dict, progress: bool, echo
     finally:
         if bar is not None:
             bar.close()
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 class _Watch:

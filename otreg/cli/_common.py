@@ -9,10 +9,8 @@ import contextlib
 import ctypes
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import click
 import torch
 
+from ..batch.dispatch import sigterm_as_interrupt
 from ..batch.job import CARRIED_PREFIXES, JOB_FILES, JOB_LOSSES, JOB_OPTION_NAMES, JobOptions
 from ..batch.worker import STAGING_PREFIX
 from ..io import VOLUME_EXTS, check_writable_folder, remove_empty_folders, same_file
@@ -57,12 +56,9 @@ def output_folder(output: str, inputs: list[str], extra: tuple[str, ...] = ()) -
     for old in folder.glob(STAGING_PREFIX + "*"):  # a killed run's
         shutil.rmtree(old, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=folder))
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if main else None
-    if main and previous in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        yield staging
+        with sigterm_as_interrupt():
+            yield staging
         _publish(staging, folder, inputs)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -70,12 +66,6 @@ def output_folder(output: str, inputs: list[str], extra: tuple[str, ...] = ()) -
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-        if main and previous in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def _publish(staging: Path, folder: Path, inputs: list[str]) -> None:
