@@ -397,9 +397,12 @@ class TruncatedKernel:
 
     def _within(self, df: torch.Tensor, dg: torch.Tensor) -> bool:
         """Whether potentials that moved by df (N,), dg (M,) since the list was built
-        leave every pair it dropped below ``exp(-truncate)`` of its row (NaN: no)."""
-        moved = float(df.max()) + float(dg.max())
-        return moved <= self.list_margin * self.p.eps
+        leave every pair it dropped below ``exp(-truncate)`` of its row (NaN: no): the
+        largest rise of f in a cell plus that of g in a cell it keeps, over the pattern's
+        cell pairs (a pair's slack falls by df_i + dg_j)."""
+        I, J = self.kernels.pairs
+        rises = self.cx.per_cluster_max(df)[I] + self.cy.per_cluster_max(dg)[J]
+        return float(rises.max()) <= self.list_margin * self.p.eps
 
     def _build_list(self, f: torch.Tensor, g: torch.Tensor) -> None:
         """The pairs of the cluster pattern within ``truncate + list_margin`` eps of the

@@ -364,6 +364,55 @@ def test_the_pair_list_falls_back_to_the_cell_pairs_when_the_potentials_move():
     torch.testing.assert_close(out[0], again)
 
 
+def test_a_move_the_list_accepts_leaves_every_dropped_pair_below_the_truncation():
+    """f rising in one cell of x and g in one cell of y, each by 3/4 of the margin, where no
+    cell pair of the pattern joins them: the list stays (a global bound, the largest rise
+    of f plus that of g, would have rebuilt it), and every pattern pair the list dropped
+    still has a slack C - f - g above ``truncate`` eps (brute force)."""
+    from otreg.ot.kernels import make_kernel
+    from otreg.ot.loop import _anneal
+
+    x = noisy_sphere(400, seed=1, dtype=torch.float32)
+    y = noisy_sphere(450, radius=0.8, center=(0.5, 0.0, 0.0), seed=2, dtype=torch.float32)
+    p = Problem.build("t", x, y, None, None, SinkhornOptions(blur=0.02, multiscale=True))
+    kernel = make_kernel(p, p.x, p.a, p.y, p.b)
+    f, g, _ = _anneal(p, kernel, None)
+    kernel.refresh(f, g, p.eps)
+    kernel.softmin_xy(p.eps, g.double())  # on the cells; the list is built
+    listed = kernel._list
+    margin = kernel.list_margin * p.eps
+    cx, cy = kernel.cx, kernel.cy
+    I, J = kernel.kernels.pairs
+    joined = set(zip(I.tolist(), J.tolist()))
+    apart = next((a, b) for a in range(cx.n_clusters) for b in range(cy.n_clusters)
+                 if (a, b) not in joined)  # fmt: skip
+    df = 0.75 * margin * (cx.labels == apart[0]).double()
+    dg = 0.75 * margin * (cy.labels == apart[1]).double()
+    assert float(df.max() + dg.max()) > margin
+    assert kernel._within(df, dg)
+    xs, ys = cx.points.double(), cy.points.double()
+    f1, g1 = listed.f0 + df, listed.g0 + dg
+    starts_x, starts_y = kernel.cx.starts.tolist(), kernel.cy.starts.tolist()
+    kept = set(zip(*(t.tolist() for t in _pair_indices(listed))))
+    for ci, cj in joined:
+        i = torch.arange(starts_x[ci], starts_x[ci + 1])
+        j = torch.arange(starts_y[cj], starts_y[cj + 1])
+        C = ((xs[i][:, None] - ys[j][None]) ** 2).sum(-1) / 2
+        slack = C - f1[i][:, None] - g1[j][None]
+        for a, b in (slack <= p.eps * kernel.truncate).nonzero().tolist():
+            assert (int(i[a]), int(j[b])) in kept
+    # a rise in cells the pattern joins, by more than the margin: rebuilt
+    near = int(J[I == apart[0]][0])
+    assert not kernel._within(df, 0.75 * margin * (cy.labels == near).double())
+
+
+def _pair_indices(listed):
+    """The (i, j) pairs of a PairList, from its rows' sparse matrix."""
+    m = listed._rows.factors
+    rows = torch.repeat_interleave(torch.arange(m.shape[0]), m.crow_indices().diff())
+    return rows, m.col_indices()
+
+
 def test_a_pair_list_that_would_not_pay_is_not_used(monkeypatch):
     monkeypatch.setattr(multiscale, "LIST_FRACTION", 1e-6)
     x = noisy_sphere(400, seed=1, dtype=torch.float32)
