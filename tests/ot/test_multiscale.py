@@ -10,7 +10,8 @@ import otreg
 from otreg.costs import get_cost
 from otreg.datasets import noisy_sphere
 from otreg.ot import multiscale
-from otreg.ot.loop import solve
+from otreg.ot.kernels import make_kernel
+from otreg.ot.loop import _anneal, solve
 from otreg.ot.problem import Multiscale, Problem, SinkhornOptions
 from otreg.reductions import _dense
 from otreg.reductions.sparse import BlockSparse, PairList, close_pairs, grid_clusters
@@ -337,18 +338,22 @@ def test_float32_potentials_far_from_zero_converge_without_stalling():
     assert res.converged and res.marginal_error < 1e-4
 
 
-def test_the_pair_list_falls_back_to_the_cell_pairs_when_the_potentials_move():
-    """Potentials moved past the list's margin: the softmin is the cell pattern's (and the
-    list is rebuilt from it); within the margin it is the list's, equal to it."""
-    from otreg.ot.kernels import make_kernel
-    from otreg.ot.loop import _anneal
-
+def _annealed_kernel():
+    """Two spheres' problem at blur 0.02, its kernel at the final eps after the annealing,
+    and the annealing's g: ``(problem, kernel, g)``."""
     x = noisy_sphere(400, seed=1, dtype=torch.float32)
     y = noisy_sphere(450, radius=0.8, center=(0.5, 0.0, 0.0), seed=2, dtype=torch.float32)
     p = Problem.build("t", x, y, None, None, SinkhornOptions(blur=0.02, multiscale=True))
     kernel = make_kernel(p, p.x, p.a, p.y, p.b)
     f, g, _ = _anneal(p, kernel, None)
     kernel.refresh(f, g, p.eps)
+    return p, kernel, g
+
+
+def test_the_pair_list_falls_back_to_the_cell_pairs_when_the_potentials_move():
+    """Potentials moved past the list's margin: the softmin is the cell pattern's (and the
+    list is rebuilt from it); within the margin it is the list's, equal to it."""
+    p, kernel, g = _annealed_kernel()
     first = kernel.softmin_xy(p.eps, g.double())  # on the cells, then a list is built
     assert kernel.list_builds == 1 and len(kernel.list_pairs) == 1
     blocks = kernel._block_softmin(p.eps, g[0], transpose=False).double()
@@ -369,15 +374,7 @@ def test_a_move_the_list_accepts_leaves_every_dropped_pair_below_the_truncation(
     cell pair of the pattern joins them: the list stays (a global bound, the largest rise
     of f plus that of g, would have rebuilt it), and every pattern pair the list dropped
     still has a slack C - f - g above ``truncate`` eps (brute force)."""
-    from otreg.ot.kernels import make_kernel
-    from otreg.ot.loop import _anneal
-
-    x = noisy_sphere(400, seed=1, dtype=torch.float32)
-    y = noisy_sphere(450, radius=0.8, center=(0.5, 0.0, 0.0), seed=2, dtype=torch.float32)
-    p = Problem.build("t", x, y, None, None, SinkhornOptions(blur=0.02, multiscale=True))
-    kernel = make_kernel(p, p.x, p.a, p.y, p.b)
-    f, g, _ = _anneal(p, kernel, None)
-    kernel.refresh(f, g, p.eps)
+    p, kernel, g = _annealed_kernel()
     kernel.softmin_xy(p.eps, g.double())  # on the cells; the list is built
     listed = kernel._list
     margin = kernel.list_margin * p.eps
