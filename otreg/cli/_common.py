@@ -9,8 +9,10 @@ import contextlib
 import ctypes
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,20 +71,43 @@ def output_folder(output: str, inputs: list[str], extra: tuple[str, ...] = ()) -
 
 
 def _publish(staging: Path, folder: Path, inputs: list[str]) -> None:
-    """Move the staged files into ``folder``, first removing an earlier job's files that
-    they do not replace (never an input)."""
+    """Move the staged files into ``folder``, then remove an earlier job's files that they
+    did not replace (never an input), with Ctrl-C and SIGTERM held until it is done (then
+    raised), so that the folder never mixes two runs."""
     new = {p.name for p in staging.iterdir()}
-    for old in folder.iterdir():
-        earlier = old.name in JOB_FILES.values() or old.name.startswith(CARRIED_PREFIXES)
-        if (
-            earlier
-            and old.name not in new
-            and old.is_file()
-            and not any(same_file(old, given) for given in inputs)
-        ):
-            old.unlink()
-    for name in sorted(new):
-        os.replace(staging / name, folder / name)
+    with _signals_held():
+        for name in sorted(new):
+            os.replace(staging / name, folder / name)
+        for old in folder.iterdir():
+            earlier = old.name in JOB_FILES.values() or old.name.startswith(CARRIED_PREFIXES)
+            if (
+                earlier
+                and old.name not in new
+                and old.is_file()
+                and not any(same_file(old, given) for given in inputs)
+            ):
+                old.unlink()
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """While active (in the main thread), SIGINT and SIGTERM wait: the first one received
+    is raised as KeyboardInterrupt at the end."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in held}
+    for s in held:
+        signal.signal(s, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    if caught:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

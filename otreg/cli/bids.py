@@ -32,6 +32,8 @@ __all__: list[str] = []
     default="pial",
     show_default=True,
     type=click.Choice(["pial", "white", "midthickness", "inflated"]),
+    help="Which of each subject's surfaces to register (and of fsaverage5's, the default "
+    "template).",
 )
 @click.option(
     "--hemi",
@@ -53,8 +55,18 @@ __all__: list[str] = []
     type=click.Path(dir_okay=False, exists=True),
     help="Template file for every input [default for surfaces: fsaverage5, per hemisphere].",
 )
-@click.option("--template-left", default=None, type=click.Path(dir_okay=False, exists=True))
-@click.option("--template-right", default=None, type=click.Path(dir_okay=False, exists=True))
+@click.option(
+    "--template-left",
+    default=None,
+    type=click.Path(dir_okay=False, exists=True),
+    help="Template surface for the left hemispheres (with --template-right).",
+)
+@click.option(
+    "--template-right",
+    default=None,
+    type=click.Path(dir_okay=False, exists=True),
+    help="Template surface for the right hemispheres (with --template-left).",
+)
 @click.option(
     "--template-id",
     default=None,

@@ -40,7 +40,9 @@ __all__: list[str] = []
     "--output",
     required=True,
     type=click.Path(file_okay=False),
-    help="Folder for warped.vtk, parameters.npz, registration.json and pictures.",
+    help="Folder for warped.vtk, parameters.npz, registration.json, pictures and the "
+    "carried values (to-target_*, to-source_*); an earlier run's files there are replaced "
+    "(those this run does not write are removed), other files are kept.",
 )
 @click.option(
     "--source-values",
@@ -306,6 +308,7 @@ def _in_cli_words(message: str, res: Registration, given, to: str) -> str:
     """A transfer's error in the command's words: its options, not the API's arguments,
     and the other direction where the values have the other surface's vertex count."""
     message = message.replace("give target= (", "give --target (")
+    message = message.removeprefix("Registration.transfer: ")
     if "values have shape" in message:
         counts = {"source": res.warped.n_points}
         if res.target_summary or res.target is not None:

@@ -133,6 +133,10 @@ def _is_morph(path: Path) -> bool:
         return f.read(3) == MORPH_MAGIC
 
 
+class _NotLabels(ValueError):
+    """A label file whose values are not integers."""
+
+
 def read_values(path: Path, caller: str) -> VertexValues:
     """The values in a file (errors name it and the format expected)."""
     import nibabel as nib
@@ -171,6 +175,14 @@ def read_values(path: Path, caller: str) -> VertexValues:
         img = nib.load(str(path))
         arrays = [d.data for d in img.darrays]
         data = arrays[0] if len(arrays) == 1 else np.stack(arrays, axis=1)
+        if kind == ".label.gii" and not np.issubdtype(data.dtype, np.integer):
+            fractional = np.asarray(data) != np.round(np.asarray(data))
+            if fractional.any():
+                raise _NotLabels(
+                    f"{caller}: {path} is a label file but {int(fractional.sum())} of its "
+                    f"values are not whole numbers (e.g. {float(data[fractional][0])}); labels "
+                    "are integers: name a map .func.gii or .shape.gii"
+                )
         if kind == ".label.gii" or np.issubdtype(data.dtype, np.integer):
             table = {
                 int(lab.key): (str(lab.label), tuple(float(c) for c in lab.rgba))
@@ -178,6 +190,8 @@ def read_values(path: Path, caller: str) -> VertexValues:
             }
             return VertexValues(torch.as_tensor(data.astype(np.int64)), table or None)
         return VertexValues(torch.as_tensor(np.asarray(data)))
+    except _NotLabels:
+        raise
     except Exception as err:  # nibabel's readers raise many kinds (XML, zip, struct...)
         raise ValueError(
             f"{caller}: {path} could not be read as per-vertex values ({type(err).__name__}: "

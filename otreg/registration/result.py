@@ -62,9 +62,9 @@ class Registration:
             None, "target": ...}``, absolute paths); :meth:`save` never writes over them.
         target: the target surface (in memory after :func:`register`; after :meth:`load`,
             read from ``inputs`` when :meth:`transfer` needs it).
-        target_summary: the target's vertex count, area (mm^2) and centroid (mm), as
-            :meth:`save` recorded them (after :meth:`load`): a target given later, or
-            read from a file that changed since, must match them.
+        target_summary: the target's vertex count, area (mm^2), centroid (mm) and second
+            moments (mm^2), as :meth:`save` recorded them (after :meth:`load`): a target
+            given later, or read from a file that changed since, must match them.
 
     Example:
         >>> import pyvista as pv, torch, otreg, tempfile
@@ -390,8 +390,9 @@ class Registration:
 
     def _check_target(self, caller: str, shape: Shape, what: str) -> None:
         """Refuse a target that is not the surface registered onto (another template,
-        hemisphere, resolution or surface of the subject): its vertex count, area or
-        centroid differ from the registered target's (to 0.1% of its size)."""
+        hemisphere, resolution or surface of the subject, or the same one moved): its
+        vertex count, area, centroid or second moments differ from the registered
+        target's (to 0.1% of its size)."""
         known = _summary(self.target) if self.target is not None else self.target_summary
         if not known:
             return
@@ -406,6 +407,12 @@ class Registration:
             )
         elif moved > 1e-3 * size:
             differs = f"its centroid {moved:.3g} mm from the registered target's"
+        elif (
+            "moments_mm2" in known
+            and float(np.abs(np.subtract(have["moments_mm2"], known["moments_mm2"])).max())
+            > 1e-3 * size**2
+        ):
+            differs = "its orientation (the second moments of its vertices) differs"
         else:
             return
         raise ValueError(
@@ -529,6 +536,8 @@ def _summary(shape: Shape) -> dict:
         "vertices": int(shape.n_points),
         "area_mm2": float(shape.area.detach().double().cpu()) if shape.n_faces else 0.0,
         "centroid_mm": [float(c) for c in points.mean(0)],
+        # the vertices' covariance: a rotation about the centroid changes it
+        "moments_mm2": [float(c) for c in torch.cov(points.T).flatten()],
     }
 
 

@@ -436,3 +436,46 @@ def test_transfer_of_values_of_the_other_side_says_which_way(tmp_path):
     tgt.rename(gone)
     r = run("transfer", str(tmp_path / "r"), str(on_source), "-o", str(tmp_path / "o.func.gii"))
     assert r.exit_code == 1 and "give --target (" in r.output
+
+
+def test_an_interrupt_while_the_files_move_in_waits_until_they_all_have(tmp_path, monkeypatch):
+    """SIGTERM arriving between two of the moves: every file of the new run is in place and
+    the earlier run's carried file is gone (no mix of two runs), then the command stops as
+    interrupted."""
+    import os
+    import signal
+    from pathlib import Path
+
+    import pyvista as pv
+
+    from otreg import Shape, save_shape
+    from otreg.cli import _common
+    from otreg.io import save_values
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    src = save_shape(ball, tmp_path / "src.vtk")
+    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
+    save_values(ball.points[:, 2].clone(), tmp_path / "z.func.gii")
+    out = tmp_path / "r"
+    base = ["register", str(src), str(tgt), "-o", str(out), "--model", "rigid", "--no-picture"]
+    assert run(*base, "--source-values", str(tmp_path / "z.func.gii")).exit_code == 0
+    first = (out / "registration.json").read_text()
+    real, moves = os.replace, []
+
+    def replace(a, b):
+        real(a, b)
+        if Path(b).parent == out:  # a move into the folder (not a save into the staging)
+            moves.append(b)
+            if len(moves) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(_common.os, "replace", replace)
+    result = run(*base)
+    assert result.exit_code == 1 and "Aborted" in result.output
+    assert len(moves) == 3  # all three moved after the signal came
+    assert sorted(p.name for p in out.iterdir()) == [
+        "parameters.npz",
+        "registration.json",
+        "warped.vtk",
+    ]
+    assert (out / "registration.json").read_text() != first

@@ -245,6 +245,18 @@ def test_gifti_labels_have_an_entry_for_every_value_and_maps_their_intent(tmp_pa
     assert repr(many) == "VertexValues((4,) int64; 40 labels: L0, L1, L2, ... 37 more)"
 
 
+def test_a_label_file_of_fractions_is_refused_not_truncated(tmp_path):
+    import nibabel as nib
+
+    arr = nib.gifti.GiftiDataArray(np.array([0.5, 1.5, 2.0], dtype=np.float32))
+    nib.save(nib.GiftiImage(darrays=[arr]), tmp_path / "f.label.gii")
+    with pytest.raises(ValueError, match=r"f.label.gii is a label file but 2 of its values .*0.5"):
+        load_values(tmp_path / "f.label.gii")
+    whole = nib.gifti.GiftiDataArray(np.array([0.0, 1.0, 2.0], dtype=np.float32))
+    nib.save(nib.GiftiImage(darrays=[whole]), tmp_path / "w.label.gii")
+    assert load_values(tmp_path / "w.label.gii").values.tolist() == [0, 1, 2]
+
+
 def test_value_files_errors_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.func.gii does not exist"):
         load_values(tmp_path / "nope.func.gii")
@@ -286,11 +298,15 @@ def test_a_target_that_was_not_registered_onto_is_refused(ball, tmp_path):
     coarse = otreg.Shape.from_pyvista(pv.Sphere(radius=20, theta_resolution=12)).to(D)
     back = otreg.Registration.load(res.save(tmp_path / "out"))
     assert back.target_summary["vertices"] == target.n_points
+    centre = target.points.mean(0)
+    turned, _ = rotated(target.with_points(target.points - centre), 0.3, (0.0, 0.0, 0.0))
+    about_centre = turned.with_points(turned.points + centre)
     for result in (res, back):
         for other, says in [
             (coarse, f"{coarse.n_points} vertices, the registered target {target.n_points}"),
             (target.with_points(target.points * 1.05), "an area of"),
             (target.with_points(target.points + 3.0), "its centroid 5.2 mm from"),
+            (about_centre, "its orientation"),  # the same centroid and area
         ]:
             with pytest.raises(ValueError, match="is not the surface this registration"):
                 result.transfer(z, target=other)
