@@ -27,7 +27,7 @@ from .dispatch import Cluster, dispatch
 from .keys import effective_options, file_digest, pair_key, why_rerun
 from .locks import is_stale, lock_path, read_lock
 from .manifest import Pair
-from .records import failure_reason, read_record, write_plan
+from .records import failure_reason, read_plan, read_record, write_plan
 from .report import build_report
 from .tables import write_tables
 from .worker import STAGING_PREFIX, record_path, write_failure
@@ -312,7 +312,8 @@ def run_batch(
     planned = plan_batch(pairs, out, options, rerun_failed=rerun_failed, only=only)
     out.mkdir(parents=True, exist_ok=True)
     if tables:  # the group page then shows older records of these pairs as "not run"
-        write_plan(out, {p.pair.pair_id: p.key for p in planned})
+        keys = read_plan(out) if only is not None else None  # the others' stay
+        write_plan(out, {**(keys or {}), **{p.pair.pair_id: p.key for p in planned}})
     batch_id = uuid.uuid4().hex
     records: dict[str, dict] = {}
     for p in planned:

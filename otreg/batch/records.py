@@ -48,8 +48,9 @@ FAILURE_CLASSES = (
 
 DONE_NAME = "metrics.json"
 FAILED_NAME = "error.json"
-#: The batch folder's list of the pairs its last run planned, with each pair's key: a
-#: record of another key is from earlier inputs or options (the group page says "not run").
+#: The batch folder's list of the pairs its runs planned, with each pair's latest key (a
+#: run of some pairs, ``--only``, keeps the others'): a record of another key is from
+#: earlier inputs or options (the group page says "not run").
 PLAN_NAME = "plan.json"
 
 

@@ -182,7 +182,10 @@ def test_a_changed_option_reruns_only_the_pairs_it_touches(subjects, tmp_path):
     assert second["a"]["batch_id"] == first["a"]["batch_id"]
     assert second["b"]["batch_id"] != first["b"]["batch_id"]
     assert second["b"]["options"]["sigma"] == 15.0
-    # the group page knows which records are of this plan
+    # the group page knows which records are of this plan; a run of one pair keeps the
+    # other's key
+    assert read_plan(out) == {pid: rec["key"] for pid, rec in second.items()}
+    assert run("batch", m, "-o", out, *FAST, "--only", "a").returncode == 0
     assert read_plan(out) == {pid: rec["key"] for pid, rec in second.items()}
     # a changed input's content (same path) reruns that pair only
     sphere(tmp_path / "subjects" / "s1.vtk", 43, 15, 2.0)
