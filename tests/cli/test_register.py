@@ -290,9 +290,9 @@ def test_no_refine_reaches_register(two_meshes, tmp_path):
         JobOptions.from_mapping({"refine": "yes"}, "row 3")
 
 
-def test_a_second_run_replaces_the_first_runs_carried_files_and_names_only_its_own(tmp_path):
-    """The first run carries a map; the second, into the same folder, carries none: the
-    first's to-target file goes, and the 'wrote' line lists what the second wrote."""
+def _a_run_carrying_a_map(tmp_path):
+    """A rigid registration of two balls into ``tmp_path/r`` that carries a map onto the
+    target (to-target_z.func.gii): ``(the command without the map, the folder)``."""
     import pyvista as pv
 
     from otreg import Shape, save_shape
@@ -306,6 +306,13 @@ def test_a_second_run_replaces_the_first_runs_carried_files_and_names_only_its_o
     base = ["register", str(src), str(tgt), "-o", str(out), "--model", "rigid", "--no-picture"]
     first = run(*base, "--source-values", str(tmp_path / "z.func.gii"))
     assert first.exit_code == 0 and "to-target_z.func.gii" in first.output
+    return base, out
+
+
+def test_a_second_run_replaces_the_first_runs_carried_files_and_names_only_its_own(tmp_path):
+    """The first run carries a map; the second, into the same folder, carries none: the
+    first's to-target file goes, and the 'wrote' line lists what the second wrote."""
+    base, out = _a_run_carrying_a_map(tmp_path)
     (out / "notes.txt").write_text("mine")  # not a job's file: kept
     second = run(*base)
     assert second.exit_code == 0
@@ -446,19 +453,9 @@ def test_an_interrupt_while_the_files_move_in_waits_until_they_all_have(tmp_path
     import signal
     from pathlib import Path
 
-    import pyvista as pv
-
-    from otreg import Shape, save_shape
     from otreg.cli import _common
-    from otreg.io import save_values
 
-    ball = Shape.from_pyvista(pv.Sphere(radius=20))
-    src = save_shape(ball, tmp_path / "src.vtk")
-    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
-    save_values(ball.points[:, 2].clone(), tmp_path / "z.func.gii")
-    out = tmp_path / "r"
-    base = ["register", str(src), str(tgt), "-o", str(out), "--model", "rigid", "--no-picture"]
-    assert run(*base, "--source-values", str(tmp_path / "z.func.gii")).exit_code == 0
+    base, out = _a_run_carrying_a_map(tmp_path)
     first = (out / "registration.json").read_text()
     real, moves = os.replace, []
 
