@@ -393,6 +393,8 @@ class Registration:
         hemisphere, resolution or surface of the subject, or the same one moved): its
         vertex count, area, centroid or second moments differ from the registered
         target's (to 0.1% of its size)."""
+        if shape is self.target:  # the one registered onto (run_job passes it per file)
+            return
         known = _summary(self.target) if self.target is not None else self.target_summary
         if not known:
             return
