@@ -365,14 +365,19 @@ class Problem:
             # summed in float64; each weight is rounded in its own dtype by up to half its
             # epsilon, so normalised bfloat16 weights may sum to 1 +- 0.4%
             ma, mb = a.detach().double().sum(1), b.detach().double().sum(1)
-            rel = ((ma - mb).abs() / torch.maximum(ma, mb)).max()
-            if float(rel) > max(1e-5, torch.finfo(out_dtype).eps):
+            rel = (ma - mb).abs() / torch.maximum(ma, mb)
+            worst = int(rel.argmax())
+            if float(rel[worst]) > max(1e-5, torch.finfo(out_dtype).eps):
+                where = f" (problem {worst} of the batch)" if x_batched else ""
                 raise ValueError(
-                    f"{caller}: a has total mass {ma.max().item():.6g} and b "
-                    f"{mb.max().item():.6g}; balanced OT (reach=None) needs "
+                    f"{caller}: a has total mass {ma[worst].item():.6g} and b "
+                    f"{mb[worst].item():.6g}{where}; balanced OT (reach=None) needs "
                     "equal masses: normalise the weights or set reach for "
                     "unbalanced OT"
                 )
+            # masses this close are made equal (b scaled to a's): any difference left makes
+            # the potentials drift without bound once tol is below it
+            b = b * (ma / mb).to(b.dtype)[:, None]
         multiscale = _resolve_multiscale(caller, o, x, y, cost, diam)
         return cls(
             x,

@@ -144,3 +144,29 @@ def test_normalised_half_precision_weights_are_balanced(dtype):
         assert torch.isfinite(otreg.sinkhorn_divergence(x, y, a, b, blur=0.1))
     with pytest.raises(ValueError, match="needs equal masses"):
         otreg.sinkhorn_divergence(x, y, a, 1.05 * b, blur=0.1)
+
+
+@pytest.mark.parametrize("gap", [1e-9, 1e-7, 5e-6])
+def test_masses_equal_within_the_tolerance_are_made_equal(gap):
+    """Masses 1e-9 to 5e-6 apart (float32-normalised weights cast to float64) pass the
+    check; solved as given, the potentials drifted without bound below that tol (a cost of
+    0.09996 for 0.10886 at 1e-9, -1522 at 1e-6, with converged=True): b is scaled to a's
+    mass, and the cost is that of the exactly balanced weights."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(5, 2, generator=gen, dtype=torch.float64)
+    y = torch.rand(6, 2, generator=gen, dtype=torch.float64)
+    a, b = torch.full((5,), 0.2, dtype=torch.float64), torch.full((6,), 1 / 6, dtype=torch.float64)
+    exact = otreg.sinkhorn(x, y, a, b, blur=0.5, tol=1e-12)
+    off = a.clone()
+    off[0] += gap
+    res = otreg.sinkhorn(x, y, off, b, blur=0.5, tol=1e-12)
+    assert res.converged and float(res.f.abs().max()) < 1
+    assert float(res.cost) == pytest.approx(float(exact.cost), rel=10 * gap)
+
+
+def test_unequal_masses_in_a_batch_name_the_problem():
+    x, y = torch.rand(3, 10, 2), torch.rand(3, 12, 2)
+    b = torch.full((3, 12), 1 / 12)
+    b[1] *= 1.1
+    with pytest.raises(ValueError, match=r"problem 1 of the batch"):
+        otreg.sinkhorn(x, y, None, b, blur=0.5)
