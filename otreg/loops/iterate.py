@@ -42,7 +42,7 @@ from .budget import (
     working_bytes,
 )
 from .memory import limit_heap_retention
-from .tape import Checkpointed, Reversible, Step, as_tuple
+from .tape import Checkpointed, Reversible, Step, as_tuple, uncounted_tensors
 
 __all__ = ["iterate", "STRATEGIES"]
 
@@ -113,9 +113,27 @@ def iterate(
     if module:
         param_t = tuple(p for p in params.parameters() if p.requires_grad)
     else:
-        if isinstance(params, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in params):
-            raise TypeError(f"{caller}: params must be a tuple of tensors or an nn.Module")
+        if isinstance(params, torch.Tensor) or not isinstance(params, (tuple, list)):
+            raise TypeError(
+                f"{caller}: params must be a tuple of tensors or an nn.Module, got "
+                f"{type(params).__name__}"
+            )
+        for k, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(
+                    f"{caller}: params[{k}] is {type(p).__name__}; params must be tensors "
+                    "(a constant can be captured by step instead)"
+                )
         param_t = tuple(params)
+    if strategy in ("checkpoint", "reversible"):
+        missed = uncounted_tensors(step, param_t)
+        if missed:
+            raise ValueError(
+                f"{caller}: step uses {', '.join(missed)}, which requires a gradient, without "
+                f"receiving it in params: strategy={strategy!r} recomputes steps outside "
+                "autograd's record, so it would get none; pass it in params (step(x, "
+                "*params)) or detach it"
+            )
     run = Step(step, param_t, module, single, state)
     report = {} if report is None else report
     report.update(strategy=strategy, n_steps=n, state_bytes=state_bytes(state))

@@ -25,6 +25,41 @@ def as_tuple(caller: str, x0: object) -> tuple[tuple[torch.Tensor, ...], bool]:
     )
 
 
+def uncounted_tensors(step: Callable, params: tuple) -> list[str]:
+    """The names of what ``step`` uses without receiving it in ``params``, and would need a
+    gradient: tensors that require one, and modules with such parameters, found in its
+    closure, its default arguments, the globals its code names and, for a bound method,
+    its object. A strategy that recomputes steps outside autograd's record cannot give
+    them gradients; names reached another way (an attribute of an object) are not seen."""
+    given = {id(p) for p in params}
+
+    def needs_grad(value) -> bool:
+        if isinstance(value, torch.Tensor):
+            return value.requires_grad and id(value) not in given
+        if isinstance(value, torch.nn.Module):
+            return any(p.requires_grad and id(p) not in given for p in value.parameters())
+        return False
+
+    found: dict[str, object] = {}
+    fn = getattr(step, "__func__", step)
+    if isinstance(getattr(step, "__self__", None), torch.nn.Module):
+        found["self"] = step.__self__
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        cells = fn.__closure__ or ()
+        for name, cell in zip(code.co_freevars, cells):
+            try:
+                found[name] = cell.cell_contents
+            except ValueError:  # an empty cell
+                pass
+        for name in code.co_names:
+            if name in fn.__globals__:
+                found.setdefault(name, fn.__globals__[name])
+        for k, value in enumerate(fn.__defaults__ or ()):
+            found.setdefault(f"default {k}", value)
+    return [name for name, value in found.items() if needs_grad(value)]
+
+
 class Step:
     """The user's step as a function of tuples, with a shape check and RNG handling."""
 
@@ -46,7 +81,15 @@ class Step:
         params = self.params if params is None else params
         arg = state[0] if self.single else state
         out = self.step(arg) if self.module else self.step(arg, *params)
-        out_t = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        if isinstance(out, torch.Tensor):
+            out_t = (out,)
+        elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
+            out_t = tuple(out)
+        else:
+            raise TypeError(
+                f"iterate: step returned {type(out).__name__}; a step returns the next state, "
+                "a tensor or a tuple of tensors like x0"
+            )
         got = [(t.shape, t.dtype, t.device) for t in out_t]
         if got != self.signature:
             raise ValueError(

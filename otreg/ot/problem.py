@@ -85,13 +85,18 @@ class Implicit:
         check_int("Implicit", "max_iter", self.max_iter, 1)
 
 
+#: the loop strategies a Sinkhorn iteration can run (``"reversible"`` needs an inverse)
+UNROLL_STRATEGIES = tuple(s for s in STRATEGIES if s != "reversible")
+
+
 @dataclass(frozen=True)
 class Unroll:
     """``backward=Unroll(...)``: autograd through the iterations at the final eps, run by
     :func:`otreg.loops.iterate` (the eps-scaling gives the warm start).
 
     Args:
-        strategy: ``"store"``, ``"checkpoint"``, ``"reversible"`` or ``"offload"``.
+        strategy: ``"store"``, ``"checkpoint"`` or ``"offload"`` (a Sinkhorn iteration
+            has no inverse to run it backward, which ``"reversible"`` needs).
         memory: the budget for ``"checkpoint"``: bytes or a size like ``"500MB"``.
 
     Example:
@@ -107,7 +112,7 @@ class Unroll:
     memory: int | str | None = None
 
     def __post_init__(self) -> None:
-        check_choice("Unroll", "strategy", self.strategy, STRATEGIES)
+        check_choice("Unroll", "strategy", self.strategy, UNROLL_STRATEGIES)
         if self.memory is not None:
             parse_bytes("Unroll", self.memory)
 

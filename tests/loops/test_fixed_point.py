@@ -103,3 +103,22 @@ def test_sinkhorn_backward_options_are_checked():
         otreg.sinkhorn_divergence(x, y, backward="unroll")
     with pytest.raises(ValueError, match="backward is 'sometimes'; choose one of 'envelope'"):
         otreg.sinkhorn_divergence(x, y, backward="sometimes")
+
+
+def test_the_implicit_backward_refuses_a_tensor_the_step_captures():
+    """A captured A got no gradient from the implicit backward (the unrolled one gave it
+    one); passed in params both agree."""
+    gen = torch.Generator().manual_seed(0)
+    A = (0.1 * torch.randn(10, 10, generator=gen, dtype=torch.float64)).requires_grad_()
+    b = torch.randn(10, generator=gen, dtype=torch.float64, requires_grad=True)
+    z0 = torch.zeros(10, dtype=torch.float64)
+    with pytest.raises(ValueError, match="step uses A, which requires a gradient"):
+        fixed_point(lambda z, b: torch.tanh(A @ z + b), z0, (b,))
+    grads = []
+    for backward in ("implicit", "unroll"):
+        z = fixed_point(
+            lambda z, b, A: torch.tanh(A @ z + b), z0, (b, A), tol=1e-12, backward=backward
+        )
+        (gA,) = torch.autograd.grad(z.sum(), A)
+        grads.append(gA)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-8, atol=1e-10)

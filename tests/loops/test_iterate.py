@@ -167,6 +167,8 @@ def test_profile_runs_checkpoint_once_per_budget():
         (dict(strategy="reversible"), ValueError, "needs inverse="),
         (dict(step=lambda x, W: x[:2]), ValueError, "step changed the state from"),
         (dict(step=3), TypeError, "step must be callable"),
+        (dict(step=lambda x, W: None), TypeError, "step returned NoneType; a step returns"),
+        (dict(step=lambda x, W: (x @ W).detach().numpy()), TypeError, "step returned ndarray"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
@@ -208,3 +210,34 @@ def test_a_step_that_draws_nothing_shares_one_rng_state():
     assert run.rng_state() is first  # nothing drew: the same object, not a copy per call
     torch.rand(1)
     assert run.rng_state() is not first
+
+
+CAPTURED = torch.ones(6, dtype=torch.float64, requires_grad=True)  # a module global a step may name
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "reversible"])
+def test_a_tensor_the_step_captures_instead_of_receiving_is_refused(strategy):
+    """A closure's tensor, a global's, a module's parameters: under checkpointing they got
+    no gradient (store gave them one), silently; these strategies now refuse them, naming
+    them, and accept them through params."""
+    x0, W = make()
+    net = nn.Linear(6, 6).double()
+    for step, name in [
+        (lambda x: x @ W, "W"),
+        (lambda x: x * CAPTURED, "CAPTURED"),
+        (lambda x: net(x), "net"),
+    ]:
+        with pytest.raises(ValueError, match=f"step uses {name}, which requires a gradient"):
+            iterate(step, x0, 5, strategy=strategy, inverse=lambda x: x)
+    y = iterate(lambda x: torch.tanh(net(x)), x0, 5, net, strategy="checkpoint", snapshots=2)
+    y.sum().backward()
+    assert net.weight.grad is not None
+    stored = iterate(lambda x: x @ W, x0, 5)  # autograd's record: a closure is fine
+    stored.sum().backward()
+    assert W.grad is not None
+
+
+def test_params_name_the_element_that_is_not_a_tensor():
+    x0, W = make()
+    with pytest.raises(TypeError, match=r"params\[1\] is float; params must be tensors"):
+        iterate(lambda x, W, c: x @ W * c, x0, 5, (W, 0.1))

@@ -63,6 +63,10 @@ def test_bad_options_raise_naming_them(options, error, match):
         (lambda: Implicit(max_iter=0), "Implicit: max_iter is 0"),
         (lambda: Unroll(strategy="remember"), "Unroll: strategy is 'remember'"),
         (lambda: Unroll(memory="lots"), "Unroll: memory is 'lots'"),
+        (
+            lambda: Unroll(strategy="reversible"),
+            "Unroll: strategy is .reversible.; choose one of .store., .checkpoint., .offload.$",
+        ),
     ],
 )
 def test_bad_strategy_settings_raise_naming_them(make, match):
