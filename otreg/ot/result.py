@@ -107,10 +107,13 @@ def report_convergence(caller: str, what: str, p: Problem, n_iter: int, rule: St
             "raise max_iter"
         )
     elif rule.reason == "stalled":
+        remedies = [f"a tol above {err:.2g}", "a larger blur"]
+        if p.x.dtype != torch.float64:
+            remedies.insert(0, "float64 points")
         hint = (
             f"it stopped decreasing {StoppingRule.PATIENCE} iterations before: the "
-            f"rounding floor of {p.x.dtype} at eps={p.eps:.3g}. Use float64 points, a "
-            f"tol above {err:.2g}, or a larger blur"
+            f"rounding floor of {p.x.dtype} at eps={p.eps:.3g}. Use "
+            f"{_either(remedies)}"
         )
     elif rule.reason == "diverged" and p.relaxation not in RELAXATIONS:
         hint = (
@@ -118,9 +121,14 @@ def report_convergence(caller: str, what: str, p: Problem, n_iter: int, rule: St
             "use relaxation='anderson' or a smaller fixed weight"
         )
     elif rule.reason == "diverged":
+        remedies = ["a larger blur"]
+        if p.form != "log":
+            remedies.insert(0, "form='log'")
+        if p.x.dtype != torch.float64:
+            remedies.insert(0, "float64 points")
         hint = (
             f"the marginal error became NaN or infinite at eps={p.eps:.3g} in "
-            f"{p.x.dtype}: use float64 points, form='log' or a larger blur"
+            f"{p.x.dtype}: use {_either(remedies)}"
         )
     else:
         hint = (
@@ -129,6 +137,11 @@ def report_convergence(caller: str, what: str, p: Problem, n_iter: int, rule: St
         )
     warn(f"{head}; {hint}", ConvergenceWarning)
     return False
+
+
+def _either(options: list[str]) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"
 
 
 def unbatch(t: torch.Tensor, batched: bool) -> torch.Tensor:

@@ -196,6 +196,22 @@ def test_float32_stops_at_its_rounding_floor_and_says_so():
     assert float(r32.cost) == pytest.approx(float(r64.cost), rel=1e-5)
 
 
+def test_the_warnings_advise_only_what_the_call_does_not_do_already():
+    """float64 points at their own rounding floor are not told to use float64; a
+    log-form float32 solve that overflows is not told to use the log form."""
+    x, y = _spheres()
+    with pytest.warns(otreg.ConvergenceWarning, match="rounding floor") as got:
+        otreg.sinkhorn(x, y, blur=0.02, max_iter=3000, tol=1e-14)
+    assert "float64 points" not in str(got[0].message)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.rand(50, 2, generator=gen), torch.rand(40, 2, generator=gen)
+    with pytest.warns(otreg.ConvergenceWarning, match="NaN or infinite") as got:
+        res = otreg.sinkhorn(a, b, blur=1e-5)
+    assert res.stopped == "diverged"
+    message = str(got[0].message)
+    assert "use float64 points or a larger blur" in message and "form=" not in message
+
+
 def test_a_fixed_iteration_count_does_not_warn():
     x, y, _, _ = clouds()
     steps = len(epsilon_schedule(2, diameter(x[None], y[None]), 0.05, 0.5))
