@@ -80,7 +80,7 @@ def as_points(caller: str, name: str, x: object) -> tuple[torch.Tensor, bool]:
     if not x.is_floating_point():
         raise TypeError(
             f"{caller}: {name} has dtype {x.dtype}; points must be floating point "
-            "(float32 or float64)"
+            "(float32 or float64; float16 and bfloat16 are computed in float32)"
         )
     if x.dim() not in (2, 3):
         hint = " (a 1-D tensor looks like weights: points come before their weights)"

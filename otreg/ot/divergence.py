@@ -269,6 +269,16 @@ class SinkhornLoss(nn.Module):
             (x, y), a, b = args, None, None
         elif len(args) == 4:
             a, x, b, y = args
+            shapes = [getattr(t, "shape", None) for t in args]
+            if (
+                all(isinstance(t, torch.Tensor) for t in args)
+                and args[0].dim() == args[1].dim() + 1
+            ):
+                raise TypeError(
+                    f"SinkhornLoss: loss(a, x, b, y) takes each cloud's weights before its "
+                    f"points; got shapes {', '.join(str(tuple(t)) for t in shapes)}, which "
+                    "look like loss(x, a, y, b)"
+                )
         else:
             raise TypeError(
                 f"SinkhornLoss: call it as loss(x, y) or loss(a, x, b, y), got "

@@ -19,6 +19,7 @@ cannot be honoured cannot be written:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -340,8 +341,16 @@ class Problem:
                 f"{caller}: x has points of dimension {x.shape[-1]} but y of "
                 f"dimension {y.shape[-1]}; both need the same D"
             )
-        check_same_device_dtype(caller, {"x": x, "y": y})
         out_dtype = x.dtype
+        if x.dtype != y.dtype and (x.dtype in HALF or y.dtype in HALF):
+            # a model's half-precision output against a float32 target (autocast): both
+            # in the wider float dtype, the value and x's gradient back in x's
+            wide = torch.promote_types(x.dtype, y.dtype)
+            wide = torch.float32 if wide in HALF else wide
+            x, y = x.to(wide), y.to(wide)
+            a, b = (w.to(wide) if isinstance(w, torch.Tensor) and w.dtype in HALF else w
+                    for w in (a, b))  # fmt: skip
+        check_same_device_dtype(caller, {"x": x, "y": y})
         if out_dtype in HALF:  # an autocast model's: computed in float32, returned as given
             x, y = x.float(), y.float()
             a, b = (w.float() if isinstance(w, torch.Tensor) and w.dtype == out_dtype else w
@@ -357,6 +366,7 @@ class Problem:
         cost = get_cost(o.cost, caller)
         rho = None if o.reach is None else o.reach**cost.p
         size = bounding_diameter(x, y)
+        _check_representable(caller, x.dtype, size, o.blur, cost.p)
         diam = size if o.diameter is None else o.diameter
         schedule = epsilon_schedule(cost.p, max(diam, o.blur), o.blur, o.scaling)
         if len(schedule) > o.max_iter:
@@ -402,6 +412,23 @@ class Problem:
             o,
             size,
             out_dtype,
+        )
+
+
+def _check_representable(caller: str, dtype: torch.dtype, size: float, blur: float, p: int):
+    """Costs up to ``size ** p`` and eps = ``blur ** p`` must be normal numbers of ``dtype``."""
+    info = torch.finfo(dtype)
+    if not math.isfinite(size) or size**p > info.max / 4:
+        reach = f"reach {size:.3g}^{p}" if math.isfinite(size) else "overflow"
+        raise ValueError(
+            f"{caller}: the points' costs {reach}, beyond {dtype}'s largest number "
+            f"{info.max:.3g}: rescale the points (and the blur) or use float64"
+        )
+    if blur**p < info.tiny:
+        raise ValueError(
+            f"{caller}: blur is {blur:g}, so eps = blur^{p} = {blur**p:.3g}, below "
+            f"{dtype}'s smallest normal number {info.tiny:.3g}: rescale the points (and the "
+            "blur) or use float64"
         )
 
 

@@ -109,6 +109,32 @@ def test_sinkhorn_loss_rejects_bad_options_at_construction():
         otreg.SinkhornLoss()(x)
 
 
+def test_sinkhorn_loss_names_weights_given_after_their_points():
+    a, b = torch.full((20,), 1 / 20), torch.full((30,), 1 / 30)
+    x, y = torch.rand(20, 3), torch.rand(30, 3)
+    with pytest.raises(TypeError, match=r"weights before its points; got shapes \(20, 3\)"):
+        otreg.SinkhornLoss()(x, a, y, b)
+    assert torch.isfinite(otreg.SinkhornLoss(blur=0.1)(a, x, b, y))
+
+
+def test_a_half_precision_model_output_against_a_float32_target():
+    """Under CPU autocast a Linear's output is bfloat16 and the target float32: both are
+    computed in float32 (they raised a dtype mismatch), the value in the output's dtype,
+    the gradient reaching the model."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(200, 3, generator=g), torch.rand(250, 3, generator=g)
+    lin = torch.nn.Linear(3, 3)
+    loss = otreg.SinkhornLoss(blur=0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lin(x)
+        value = loss(out, y)
+    assert out.dtype == value.dtype == torch.bfloat16
+    value.backward()
+    assert lin.weight.grad is not None and torch.isfinite(lin.weight.grad).all()
+    ref = loss(out.detach().float(), y)
+    assert float(value) == pytest.approx(float(ref), rel=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_points_are_computed_in_float32(dtype):
     """An autocast model's points: computed in float32 (8 or 11 bits of mantissa cannot
@@ -170,3 +196,15 @@ def test_unequal_masses_in_a_batch_name_the_problem():
     b[1] *= 1.1
     with pytest.raises(ValueError, match=r"problem 1 of the batch"):
         otreg.sinkhorn(x, y, None, b, blur=0.5)
+
+
+def test_costs_or_eps_beyond_the_dtype_are_refused_naming_them():
+    """float32 points near 1e20 (an OverflowError deep inside before), and a blur whose eps
+    is below float32's smallest normal number (a RuntimeError before); float64 runs."""
+    x, y = torch.rand(20, 3) * 1e20, torch.rand(30, 3) * 1e20
+    with pytest.raises(ValueError, match="costs overflow, beyond torch.float32's largest"):
+        otreg.sinkhorn(x, y, blur=1e18)
+    x, y = torch.rand(20, 3) * 1e-20, torch.rand(30, 3) * 1e-20
+    with pytest.raises(ValueError, match=r"eps = blur\^2 = 1e-42, below torch.float32's"):
+        otreg.sinkhorn(x, y, blur=1e-21)
+    assert otreg.sinkhorn(x.double(), y.double(), blur=1e-21).converged
