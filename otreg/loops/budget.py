@@ -78,8 +78,8 @@ def within_budget(caller: str, memory, device: torch.device):
         kept = kept_since_call(device) - ONE_OFF_ALLOWANCE
         if kept >= budget:
             raise ValueError(
-                f"{calls[0][0]}: memory budget {budget / 1e6:,.1f} MB is spent before its "
-                f"loop: the call kept {kept / 1e6:,.1f} MB more than the "
+                f"{calls[0][0]}: memory budget {_size(budget)} is spent before its "
+                f"loop: the call kept {_size(kept)} more than the "
                 f"{ONE_OFF_ALLOWANCE / 1e6:,.0f} MB allowed for one-offs before it "
                 f"{ONE_OFFS}; raise memory"
             )
@@ -192,7 +192,7 @@ def check_budget(
         need = int(max(two - 2 * per_step, 0) + n * per_step)
         report.update(working_bytes=int(two - 2 * per_step), step_bytes=int(per_step))
         fits = "strategy='checkpoint' holds it within a budget"
-        detail = f"every step's saved tensors, {per_step / 1e6:,.1f} MB a step, for {n} steps"
+        detail = f"every step's saved tensors, {_size(per_step)} a step, for {n} steps"
     else:
         need = probe_peak(run, state, params, strategy, PROBE_STEPS, inverse, report)
         report.update(working_bytes=need)
@@ -202,9 +202,10 @@ def check_budget(
     report["needed_bytes"] = need
     if budget < need:
         raise ValueError(
-            f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what "
-            f"strategy={strategy!r} needs for this loop: {need / 1e6:,.1f} MB ({detail}, "
-            f"measured{one_off_note(report)}); raise memory ({fits})"
+            f"{caller}: memory budget {_size(budget)} is below what "
+            f"strategy={strategy!r} needs for this loop: {_size(need)} ({detail}, "
+            f"measured{one_off_note(report)}); raise memory to at least "
+            f"{_size(least_budget(need, report))} ({fits})"
         )
     check_first_run(caller, budget, report)
 
@@ -224,15 +225,32 @@ def charged(need: int, report: dict, device: torch.device) -> int:
     return need + max(0, report["kept_bytes"] - ONE_OFF_ALLOWANCE)
 
 
+def _size(nbytes: float) -> str:
+    """Bytes for a message: '61.8 MB', '4.1 kB' or '512 bytes'."""
+    if nbytes >= 1e5:
+        return f"{nbytes / 1e6:,.1f} MB"
+    if nbytes >= 1e3:
+        return f"{nbytes / 1e3:,.1f} kB"
+    return f"{int(nbytes)} bytes"
+
+
+def least_budget(need: int, report: dict) -> int:
+    """The smallest budget that both ``need`` and the first short run's peak (past the
+    one-off allowance, :func:`check_first_run`) fit: what an error asks for, so that the
+    next try passes both checks."""
+    return int(max(need, report.get("first_probe_bytes", 0) - ONE_OFF_ALLOWANCE))
+
+
 def check_first_run(caller: str, budget: int, report: dict) -> None:
     """Raise when the planner's first run peaked over the budget, counted from the start
     of the call, past ``ONE_OFF_ALLOWANCE``."""
     first = report.get("first_probe_bytes", 0) - ONE_OFF_ALLOWANCE
     if first > budget:
         raise ValueError(
-            f"{caller}: memory budget {budget / 1e6:,.1f} MB is below the peak of this loop's "
-            f"first short run, {first / 1e6:,.1f} MB past the "
-            f"{ONE_OFF_ALLOWANCE / 1e6:,.0f} MB allowed for one-offs {ONE_OFFS}; raise memory"
+            f"{caller}: memory budget {_size(budget)} is below the peak of this loop's "
+            f"first short run, {_size(first)} past the "
+            f"{ONE_OFF_ALLOWANCE / 1e6:,.0f} MB allowed for one-offs {ONE_OFFS}; raise memory "
+            f"to at least {_size(first)}"
         )
 
 
@@ -241,7 +259,7 @@ def one_off_note(report: dict) -> str:
     kept = report.get("kept_bytes", 0) - ONE_OFF_ALLOWANCE
     if kept < 1e6:
         return ""
-    return f"; {kept / 1e6:,.1f} MB of it is what the call kept before its loop {ONE_OFFS}"
+    return f"; {_size(kept)} of it is what the call kept before its loop {ONE_OFFS}"
 
 
 def probe_peak(
@@ -346,10 +364,11 @@ def snapshot_count(
     working = charged(working, report, state[0].device)
     if budget < working:
         raise ValueError(
-            f"{caller}: memory budget {budget / 1e6:,.1f} MB is below what checkpointing this "
-            f"loop needs: {working / 1e6:,.1f} MB (measured on a {PROBE_STEPS}-step loop that "
-            f"stores only its input; a state is {size / 1e6:,.1f} MB{one_off_note(report)}); "
-            "raise memory, or use strategy='store'"
+            f"{caller}: memory budget {_size(budget)} is below what checkpointing this "
+            f"loop needs: {_size(working)} (measured on a {PROBE_STEPS}-step loop that "
+            f"stores only its input; a state is {_size(size)}{one_off_note(report)}); "
+            f"raise memory to at least {_size(least_budget(working, report))}, or use "
+            "strategy='store'"
         )
     check_first_run(caller, budget, report)
     return 1 + (budget - working) // size  # the input, and what the rest of the budget holds

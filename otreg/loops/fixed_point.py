@@ -41,12 +41,12 @@ def _solve_adjoint(
     apply_jt: Callable, g: torch.Tensor, solver: str, tol: float, max_iter: int
 ) -> tuple[torch.Tensor, float, int]:
     """Solve (I - J^T) u = g; returns (u, relative residual, iterations)."""
-    gnorm = float(g.norm()) or 1.0
+    gnorm = float(g.detach().norm()) or 1.0
     if solver == "fixed_point":
         u, n = g.clone(), 0
         for n in range(1, max_iter + 1):  # noqa: B007
             u_new = g + apply_jt(u)
-            done = float((u_new - u).norm()) <= tol * gnorm
+            done = float((u_new - u).detach().norm()) <= tol * gnorm
             u = u_new
             if done:
                 break
@@ -71,7 +71,7 @@ def _solve_adjoint(
             maxiter=max_iter,
         )
         u, n = torch.as_tensor(sol, dtype=g.dtype, device=g.device), count[0]
-    residual = float((u - apply_jt(u) - g).norm()) / gnorm
+    residual = float((u - apply_jt(u) - g).detach().norm()) / gnorm
     return u, residual, n
 
 
