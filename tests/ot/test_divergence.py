@@ -143,6 +143,25 @@ def test_sinkhorn_loss_warm_start_gives_the_same_values_faster():
         otreg.SinkhornLoss(warm_start=1)
 
 
+def test_a_warm_start_that_crawls_falls_back_to_the_annealing():
+    """Clouds moved far between calls: the previous potentials are a poor start (a model
+    trained by Adam took 900 to 2,000 iterations from them, and stopped unconverged, where
+    the annealing took 260 to 1,300); the warm attempt stops at half the last cold solve's
+    iterations and the call solves from scratch, converged, with the cold call's value."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 3, generator=gen, dtype=torch.float64)
+    y = x @ torch.randn(3, 3, generator=gen, dtype=torch.float64) + 0.5
+    cold = otreg.SinkhornLoss(blur=0.05)
+    warm = otreg.SinkhornLoss(blur=0.05, warm_start=True)
+    warm(x, y)
+    moved = x @ torch.tensor([[0.0, -1, 0], [1, 0, 0], [0, 0, 1]], dtype=x.dtype) + 2.0
+    vc, vw = cold(moved, y), warm(moved, y)
+    assert cold.last_result.converged and warm.last_result.converged
+    assert float(vw) == pytest.approx(float(vc), rel=1e-3)
+    assert warm.last_result.n_iter == cold.last_result.n_iter  # solved from scratch
+    assert warm._warm["skip_xy"] == otreg.ot.divergence.WARM_BACKOFF  # after a failed try
+
+
 @pytest.mark.parametrize("reach", [None, 0.7])
 def test_gradient_with_respect_to_zero_weights_is_finite_and_exact(reach):
     # A zero weight is a point the measure does not charge (a zero-area triangle's vertex):
