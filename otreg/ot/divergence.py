@@ -20,18 +20,19 @@ import torch
 from torch import nn
 
 from .. import reductions
-from .._checks import warn
 from .gradient import differentiate, dual_value, first_order_only
 from .large_blur import check_range, closed_form_applies
 from .loop import closed_form_solution, solve
-from .problem import Problem, SinkhornOptions, no_autocast, resolve_options
+from .problem import (
+    Problem,
+    SinkhornOptions,
+    no_autocast,
+    resolve_options,
+    warn_default_blur,
+)
 from .result import SinkhornResult, make_result, report_convergence, unbatch
 
 __all__ = ["sinkhorn_divergence", "SinkhornLoss"]
-
-#: A default blur is flagged when the data span more than this many times it.
-DEFAULT_BLUR_SPAN = 100
-
 
 #: after a warm start that did not converge within the last cold solve's iterations, this
 #: many calls solve from scratch before the next try
@@ -66,9 +67,9 @@ def divergence(
     ``warm``: a dict of the potentials of a previous call (``f``, ``g``, ``f_aa``, ``g_bb``),
     used as warm starts where their shapes fit (skipping the eps-scaling) and updated.
     ``default_blur``: the caller did not choose the blur (a warning when the data span
-    more than :data:`DEFAULT_BLUR_SPAN` times it, as brain surfaces in mm do). Half
-    precision inputs (an autocast model's) are computed in float32, with autocast off, and
-    the value returned in their dtype.
+    more than :data:`~otreg.ot.problem.DEFAULT_BLUR_SPAN` times it, as brain surfaces in
+    mm do). Half precision inputs (an autocast model's) are computed in float32, with
+    autocast off, and the value returned in their dtype.
     """
     if options.backward_kind == "unroll":
         raise ValueError(
@@ -86,14 +87,8 @@ def _divergence(
     caller: str, p: Problem, options: SinkhornOptions, debias: bool, warm, default_blur: bool
 ) -> tuple[torch.Tensor, SinkhornResult]:
     """:func:`divergence` once its problem is built."""
-    if default_blur and p.size > DEFAULT_BLUR_SPAN * options.blur:
-        warn(
-            f"{caller}: blur is the default {options.blur:g}, in the points' units, but the "
-            f"points span {p.size:.3g}: the solve resolves details of {options.blur:g} units "
-            "(slow, and rarely what is meant for data in mm). Set blur (1 to 5 suits brain "
-            "surfaces in mm)",
-            UserWarning,
-        )
+    if default_blur:
+        warn_default_blur(caller, p)
     xd, yd, ad, bd = p.x.detach(), p.y.detach(), p.a.detach(), p.b.detach()
     check_range(caller, p)
     if closed_form_applies(p):  # blur far above the data (large_blur.py)

@@ -33,6 +33,7 @@ from .._checks import (
     check_int,
     check_positive,
     check_same_device_dtype,
+    warn,
 )
 from ..costs import Cost, epsilon_schedule, get_cost
 from ..costs import diameter as bounding_diameter
@@ -456,6 +457,24 @@ def _resolve_multiscale(
     if setting.auto and (unfit or not worthwhile(pairs, dim, o.blur, scale, fast)):
         return None
     return dataclasses.replace(setting, cluster_scale=scale)
+
+
+#: A default blur is flagged when the data span more than this many times it.
+DEFAULT_BLUR_SPAN = 100
+
+
+def warn_default_blur(caller: str, p: Problem) -> None:
+    """Warn when the blur, left at its default, is far below the data's span (brain
+    surfaces in mm at 0.05 mm: slow, and rarely what is meant)."""
+    blur = p.options.blur
+    if p.size > DEFAULT_BLUR_SPAN * blur:
+        warn(
+            f"{caller}: blur is the default {blur:g}, in the points' units, but the "
+            f"points span {p.size:.3g}: the solve resolves details of {blur:g} units "
+            "(slow, and rarely what is meant for data in mm). Set blur (1 to 5 suits brain "
+            "surfaces in mm)",
+            UserWarning,
+        )
 
 
 def no_autocast(device: torch.device):

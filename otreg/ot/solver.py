@@ -50,6 +50,7 @@ from .problem import (
     Unroll,
     no_autocast,
     resolve_options,
+    warn_default_blur,
 )
 from .result import SinkhornResult, make_result, report_convergence
 
@@ -108,11 +109,14 @@ def sinkhorn(
     backward: str | Implicit | Unroll = "envelope",
     multiscale: bool | str | Multiscale = "auto",
     init: tuple[torch.Tensor, torch.Tensor] | None = None,
+    options: SinkhornOptions | None = None,
 ) -> SinkhornResult:
     """Entropic optimal transport between two weighted point clouds.
 
     The keyword options are the fields of :class:`~otreg.ot.problem.SinkhornOptions`, with
-    the same defaults.
+    the same defaults; ``options=SinkhornOptions(...)`` gives them all at once (as for
+    :func:`sinkhorn_divergence` and :class:`SinkhornLoss`), a keyword given a value other
+    than its default replacing that field.
 
     Args:
         x: source points, ``(N, D)`` or batched ``(B, N, D)``.
@@ -167,6 +171,8 @@ def sinkhorn(
         init: potentials ``(f, g)`` of a nearby problem (e.g. ``(res.f, res.g)`` of the
             previous step of an optimisation), shaped like a and b: the solver starts from
             them at the final eps, without the eps-scaling (a warm start).
+        options: all the options at once, as a :class:`~otreg.ot.problem.SinkhornOptions`;
+            a keyword above given a value other than its default replaces its field.
 
     Returns:
         :class:`SinkhornResult`. Warns :class:`~otreg.ConvergenceWarning` when ``tol`` is
@@ -180,8 +186,7 @@ def sinkhorn(
         (True, (200,), (300,))
     """
     caller = "sinkhorn"
-    options = resolve_options(
-        caller,
+    given = dict(
         blur=blur,
         reach=reach,
         diameter=diameter,
@@ -195,7 +200,12 @@ def sinkhorn(
         backward=backward,
         multiscale=multiscale,
     )
+    if options is not None:  # the keywords left at their defaults take its values
+        given = {k: v for k, v in given.items() if not _is_default(k, v)}
+    options = resolve_options(caller, options, **given)
     p = Problem.build(caller, x, y, a, b, options)
+    if options.blur == _DEFAULTS.blur:  # given or not: the default's value
+        warn_default_blur(caller, p)
     init = check_init(caller, init, p)
     check_range(caller, p)
     budget = options.backward.memory if isinstance(options.backward, Unroll) else None
@@ -203,6 +213,14 @@ def sinkhorn(
     # (a model's mixed precision) would round the scores to half: off, the inputs are float32
     with within_budget(caller, budget, p.x.device), no_autocast(p.x.device):
         return _solve_and_differentiate(caller, p, options, init)
+
+
+def _is_default(name: str, value) -> bool:
+    default = getattr(_DEFAULTS, name)
+    return type(value) is type(default) and value == default
+
+
+_DEFAULTS = SinkhornOptions()
 
 
 def _solve_and_differentiate(

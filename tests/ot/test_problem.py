@@ -2,6 +2,7 @@
 
 import dataclasses
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,20 @@ def test_the_signatures_defaults_are_the_options_defaults():
     for f in dataclasses.fields(SinkhornOptions):
         assert signature[f.name].default == f.default, f.name
     assert otreg.SinkhornLoss().options == SinkhornOptions()
+
+
+def test_sinkhorn_takes_options_as_the_divergence_does():
+    """sinkhorn(options=...) was a TypeError while sinkhorn_divergence and SinkhornLoss
+    took it; a keyword given a value other than its default replaces the option's."""
+    x, y, _, _ = clouds(n=30, m=40, d=2, seed=0)
+    options = SinkhornOptions(blur=0.2, tol=1e-8)
+    res = otreg.sinkhorn(x, y, options=options)
+    same = otreg.sinkhorn(x, y, blur=0.2, tol=1e-8)
+    assert torch.equal(res.f, same.f) and res.marginal_error < 1e-8
+    other = otreg.sinkhorn(x, y, options=options, blur=0.3)
+    assert torch.equal(other.f, otreg.sinkhorn(x, y, blur=0.3, tol=1e-8).f)
+    with pytest.raises(TypeError, match="options must be an otreg.SinkhornOptions"):
+        otreg.sinkhorn(x, y, options={"blur": 0.2})
 
 
 def test_options_are_frozen_and_replace_checks_names_and_values():
@@ -115,3 +130,12 @@ def test_removed_keywords_are_unknown():
             otreg.sinkhorn(x, y, **{keyword: None})
         with pytest.raises(TypeError, match=f"unknown option\\(s\\) {keyword}"):
             otreg.sinkhorn_divergence(x, y, **{keyword: None})
+
+
+def test_sinkhorn_flags_the_default_blur_on_data_in_mm_as_the_divergence_does():
+    x, y, _, _ = clouds(n=30, m=40, d=3, seed=0)
+    with pytest.warns(UserWarning, match="sinkhorn: blur is the default 0.05"):
+        otreg.sinkhorn(100 * x, 100 * y, max_iter=5000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        otreg.sinkhorn(100 * x, 100 * y, blur=2.0)
