@@ -87,8 +87,9 @@ def iterate(
             default ``ceil(sqrt(n_steps))``.
         inverse: ``inverse(x_{k+1}, *params) -> x_k``, for ``strategy="reversible"``.
         report: a dict to fill with what happened: strategy, snapshots, state_bytes,
-            step_seconds; after backward, recomputations and max_stored (checkpoint) or drift
-            (reversible).
+            step_seconds; after backward, recomputations (the untaped steps the backward
+            pass ran to rebuild states: p(n, s) + 1 - n of ``untaped_evaluations``, p(n, s)
+            + 1 with the forward pass) and max_stored (checkpoint), or drift (reversible).
 
     Returns:
         x_n, with the structure of ``x0``.

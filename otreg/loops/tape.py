@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._checks import warn
 from .memory import MMAP_THRESHOLD
 from .schedules import binomial_schedule
 
@@ -58,6 +59,11 @@ def uncounted_tensors(step: Callable, params: tuple) -> list[str]:
         for k, value in enumerate(fn.__defaults__ or ()):
             found.setdefault(f"default {k}", value)
     return [name for name, value in found.items() if needs_grad(value)]
+
+
+#: a reversible loop's drift warns above this many square roots of its dtype's epsilon
+#: (float32: 3.5e-3, float64: 1.5e-7)
+DRIFT_WARN_ULPS = 10
 
 
 class Step:
@@ -281,5 +287,14 @@ class Reversible(torch.autograd.Function):
             add_grads(grad_params, gp)
         num = max(float((a - b).abs().max()) for a, b in zip(current, x0))
         den = max(float(b.abs().max()) for b in x0) or 1.0
-        ctx.report["drift"] = num / den
+        ctx.report["drift"] = drift = num / den
+        limit = DRIFT_WARN_ULPS * torch.finfo(x0[0].dtype).eps ** 0.5
+        if not drift <= limit:
+            warn(
+                f"iterate: strategy='reversible' rebuilt x_0 from the output with a relative "
+                f"error of {drift:.3g} (report['drift']; above {limit:.2g}), so the gradients "
+                "were taken at states that far off: check that inverse undoes step, or use "
+                "strategy='checkpoint'",
+                UserWarning,
+            )
         return (None, None, None, None, None, *grad_state, *grad_params)

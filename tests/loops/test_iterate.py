@@ -59,7 +59,7 @@ def test_checkpoint_memory_budget_counts_the_measured_step():
     assert report["snapshots"] == 3 and close(got, ref, 1e-10)
     got, report = grads("checkpoint", memory=f"{budget / 1000}KB")
     assert report["snapshots"] == 3
-    with pytest.raises(ValueError, match=r"below what checkpointing this loop needs: [\d.]+ MB"):
+    with pytest.raises(ValueError, match=r"below what checkpointing this loop needs: [\d.]+ kB"):
         grads("checkpoint", memory=f"{working - 1}B")
 
 
@@ -91,6 +91,13 @@ def test_reversible_rebuilds_states_and_reports_drift():
     drift = out["reversible"][1]["drift"]
     assert 0 <= drift < 1e-10
     assert close(out["reversible"][0], out["store"][0], 1e-8)
+    # an inverse that does not undo the step: the gradients are wrong, and it says so
+    report = {}
+    a, b = iterate(step, (x0, b0), 30, (W,), strategy="reversible", report=report,
+                   inverse=lambda s, W: (s[0] - 0.1, s[1]))  # fmt: skip
+    with pytest.warns(UserWarning, match="rebuilt x_0 from the output with a relative error"):
+        torch.autograd.grad((a * b).sum(), (x0, b0, W))
+    assert report["drift"] > 1e-3
 
 
 def test_module_parameters_receive_gradients():
