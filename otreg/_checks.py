@@ -144,7 +144,10 @@ def as_weights(
         raise ValueError(f"{caller}: {name} has {n_neg} negative entries; weights must be >= 0")
     mass = w.detach().sum(dim=1)
     if bool((mass <= 0).any()):
-        raise ValueError(f"{caller}: {name} has zero total mass; weights need a positive sum")
+        where = f" in problem {int((mass <= 0).nonzero()[0])} of the batch" if B > 1 else ""
+        raise ValueError(
+            f"{caller}: {name} has zero total mass{where}; weights need a positive sum"
+        )
     return w.expand(B, N)
 
 

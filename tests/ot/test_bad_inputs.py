@@ -196,6 +196,9 @@ def test_unequal_masses_in_a_batch_name_the_problem():
     b[1] *= 1.1
     with pytest.raises(ValueError, match=r"problem 1 of the batch"):
         otreg.sinkhorn(x, y, None, b, blur=0.5)
+    b[1] = 0
+    with pytest.raises(ValueError, match=r"zero total mass in problem 1 of the batch"):
+        otreg.sinkhorn(x, y, None, b, blur=0.5)
 
 
 def test_costs_or_eps_beyond_the_dtype_are_refused_naming_them():
