@@ -30,7 +30,8 @@ def uncounted_tensors(step: Callable, params: tuple) -> list[str]:
     """The names of what ``step`` uses without receiving it in ``params``, and would need a
     gradient: tensors that require one, and modules with such parameters, found in its
     closure, its default arguments, the globals its code names and, for a bound method,
-    its object. A strategy that recomputes steps outside autograd's record cannot give
+    the attributes of its object it names (parameters, modules, plain attributes; not
+    properties). A strategy that recomputes steps outside autograd's record cannot give
     them gradients; names reached another way (an attribute of an object) are not seen."""
     given = {id(p) for p in params}
 
@@ -43,9 +44,15 @@ def uncounted_tensors(step: Callable, params: tuple) -> list[str]:
 
     found: dict[str, object] = {}
     fn = getattr(step, "__func__", step)
-    if isinstance(getattr(step, "__self__", None), torch.nn.Module):
-        found["self"] = step.__self__
+    owner = getattr(step, "__self__", None)
     code = getattr(fn, "__code__", None)
+    if code is not None and owner is not None:  # a bound method: the attributes it names
+        attributes = dict(getattr(owner, "__dict__", {}))
+        if isinstance(owner, torch.nn.Module):
+            attributes.update(owner._parameters, **owner._modules)
+        for name in code.co_names:
+            if name in attributes:
+                found[f"self.{name}"] = attributes[name]
     if code is not None:
         cells = fn.__closure__ or ()
         for name, cell in zip(code.co_freevars, cells):

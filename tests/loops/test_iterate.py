@@ -229,10 +229,20 @@ def test_a_tensor_the_step_captures_instead_of_receiving_is_refused(strategy):
     them, and accept them through params."""
     x0, W = make()
     net = nn.Linear(6, 6).double()
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = nn.Parameter(torch.eye(6, dtype=torch.float64))
+
+        def step(self, x):
+            return x @ self.W
+
     for step, name in [
         (lambda x: x @ W, "W"),
         (lambda x: x * CAPTURED, "CAPTURED"),
         (lambda x: net(x), "net"),
+        (Layer().step, "self.W"),
     ]:
         with pytest.raises(ValueError, match=f"step uses {name}, which requires a gradient"):
             iterate(step, x0, 5, strategy=strategy, inverse=lambda x: x)
