@@ -235,10 +235,18 @@ def _size(nbytes: float) -> str:
 
 
 def least_budget(need: int, report: dict) -> int:
-    """The smallest budget that both ``need`` and the first short run's peak (past the
-    one-off allowance, :func:`check_first_run`) fit: what an error asks for, so that the
-    next try passes both checks."""
-    return int(max(need, report.get("first_probe_bytes", 0) - ONE_OFF_ALLOWANCE))
+    """The budget an error asks for: one that both ``need`` and the first short run's peak
+    (past the one-off allowance, :func:`check_first_run`) fit, plus ``BUDGET_MARGIN`` for
+    the measurement's noise from run to run, rounded up to the digits a message shows, so
+    that the next try passes both checks."""
+    least = max(need, report.get("first_probe_bytes", 0) - ONE_OFF_ALLOWANCE)
+    unit = 100_000 if least >= 1e5 else 100
+    return int(math.ceil(least * (1 + BUDGET_MARGIN) / unit) * unit)
+
+
+#: what a suggested budget adds to the measured need (peaks measured in separate processes
+#: for one loop spread by up to 10%)
+BUDGET_MARGIN = 0.1
 
 
 def check_first_run(caller: str, budget: int, report: dict) -> None:

@@ -6,6 +6,7 @@ picks one; :mod:`~otreg.loops.budget` runs short ones to measure a loop's memory
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -28,44 +29,78 @@ def as_tuple(caller: str, x0: object) -> tuple[tuple[torch.Tensor, ...], bool]:
 
 def uncounted_tensors(step: Callable, params: tuple) -> list[str]:
     """The names of what ``step`` uses without receiving it in ``params``, and would need a
-    gradient: tensors that require one, and modules with such parameters, found in its
-    closure, its default arguments, the globals its code names and, for a bound method,
-    the attributes of its object it names (parameters, modules, plain attributes; not
-    properties). A strategy that recomputes steps outside autograd's record cannot give
-    them gradients; names reached another way (an attribute of an object) are not seen."""
+    gradient: tensors that require one, and modules with such parameters (also inside a
+    list, tuple or dict), found in its closure, its default arguments, the globals its code
+    names, a ``functools.partial``'s arguments, a module given as the step, and the
+    attributes a bound method or a callable object's ``__call__`` names (parameters,
+    modules, plain attributes; not properties). A strategy that recomputes steps outside
+    autograd's record cannot give them gradients. Not seen: what a function the step calls
+    uses, or an attribute of an object the step receives. Nothing is looked for where
+    gradients are off (``torch.no_grad``)."""
+    if not torch.is_grad_enabled():
+        return []
     given = {id(p) for p in params}
 
-    def needs_grad(value) -> bool:
+    def needs_grad(value, depth: int = 0) -> bool:
         if isinstance(value, torch.Tensor):
             return value.requires_grad and id(value) not in given
         if isinstance(value, torch.nn.Module):
             return any(p.requires_grad and id(p) not in given for p in value.parameters())
+        if depth == 0 and isinstance(value, (list, tuple, dict)):
+            items = value.values() if isinstance(value, dict) else value
+            return any(needs_grad(v, 1) for v in items)
         return False
 
     found: dict[str, object] = {}
-    fn = getattr(step, "__func__", step)
-    owner = getattr(step, "__self__", None)
-    code = getattr(fn, "__code__", None)
-    if code is not None and owner is not None:  # a bound method: the attributes it names
-        attributes = dict(getattr(owner, "__dict__", {}))
-        if isinstance(owner, torch.nn.Module):
-            attributes.update(owner._parameters, **owner._modules)
-        for name in code.co_names:
-            if name in attributes:
-                found[f"self.{name}"] = attributes[name]
-    if code is not None:
-        cells = fn.__closure__ or ()
-        for name, cell in zip(code.co_freevars, cells):
+
+    def look(fn, prefix: str = "") -> None:
+        if isinstance(fn, functools.partial):
+            for k, value in enumerate(fn.args):
+                found.setdefault(f"{prefix}partial argument {k}", value)
+            for name, value in fn.keywords.items():
+                found.setdefault(f"{prefix}{name}", value)
+            look(fn.func, prefix)
+            return
+        if isinstance(fn, torch.nn.Module):
+            found.setdefault(prefix or "step", fn)
+            return
+        owner = getattr(fn, "__self__", None)
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is None and callable(fn):  # a callable object: its __call__, bound to it
+            owner, fn = fn, getattr(type(fn).__call__, "__func__", type(fn).__call__)
+            code = getattr(fn, "__code__", None)
+        if code is None:
+            return
+        if owner is not None:  # the attributes it names
+            attributes = dict(getattr(owner, "__dict__", {}))
+            if isinstance(owner, torch.nn.Module):
+                attributes.update(owner._parameters, **owner._modules)
+            for name in code.co_names:
+                if name in attributes:
+                    found.setdefault(f"self.{name}", attributes[name])
+        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
-                found[name] = cell.cell_contents
+                found.setdefault(name, cell.cell_contents)
             except ValueError:  # an empty cell
                 pass
         for name in code.co_names:
             if name in fn.__globals__:
                 found.setdefault(name, fn.__globals__[name])
-        for k, value in enumerate(fn.__defaults__ or ()):
-            found.setdefault(f"default {k}", value)
-    return [name for name, value in found.items() if needs_grad(value)]
+        positional = code.co_varnames[: code.co_argcount]
+        defaults = fn.__defaults__ or ()
+        for name, value in zip(positional[len(positional) - len(defaults) :], defaults):
+            found.setdefault(name, value)
+        for name, value in (fn.__kwdefaults__ or {}).items():
+            found.setdefault(name, value)
+
+    look(step)
+    names, seen = [], set()
+    for name, value in found.items():
+        if needs_grad(value) and id(value) not in seen:
+            seen.add(id(value))
+            names.append(name)
+    return names
 
 
 #: a reversible loop's drift warns above this many square roots of its dtype's epsilon

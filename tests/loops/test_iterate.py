@@ -1,5 +1,7 @@
 """Every strategy of otreg.loops.iterate gives the gradients of plain autograd."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -238,14 +240,33 @@ def test_a_tensor_the_step_captures_instead_of_receiving_is_refused(strategy):
         def step(self, x):
             return x @ self.W
 
+    class Holder:
+        def __init__(self):
+            self.M = W
+
+        def __call__(self, x):
+            return x @ self.M
+
+    def keyword(x, *, M=W):
+        return x @ M
+
+    Ws = [W]
     for step, name in [
         (lambda x: x @ W, "W"),
         (lambda x: x * CAPTURED, "CAPTURED"),
         (lambda x: net(x), "net"),
         (Layer().step, "self.W"),
+        (lambda x, M=W: x @ M, "M"),  # a default argument
+        (keyword, "M"),
+        (functools.partial(lambda x, M: x @ M, M=W), "M"),
+        (net, "step"),  # a module as the step, its parameters not in params
+        (Holder(), "self.M"),
+        (lambda x: x @ Ws[0], "Ws"),
     ]:
         with pytest.raises(ValueError, match=f"step uses {name}, which requires a gradient"):
             iterate(step, x0, 5, strategy=strategy, inverse=lambda x: x)
+    with torch.no_grad():  # no gradient is taken: nothing to refuse
+        iterate(lambda x: x @ W, x0, 5, strategy="checkpoint")
     y = iterate(lambda x: torch.tanh(net(x)), x0, 5, net, strategy="checkpoint", snapshots=2)
     y.sum().backward()
     assert net.weight.grad is not None
