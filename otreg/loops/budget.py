@@ -258,7 +258,7 @@ def check_first_run(caller: str, budget: int, report: dict) -> None:
             f"{caller}: memory budget {_size(budget)} is below the peak of this loop's "
             f"first short run, {_size(first)} past the "
             f"{ONE_OFF_ALLOWANCE / 1e6:,.0f} MB allowed for one-offs {ONE_OFFS}; raise memory "
-            f"to at least {_size(first)}"
+            f"to at least {_size(least_budget(0, report))}"
         )
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from .._checks import ConvergenceWarning, check_choice, check_int, check_positive, warn
 from .iterate import iterate
-from .tape import Step, as_tuple, uncounted_tensors
+from .tape import Step, as_tuple, refuse_uncounted
 
 __all__ = ["fixed_point"]
 
@@ -209,14 +209,10 @@ def fixed_point(
     )
     backward_max_iter = check_int(caller, "backward_max_iter", backward_max_iter, 1)
     params = tuple(params)
-    missed = uncounted_tensors(step, params) if backward == "implicit" else []
-    if missed:
-        raise ValueError(
-            f"{caller}: step uses {', '.join(missed)}, which requires a gradient, without "
-            "receiving it in params: the implicit backward differentiates with respect to "
-            "params only, so it would get none; pass it in params (step(z, *params)), "
-            "detach it, or use backward='unroll'"
-        )
+    if backward == "implicit":
+        why = "the implicit backward differentiates with respect to params only"
+        fix = "step(z, *params)), detach it, or use backward='unroll'"
+        refuse_uncounted(caller, step, params, why, fix)
     run = Step(step, params, False, single, z)
     report = {} if report is None else report
     with torch.no_grad():

@@ -42,7 +42,7 @@ from .budget import (
     working_bytes,
 )
 from .memory import limit_heap_retention
-from .tape import Checkpointed, Reversible, Step, as_tuple, uncounted_tensors
+from .tape import Checkpointed, Reversible, Step, as_tuple, refuse_uncounted
 
 __all__ = ["iterate", "STRATEGIES"]
 
@@ -127,14 +127,8 @@ def iterate(
                 )
         param_t = tuple(params)
     if strategy in ("checkpoint", "reversible"):
-        missed = uncounted_tensors(step, param_t)
-        if missed:
-            raise ValueError(
-                f"{caller}: step uses {', '.join(missed)}, which requires a gradient, without "
-                f"receiving it in params: strategy={strategy!r} recomputes steps outside "
-                "autograd's record, so it would get none; pass it in params (step(x, "
-                "*params)) or detach it"
-            )
+        why = f"strategy={strategy!r} recomputes steps outside autograd's record"
+        refuse_uncounted(caller, step, param_t, why, "step(x, *params)) or detach it")
     run = Step(step, param_t, module, single, state)
     report = {} if report is None else report
     report.update(strategy=strategy, n_steps=n, state_bytes=state_bytes(state))

@@ -53,16 +53,16 @@ def uncounted_tensors(step: Callable, params: tuple) -> list[str]:
 
     found: dict[str, object] = {}
 
-    def look(fn, prefix: str = "") -> None:
+    def look(fn) -> None:
         if isinstance(fn, functools.partial):
             for k, value in enumerate(fn.args):
-                found.setdefault(f"{prefix}partial argument {k}", value)
+                found.setdefault(f"partial argument {k}", value)
             for name, value in fn.keywords.items():
-                found.setdefault(f"{prefix}{name}", value)
-            look(fn.func, prefix)
+                found.setdefault(name, value)
+            look(fn.func)
             return
         if isinstance(fn, torch.nn.Module):
-            found.setdefault(prefix or "step", fn)
+            found.setdefault("step", fn)
             return
         owner = getattr(fn, "__self__", None)
         fn = getattr(fn, "__func__", fn)
@@ -101,6 +101,18 @@ def uncounted_tensors(step: Callable, params: tuple) -> list[str]:
             seen.add(id(value))
             names.append(name)
     return names
+
+
+def refuse_uncounted(caller: str, step: Callable, params: tuple, why: str, fix: str) -> None:
+    """Raise ``ValueError`` naming the tensors :func:`uncounted_tensors` finds; ``why`` says
+    why they would get no gradient, ``fix`` what to do besides passing them in params."""
+    missed = uncounted_tensors(step, params)
+    if missed:
+        raise ValueError(
+            f"{caller}: step uses {', '.join(missed)}, which requires a gradient, without "
+            f"receiving it in params: {why}, so it would get none; pass it in params "
+            f"({fix})"
+        )
 
 
 #: a reversible loop's drift warns above this many square roots of its dtype's epsilon

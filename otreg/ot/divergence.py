@@ -104,10 +104,10 @@ def _divergence(
         far from the new solution can crawl (a model trained by Adam: 900 to 2,000
         iterations where the annealing needed 260 to 1,300)."""
         f0, g0 = w.get(f_name), w.get(g_name)
-        like = (clouds[1], clouds[1 if len(clouds) == 2 else 3])
         skip = w.get(f"skip_{term}", 0)
         w[f"skip_{term}"] = max(0, skip - 1)
-        if _fits(f0, like[0]) and _fits(g0, like[1]) and f"n_{term}" in w and not skip:
+        fits = _fits(f0, clouds[1]) and _fits(g0, clouds[-1])  # the weights a (and b)
+        if fits and f"n_{term}" in w and not skip:
             budget = dataclasses.replace(p, max_iter=w[f"n_{term}"])
             sol = solve(budget, *clouds, init=(f0, g0))
             if sol.rule.converged:
@@ -289,14 +289,13 @@ class SinkhornLoss(nn.Module):
             (x, y), a, b = args, None, None
         elif len(args) == 4:
             a, x, b, y = args
-            shapes = [getattr(t, "shape", None) for t in args]
             if (
                 all(isinstance(t, torch.Tensor) for t in args)
                 and args[0].dim() == args[1].dim() + 1
             ):
                 raise TypeError(
                     f"SinkhornLoss: loss(a, x, b, y) takes each cloud's weights before its "
-                    f"points; got shapes {', '.join(str(tuple(t)) for t in shapes)}, which "
+                    f"points; got shapes {', '.join(str(tuple(t.shape)) for t in args)}, which "
                     "look like loss(x, a, y, b)"
                 )
         else:
