@@ -14,7 +14,10 @@ r"""Multiscale Sinkhorn: a coarse-to-fine solver with kernel truncation.
 5. At the final eps, where a point's terms that matter are a few (a plan near a
    permutation: points sparser than the blur), the softmins sum over a list of the point
    pairs within reach (:class:`otreg.reductions.sparse.PairList`), with the potentials in
-   float64 (``LIST_MARGIN`` says when the list is rebuilt).
+   float64 (``LIST_MARGIN`` says when the list is rebuilt); where such a list would hold
+   too many pairs (a blur near the points' spacing or above), over the pattern's terms
+   computed once for reference potentials (:class:`otreg.reductions.sparse.BlockFactors`;
+   ``FACTOR_SPREAD`` says when they are made again).
 
 The pattern drops a pair of clusters (I, J) only when every term it holds is below
 ``exp(-truncate)`` times its weight, relative to the row's total. With the slack
@@ -50,6 +53,7 @@ import torch
 from .. import reductions
 from ..costs import diameter as bounding_diameter
 from ..reductions.sparse import (
+    BlockFactors,
     BlockSparse,
     Clusters,
     PairList,
@@ -83,6 +87,11 @@ MIN_PAIRS_GPU = 10_000_000_000
 HIERARCHY_MIN_PAIRS = 1 << 24
 #: the coarse stage runs while the blur is above this fraction of the cluster scale
 JUMP = 0.5
+#: ``multiscale="auto"`` needs a blur below this many cell sides. Measured (divergence with
+#: its gradient, N = 5,000, two cores, cell side 0.2 to 0.23): every pair against multiscale
+#: took 2.51 / 0.89 s on the clusters against a ball at blur 0.1, 1.59 / 1.20 at 0.2,
+#: 1.39 / 1.50 at 0.3; on two noisy spheres 2.23 / 0.52, 1.63 / 0.87, 1.41 / 1.71
+AUTO_MAX_BLUR = 1.0
 #: truncation (in units of the current eps) during the annealing
 ANNEAL_TRUNCATE = 3.0
 #: at the final eps the softmins sum over a list of the pattern's point pairs
@@ -106,6 +115,11 @@ LIST_MIN_MARGIN = 10.0
 LIST_FRACTION = 0.1
 #: ... and at most this many pairs (about 40 bytes each)
 LIST_MAX_PAIRS = 1 << 24
+#: where no list pays, the final eps's softmins sum the pattern's factors, stored
+#: (:class:`BlockFactors`) if their padded chunks take at most this many bytes
+FACTOR_MAX_BYTES = 1 << 28
+#: ... made again once the potentials' moves from theirs differ by more than this many eps
+FACTOR_SPREAD = 30.0
 
 
 def auto_cluster_scale(diameter: float, n_points: int, dim: int) -> float:
@@ -118,10 +132,10 @@ def worthwhile(
     n_pairs: int, dim: int, blur: float, scale: float, fast_all_pairs: bool = False
 ) -> bool:
     """Whether truncation pays: at least ``MIN_PAIRS`` pairs (``MIN_PAIRS_GPU`` where a GPU
-    kernel sums every pair), D <= 3, and a blur below ``JUMP`` times the cell side (the
-    coarse stage then has steps to take)."""
+    kernel sums every pair), D <= 3, and a blur below ``AUTO_MAX_BLUR`` times the cell side
+    (beyond, the truncation keeps nearly every pair)."""
     least = MIN_PAIRS_GPU if fast_all_pairs else MIN_PAIRS
-    return dim <= 3 and n_pairs >= least and blur < JUMP * scale
+    return dim <= 3 and n_pairs >= least and blur < AUTO_MAX_BLUR * scale
 
 
 def multiscale_unfit(cost, form: str, backward: str) -> str | None:
@@ -334,11 +348,12 @@ class TruncatedKernel:
         self._margin = 0.0  # added once, to the first pattern after an extrapolation
         self.kernels: _Kernels | None = None
         self.n_pairs: list[int] = []  # pairs summed by each pattern, for reports
-        self._list: PairList | None = None  # the point pairs at the final eps
+        self._list: PairList | BlockFactors | None = None  # the final eps's kernel
         self._list_pays = True  # False once a list held too many pairs to pay
         self.list_margin = LIST_MARGIN  # halved while a list would hold too many pairs
         self.list_builds = 0  # lists tried, and the pairs of each one used, for reports
         self.list_pairs: list[int] = []
+        self.factor_builds = 0  # the pattern's factors stored where no list pays
 
     # -------------------------------------------------------------- reductions
     def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
@@ -365,9 +380,10 @@ class TruncatedKernel:
         return kernel.softmin(self.cy.points, self.cx.points, h, eps)
 
     def _final_softmin(self, pot: torch.Tensor, transpose: bool) -> torch.Tensor:
-        """A softmin at the final eps, in float64: over the pair list while the potentials
-        stay within its margin, else over the cluster pattern (the list then rebuilt from
-        it). The list's softmin is its reference potential plus a small correction, so that
+        """A softmin at the final eps, in float64: over the pair list (or the pattern's
+        stored factors, where no list pays) while the potentials stay within its margin,
+        else over the cluster pattern (the list or the factors then made again from it).
+        The list's softmin is its reference potential plus a small correction, so that
         float64 potentials keep the marginals' rounding far below float32's u |f| / eps (4e-3
         for potentials of size 2 at eps 1e-4, which stalled the loop above tol)."""
         pot = pot.double()
@@ -375,15 +391,18 @@ class TruncatedKernel:
         if listed is not None:
             if transpose:
                 out = listed.softmin_cols(pot)
-                if self._within(pot - listed.f0, out - listed.g0):
-                    return out
+                df, dg = pot - listed.f0, out - listed.g0
             else:
                 out = listed.softmin_rows(pot)
-                if self._within(out - listed.f0, pot - listed.g0):
-                    return out
+                df, dg = out - listed.f0, pot - listed.g0
+            if listed.holds(df, dg) if isinstance(listed, BlockFactors) else self._within(df, dg):
+                return out
         out = self._block_softmin(self.p.eps, pot, transpose).double()
+        f, g = (pot, out) if transpose else (out, pot)
         if self._list_pays:
-            self._build_list(pot, out) if transpose else self._build_list(out, pot)
+            self._build_list(f, g)
+        else:
+            self._store_factors(f, g)
         return out
 
     def rounding_floor(self, eps: float, *potentials: torch.Tensor) -> float:
@@ -391,6 +410,8 @@ class TruncatedKernel:
         points' dtype's at the size of its scores (``truncate + list_margin``), since the
         potentials are float64; else at the size of the potentials over eps."""
         dtype = self.cx.points.dtype
+        if eps == self.p.eps and isinstance(self._list, BlockFactors):
+            return torch.finfo(dtype).eps * (self.truncate + FACTOR_SPREAD)
         if eps == self.p.eps and self._list is not None:
             return torch.finfo(dtype).eps * (self.truncate + self.list_margin)
         return rounding_floor(eps, *potentials, dtype=dtype)
@@ -427,6 +448,21 @@ class TruncatedKernel:
         self._list = PairList(
             self.cx.points, self.cy.points, i, j, self._a_log, self._b_log, f, g, eps
         )
+
+    def _store_factors(self, f: torch.Tensor, g: torch.Tensor) -> None:
+        """The cluster pattern's factors for the potentials f (N,), g (M,) (sorted, float64,
+        one the exact softmin of the other), as the final eps's kernel, if they fit in
+        ``FACTOR_MAX_BYTES`` and the pattern's softmins run in torch (else none)."""
+        xy, points = self.kernels.xy, self.cx.points
+        padded = sum(r.shape[0] * r.shape[1] * w for (_, r, _), w in zip(xy.chunks, xy._widths))
+        self._list = None
+        if padded * points.element_size() > FACTOR_MAX_BYTES or xy.uses_triton(points):
+            return
+        factors = BlockFactors(
+            xy, points, self.cy.points, self._a_log, self._b_log, f, g, self.p.eps, FACTOR_SPREAD
+        )
+        self.factor_builds += 1
+        self._list = factors if factors.trusted else None
 
     def differentiable_softmin(self, x, y, b, g, eps: float) -> torch.Tensor:
         """The x -> y softmin of log b + g / eps on the final pattern, differentiable in x,
@@ -489,6 +525,8 @@ class TruncatedKernel:
         xy = BlockSparse(self.cx, self.cy, I, J, backend=backend)
         yx = xy if self.symmetric else BlockSparse(self.cy, self.cx, J, I, backend=backend)
         self.kernels = _Kernels(xy, yx, (I, J))
+        if full and isinstance(self._list, BlockFactors):  # not a subset of their pattern
+            self._list = None
         self.n_pairs.append(xy.n_pairs)
 
     def finish(self, f, g, eps: float) -> None:

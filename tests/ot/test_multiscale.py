@@ -1,6 +1,7 @@
 """Multiscale Sinkhorn: block-sparse reductions, the truncation bound, agreement with the
 dense solver."""
 
+import math
 import warnings
 
 import pytest
@@ -14,7 +15,13 @@ from otreg.ot.kernels import make_kernel
 from otreg.ot.loop import _anneal, solve
 from otreg.ot.problem import Multiscale, Problem, SinkhornOptions
 from otreg.reductions import _dense
-from otreg.reductions.sparse import BlockSparse, PairList, close_pairs, grid_clusters
+from otreg.reductions.sparse import (
+    BlockFactors,
+    BlockSparse,
+    PairList,
+    close_pairs,
+    grid_clusters,
+)
 
 SQ = get_cost("sqeuclidean")
 
@@ -440,3 +447,98 @@ def test_a_pair_list_over_the_limit_is_made_again_at_half_the_margin(monkeypatch
     assert float(sol.f.mean() + sol.g.mean()) == pytest.approx(
         float(free.f.mean() + free.g.mean()), abs=1e-3 * p.eps
     )  # the dual value (uniform weights)
+
+
+def test_stored_factors_equal_brute_force_over_the_pattern_both_ways():
+    """The pattern's factors, stored for reference potentials (f0 the exact softmin of g0),
+    give each softmin over the pattern's pairs for potentials moved within the spread, and
+    refuse moves past it."""
+    x, y = spheres(300, dtype=torch.float32)
+    cx = grid_clusters(x, torch.ones(300), 0.4)
+    cy = grid_clusters(y, torch.ones(y.shape[0]), 0.4)
+    I, J = all_pairs(cx, cy)
+    half = (I + J) % 2 == 0  # every row and every column cluster keeps pairs
+    kernel = BlockSparse(cx, cy, I[half], J[half], block_elements=5000)
+    keep = torch.zeros(cx.n_clusters, cy.n_clusters, dtype=torch.bool)
+    keep[I[half], J[half]] = True
+    keep = keep[cx.labels][:, cy.labels]
+    gen = torch.Generator().manual_seed(2)
+    eps, m = 0.01, y.shape[0]
+    log_a, log_b = torch.full((300,), -math.log(300)), torch.full((m,), -math.log(m))
+    xd, yd = cx.points.double(), cy.points.double()
+    g0 = torch.zeros(m, dtype=torch.float64)
+    for _ in range(20):  # near both marginals, as in a solve
+        f0 = _brute_softmin(xd, yd, log_b.double(), g0, eps, keep)
+        g0 = _brute_softmin(yd, xd, log_a.double(), f0, eps, keep.T)
+    f0 = _brute_softmin(xd, yd, log_b.double(), g0, eps, keep)
+    factors = BlockFactors(kernel, cx.points, cy.points, log_a, log_b, f0, g0, eps, spread=30)
+    assert factors.trusted and factors.n_elements >= int(keep.sum())
+    far = g0 + torch.randn(m, generator=gen, dtype=torch.float64) * 0.3  # 30 eps
+    assert not BlockFactors(kernel, cx.points, cy.points, log_a, log_b, f0, far, eps, 30).trusted
+    f = f0 + torch.randn(300, generator=gen, dtype=torch.float64) * 0.03
+    g = g0 + torch.randn(m, generator=gen, dtype=torch.float64) * 0.03
+    rows = _brute_softmin(xd, yd, log_b.double(), g, eps, keep)
+    cols = _brute_softmin(yd, xd, log_a.double(), f, eps, keep.T)
+    got_rows, got_cols = factors.softmin_rows(g), factors.softmin_cols(f)
+    assert got_rows.dtype == got_cols.dtype == torch.float64
+    # float32 factors and sums: their rounding, times eps
+    torch.testing.assert_close(got_rows, rows, rtol=0, atol=1e-5 * eps)
+    torch.testing.assert_close(got_cols, cols, rtol=0, atol=1e-5 * eps)
+    assert factors.holds((f - f0).clamp(-0.1, 0.1) + 5.0, (g - g0).clamp(-0.1, 0.1) - 5.0)
+    assert not factors.holds(f - f0, (g - g0).index_fill(0, torch.tensor([3]), 0.31))
+    assert not factors.holds(f - f0, (g - g0).index_fill(0, torch.tensor([3]), math.nan))
+
+
+def test_the_stored_factors_are_made_again_when_the_potentials_move_past_their_spread():
+    """Where no pair list pays, the final eps's softmin is the cell pattern's, whose factors
+    are then stored; within the spread the factors' sums equal the pattern's, past it the
+    pattern's softmin runs again and new factors are made; a new pattern drops them."""
+    p, kernel, g = _annealed_kernel()
+    kernel._list, kernel._list_pays = None, False  # as once a list would not pay
+    first = kernel.softmin_xy(p.eps, g.double())
+    assert kernel.factor_builds == 1 and isinstance(kernel._list, BlockFactors)
+    blocks = kernel._block_softmin(p.eps, g[0], transpose=False).double()
+    torch.testing.assert_close(first[0], blocks)
+    nudge = 0.5 * multiscale.FACTOR_SPREAD * p.eps * (torch.arange(450) % 2)
+    stored = kernel.softmin_xy(p.eps, g.double() + nudge)
+    assert kernel.factor_builds == 1
+    # the pattern's float32 sums round the potentials (of size 1) at 1e-7 / eps
+    direct = kernel._block_softmin(p.eps, (g.double() + nudge)[0], transpose=False).double()
+    torch.testing.assert_close(stored[0], direct, rtol=0, atol=0.02 * p.eps)
+    moved = g.double() + 2 * multiscale.FACTOR_SPREAD * p.eps * (torch.arange(450) % 2)
+    out = kernel.softmin_xy(p.eps, moved)
+    assert kernel.factor_builds == 2
+    torch.testing.assert_close(
+        out[0], kernel._block_softmin(p.eps, moved[0], transpose=False).double()
+    )
+    f = out.to(g.dtype)
+    kernel.refresh(f, moved.to(g.dtype), p.eps, full=True)
+    assert kernel._list is None
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_solve_on_stored_factors_equals_the_dense_solve(monkeypatch, stored):
+    """No pair list allowed: the final iterations sum the pattern's stored factors (or, where
+    they would not fit, the pattern's softmins) and end at the plan of the dense float64
+    solver iterated to 1e-12."""
+    monkeypatch.setattr(multiscale, "LIST_FRACTION", 1e-6)
+    if not stored:
+        monkeypatch.setattr(multiscale, "FACTOR_MAX_BYTES", 0)
+    x = noisy_sphere(400, seed=1, dtype=torch.float32)
+    y = noisy_sphere(450, radius=0.8, center=(0.5, 0.0, 0.0), seed=2, dtype=torch.float32)
+    options = SinkhornOptions(blur=0.05, tol=1e-5, max_iter=5000, multiscale=True)
+    p = Problem.build("t", x, y, None, None, options)
+    sol = solve(p, p.x, p.a, p.y, p.b)
+    assert sol.rule.converged and not sol.kernel.list_pairs
+    assert (sol.kernel.factor_builds > 0) == stored
+    exact = otreg.sinkhorn(
+        x.double(), y.double(), blur=0.05, tol=1e-12, max_iter=20_000, multiscale=False
+    )
+    assert exact.converged
+    C = ((x.double()[:, None] - y.double()[None]) ** 2).sum(-1) / 2
+    P = exact.plan.dense()
+    ours = torch.exp((sol.f[0].double()[:, None] + sol.g[0].double()[None] - C) / p.eps) / (
+        400 * 450
+    )
+    assert float((ours - P).abs().sum()) < 5e-4  # in total variation, of mass 1
+    assert float((ours * C).sum()) == pytest.approx(float((P * C).sum()), rel=1e-4)
