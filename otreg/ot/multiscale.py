@@ -354,6 +354,7 @@ class TruncatedKernel:
         self.list_builds = 0  # lists tried, and the pairs of each one used, for reports
         self.list_pairs: list[int] = []
         self.factor_builds = 0  # the pattern's factors stored where no list pays
+        self._factors_pay = True  # False once factors were not trusted
 
     # -------------------------------------------------------------- reductions
     def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
@@ -401,7 +402,7 @@ class TruncatedKernel:
         f, g = (pot, out) if transpose else (out, pot)
         if self._list_pays:
             self._build_list(f, g)
-        else:
+        elif self._factors_pay:
             self._store_factors(f, g)
         return out
 
@@ -452,17 +453,21 @@ class TruncatedKernel:
     def _store_factors(self, f: torch.Tensor, g: torch.Tensor) -> None:
         """The cluster pattern's factors for the potentials f (N,), g (M,) (sorted, float64,
         one the exact softmin of the other), as the final eps's kernel, if they fit in
-        ``FACTOR_MAX_BYTES`` and the pattern's softmins run in torch (else none)."""
+        ``FACTOR_MAX_BYTES``, the pattern's softmins run in torch and they are trusted
+        (else none; once untrusted, none from then on)."""
         xy, points = self.kernels.xy, self.cx.points
         padded = sum(r.shape[0] * r.shape[1] * w for (_, r, _), w in zip(xy.chunks, xy._widths))
         self._list = None
-        if padded * points.element_size() > FACTOR_MAX_BYTES or xy.uses_triton(points):
-            return
+        if xy.uses_triton(points):
+            self._factors_pay = False
+        if padded * points.element_size() > FACTOR_MAX_BYTES or not self._factors_pay:
+            return  # (a later, smaller pattern may fit)
         factors = BlockFactors(
             xy, points, self.cy.points, self._a_log, self._b_log, f, g, self.p.eps, FACTOR_SPREAD
         )
         self.factor_builds += 1
         self._list = factors if factors.trusted else None
+        self._factors_pay = factors.trusted  # else the pattern's softmins, from now on
 
     def differentiable_softmin(self, x, y, b, g, eps: float) -> torch.Tensor:
         """The x -> y softmin of log b + g / eps on the final pattern, differentiable in x,

@@ -542,3 +542,35 @@ def test_solve_on_stored_factors_equals_the_dense_solve(monkeypatch, stored):
     )
     assert float((ours - P).abs().sum()) < 5e-4  # in total variation, of mass 1
     assert float((ours * C).sum()) == pytest.approx(float((P * C).sum()), rel=1e-4)
+
+
+def test_unbalanced_transport_on_stored_factors_equals_the_dense_solve(monkeypatch):
+    """Unbalanced transport (reach 0.3) with no pair list: the final iterations sum the
+    stored factors where their columns' totals are trusted (else the pattern's softmins),
+    and end at the dense solver's potentials."""
+    monkeypatch.setattr(multiscale, "LIST_FRACTION", 1e-6)
+    x = noisy_sphere(400, seed=1, dtype=torch.float32)
+    y = noisy_sphere(450, radius=0.8, center=(0.5, 0.0, 0.0), seed=2, dtype=torch.float32)
+    options = SinkhornOptions(blur=0.05, reach=0.3, tol=1e-5, max_iter=5000, multiscale=True)
+    p = Problem.build("t", x, y, None, None, options)
+    sol = solve(p, p.x, p.a, p.y, p.b)
+    assert sol.rule.converged and sol.kernel.factor_builds > 0
+    exact = otreg.sinkhorn(
+        x.double(), y.double(), blur=0.05, reach=0.3, tol=1e-12, max_iter=20_000, multiscale=False
+    )
+    torch.testing.assert_close(sol.f[0].double(), exact.f.double(), rtol=0, atol=1e-3 * p.eps)
+    torch.testing.assert_close(sol.g[0].double(), exact.g.double(), rtol=0, atol=1e-3 * p.eps)
+
+
+def test_untrusted_factors_leave_the_final_iterations_to_the_cell_pattern():
+    """Factors whose columns' totals are off (potentials far from the columns' marginals)
+    are not used, and no more are made: the softmins are the pattern's."""
+    p, kernel, g = _annealed_kernel()
+    kernel._list, kernel._list_pays = None, False
+    far = g.double() + 40 * p.eps * (torch.arange(450) % 2)  # half the columns' totals e^-40
+    f = kernel._block_softmin(p.eps, far[0], transpose=False).double()
+    kernel._store_factors(f, far[0])
+    assert kernel.factor_builds == 1 and kernel._list is None and not kernel._factors_pay
+    out = kernel.softmin_xy(p.eps, far)
+    torch.testing.assert_close(out[0], f)
+    assert kernel.factor_builds == 1 and kernel._list is None
