@@ -355,6 +355,7 @@ class TruncatedKernel:
         self.list_pairs: list[int] = []
         self.factor_builds = 0  # the pattern's factors stored where no list pays
         self._factors_pay = True  # False once factors were not trusted
+        self._finished = False  # True after finish(): softmins keep nothing
 
     # -------------------------------------------------------------- reductions
     def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
@@ -377,6 +378,9 @@ class TruncatedKernel:
             h = self._b_log + pot / eps
             return self.kernels.xy.softmin(self.cx.points, self.cy.points, h, eps)
         kernel = self.kernels.xy if self.symmetric else self.kernels.yx
+        if kernel is None:  # finished (the weights' gradient): made for this softmin only
+            I, J = self.kernels.pairs
+            kernel = BlockSparse(self.cy, self.cx, J, I, backend=self.kernels.xy.backend)
         h = self._a_log + pot / eps
         return kernel.softmin(self.cy.points, self.cx.points, h, eps)
 
@@ -389,7 +393,7 @@ class TruncatedKernel:
         for potentials of size 2 at eps 1e-4, which stalled the loop above tol)."""
         pot = pot.double()
         listed = self._list
-        if listed is not None:
+        if listed is not None and not self._finished:
             if transpose:
                 out = listed.softmin_cols(pot)
                 df, dg = pot - listed.f0, out - listed.g0
@@ -399,10 +403,12 @@ class TruncatedKernel:
             if listed.holds(df, dg) if isinstance(listed, BlockFactors) else self._within(df, dg):
                 return out
         out = self._block_softmin(self.p.eps, pot, transpose).double()
+        if self._finished:  # a softmin for the gradient: nothing more to keep
+            return out
         f, g = (pot, out) if transpose else (out, pot)
         if self._list_pays:
             self._build_list(f, g)
-        elif self._factors_pay:
+        elif self._factors_pay and not transpose:  # the factors' rows need f exact
             self._store_factors(f, g)
         return out
 
@@ -452,7 +458,7 @@ class TruncatedKernel:
 
     def _store_factors(self, f: torch.Tensor, g: torch.Tensor) -> None:
         """The cluster pattern's factors for the potentials f (N,), g (M,) (sorted, float64,
-        one the exact softmin of the other), as the final eps's kernel, if they fit in
+        f the pattern's softmin of g), as the final eps's kernel, if they fit in
         ``FACTOR_MAX_BYTES``, the pattern's softmins run in torch and they are trusted
         (else none; once untrusted, none from then on)."""
         xy, points = self.kernels.xy, self.cx.points
@@ -532,6 +538,8 @@ class TruncatedKernel:
         self.kernels = _Kernels(xy, yx, (I, J))
         if full and isinstance(self._list, BlockFactors):  # not a subset of their pattern
             self._list = None
+        if full:
+            self._finished = False
         self.n_pairs.append(xy.n_pairs)
 
     def finish(self, f, g, eps: float) -> None:
@@ -543,6 +551,7 @@ class TruncatedKernel:
         self._list = None
         self.kernels.yx = None
         self.kernels.xy.release_geometry()
+        self._finished = True
 
     # -------------------------------------------------------------- coarse stage
     def coarse_problem(self):

@@ -706,8 +706,9 @@ class BlockFactors:
     (padding 0), so that a softmin is ``f0_i - eps log sum_j P_ij exp((g_j - g0_j) / eps)``
     (and ``g0_j - eps log (1 / b_j) sum_i a_i P_ij exp((f_i - f0_i) / eps)`` the other way):
     one exponential a point and one batched matrix-vector product a chunk, no exponential a
-    pair (on two cores, 2 ms instead of 17 for 1e7 pairs). The scores are rounded as the
-    pattern's own softmin rounds them (float32 points: float32 scores); a factor below the
+    pair (on two cores, 2 ms instead of 17 for 1e7 pairs). The scores are computed in
+    float64 from the points, as :class:`PairList`'s are, and the factors stored in the
+    points' dtype; a factor below the
     dtype's smallest normal number times ``exp(spread + 1)`` is dropped (for float32 and a
     spread of 30, ``exp(-56)`` of its row's total). The softmins are exact on the pattern
     while the potentials' moves from the reference differ by at most ``spread`` eps on each
@@ -734,35 +735,39 @@ class BlockFactors:
         self._log_a, self._log_b = log_a.to(f0.dtype), log_b.to(f0.dtype)
         self._n, self._m = x.shape[0], y.shape[0]
         px, py, _ = kernel._padded(x, y, g0)
-        # log P = (log b_j - |y_j|^2 / 2 eps + g0_j / eps) + (f0_i - |x_i|^2 / 2) / eps
-        # + <x_i, y_j> / eps (centred coordinates, as the pattern's softmin computes it);
-        # padding: potentials -inf, a factor 0
-        pf = torch.cat([f0.to(dtype), f0.new_full((1,), -torch.inf, dtype=dtype)]) / eps
-        pg = torch.cat([g0.to(dtype), g0.new_full((1,), -torch.inf, dtype=dtype)]) / eps
-        lb = torch.cat([log_b.to(dtype), log_b.new_zeros(1, dtype=dtype)])
+        px, py = px.double(), py.double()
+        # log P = (f0_i - |x_i|^2 / 2) / eps + (log b_j + (g0_j - |y_j|^2 / 2) / eps)
+        # + <x_i, y_j> / eps, in float64 from the points (float32 scores would round at
+        # u (|f0| + |g0|) / eps, which the float64 final iterations are there to avoid;
+        # float64 leaves 1e-16 |x|^2 / eps, so no centring); padding: potentials -inf
+        inf = f0.new_full((1,), -torch.inf, dtype=torch.float64)
+        pf = (torch.cat([f0.double(), inf]) - (px * px).sum(1) / 2) / eps
+        pg = (torch.cat([g0.double(), inf]) - (py * py).sum(1) / 2) / eps
+        pg += torch.cat([self._log_b.double(), inf.new_zeros(1)])
         # factors below exp(cut) are dropped: times an exp((dg - max dg) / eps) within the
         # spread they would be subnormal numbers, which run many times slower; such a term
         # stays exp(cut + spread) below its row's total (float32: exp(-26))
         cut = math.log(torch.finfo(dtype).tiny) + spread + 1
         self._chunks = []
         for k, (_, row_idx, _) in enumerate(kernel.chunks):
-            col_idx = kernel._column_indices(k).long()
-            X, x_sq, Y, y_sq = kernel._geometry(k, px, py, col_idx)
+            col_idx = kernel._column_indices(k)
             rows, cols = row_idx.view(-1), col_idx.view(-1)
-            row_terms = pf.index_select(0, rows).view(x_sq.shape) - x_sq / eps  # (C, R, 1)
-            col_terms = lb.index_select(0, cols) + pg.index_select(0, cols)
-            col_terms = col_terms.view(y_sq.shape).sub_(y_sq / eps).unsqueeze(1)  # (C, 1, L)
-            log_p = torch.baddbmm(col_terms, X, Y.transpose(1, 2), alpha=1.0 / eps)
-            log_p.add_(row_terms)
-            # (clamped, not set to -inf: an exponential of -inf or of a number below about
-            # -87 runs 3 to 20 times slower than of a normal one)
-            factors = log_p.clamp_(min=cut).exp_()
+            X = px.index_select(0, rows).view(*row_idx.shape, -1)
+            Y = py.index_select(0, cols).view(*col_idx.shape, -1)
+            col_terms = pg.index_select(0, cols).view(col_idx.shape).unsqueeze(1)  # (C, 1, L)
+            row_terms = pf.index_select(0, rows).view(row_idx.shape).unsqueeze(2)  # (C, R, 1)
+            log_p = torch.baddbmm(col_terms, X, Y.transpose(1, 2), alpha=1 / eps)
+            # clamped, not set to -inf (an exponential of -inf or of a number below the
+            # dtype's smallest runs 3 to 20 times slower than of a normal one), and rounded
+            # to the dtype within [cut, 0] (a relative rounding of 60 u at most)
+            factors = log_p.add_(row_terms).clamp_(min=cut).to(dtype).exp_()
             factors = torch.nn.functional.threshold_(factors, math.exp(cut) * 1.5, 0.0)
-            self._chunks.append((rows, cols, factors))
+            self._chunks.append((rows.long(), cols.int(), factors))
         self.n_elements = sum(e.numel() for _, _, e in self._chunks)
         # the cut is relative to the rows' totals (1); a column's is exp((g0 - g1) / eps)
-        lack = float((self.softmin_cols(f0) - g0).max())  # NaN: not trusted
-        self.trusted = lack <= COLUMN_SLACK * eps
+        # (a column of weight 0 has none: it receives no mass)
+        lack = (self.softmin_cols(f0) - g0)[self._log_b > -torch.inf]
+        self.trusted = lack.numel() > 0 and float(lack.max()) <= COLUMN_SLACK * eps  # NaN: no
 
     def holds(self, df: torch.Tensor, dg: torch.Tensor) -> bool:
         """Whether potentials that moved by df (N,), dg (M,) from the reference moved by

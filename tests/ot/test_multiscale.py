@@ -569,3 +569,59 @@ def test_untrusted_factors_leave_the_final_iterations_to_the_cell_pattern():
     out = kernel.softmin_xy(p.eps, far)
     torch.testing.assert_close(out[0], f)
     assert kernel.factor_builds == 1 and kernel._list is None
+
+
+def test_stored_factors_keep_float64_accuracy_where_the_potentials_dwarf_eps():
+    """Clouds 1.5 apart at eps 2.5e-4: potentials about 6,000 eps, where float32 scores
+    round at 1e-3 eps (the pattern's own softmin); the factors' scores are float64 (as a
+    pair list's), their softmin within 1e-5 eps of brute force."""
+    x = noisy_sphere(300, seed=1, dtype=torch.float32)
+    y = noisy_sphere(320, radius=0.8, center=(1.5, 0.0, 0.0), seed=2, dtype=torch.float32)
+    cx, cy = grid_clusters(x, torch.ones(300), 0.4), grid_clusters(y, torch.ones(320), 0.4)
+    kernel = BlockSparse(cx, cy, *all_pairs(cx, cy), block_elements=5000)
+    keep = torch.ones(300, 320, dtype=torch.bool)
+    eps = 2.5e-4
+    log_a, log_b = torch.full((300,), -math.log(300)), torch.full((320,), -math.log(320))
+    xd, yd = cx.points.double(), cy.points.double()
+    g0 = torch.zeros(320, dtype=torch.float64)
+    for _ in range(30):
+        f0 = _brute_softmin(xd, yd, log_b.double(), g0, eps, keep)
+        g0 = _brute_softmin(yd, xd, log_a.double(), f0, eps, keep.T)
+    f0 = _brute_softmin(xd, yd, log_b.double(), g0, eps, keep)
+    assert float(f0.abs().max()) > 1000 * eps
+    factors = BlockFactors(kernel, cx.points, cy.points, log_a, log_b, f0, g0, eps, spread=30)
+    assert factors.trusted
+    g = g0 + eps * torch.randn(320, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    want = _brute_softmin(xd, yd, log_b.double(), g, eps, keep)
+    torch.testing.assert_close(factors.softmin_rows(g), want, rtol=0, atol=1e-5 * eps)
+
+
+def test_the_weights_gradient_of_a_finished_multiscale_solve_equals_the_dense_one(monkeypatch):
+    """Weights requiring gradients on a multiscale solve between two clouds (the column
+    softmin after the solve, whose reverse kernel the finished solve let go): the dense
+    solver's gradients, and nothing kept for later softmins."""
+    monkeypatch.setattr(multiscale, "LIST_FRACTION", 1e-6)  # the factors' path
+    made = []
+    monkeypatch.setattr(multiscale.TruncatedKernel, "finish", _recording(made))
+    x = noisy_sphere(300, seed=1, dtype=torch.float64)
+    y = noisy_sphere(320, radius=0.8, center=(0.5, 0.0, 0.0), seed=2, dtype=torch.float64)
+    grads = []
+    for ms in (True, False):
+        a = torch.full((300,), 1 / 300, dtype=torch.float64, requires_grad=True)
+        b = torch.full((320,), 1 / 320, dtype=torch.float64, requires_grad=True)
+        res = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-9, max_iter=5000, multiscale=ms)
+        grads.append(torch.autograd.grad(res.cost, (a, b)))
+    assert made and all(k._list is None for k in made)
+    shift = grads[0][0].mean() - grads[1][0].mean()  # potentials: up to (f + c, g - c)
+    torch.testing.assert_close(grads[0][0] - shift, grads[1][0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(grads[0][1] + shift, grads[1][1], rtol=0, atol=1e-6)
+
+
+def _recording(made):
+    finish = multiscale.TruncatedKernel.finish
+
+    def recorded(self, *args):
+        made.append(self)
+        return finish(self, *args)
+
+    return recorded
