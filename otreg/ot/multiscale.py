@@ -150,6 +150,13 @@ def multiscale_unfit(cost, form: str, backward: str) -> str | None:
     return None
 
 
+def _fewest_within(truncate: float, margin: float) -> float:
+    """The least fraction of the pairs within ``truncate + margin`` eps that stay within
+    ``truncate + margin / 2``: in a D-dimensional cloud the pairs within a slack s of a
+    point's best number about s^(D / 2) (a ball of radius sqrt(2 s)), at most D = 3."""
+    return ((truncate + margin / 2) / (truncate + margin)) ** 1.5
+
+
 def _pattern_pairs(
     cx: Clusters,
     cy: Clusters,
@@ -440,16 +447,23 @@ class TruncatedKernel:
         limit = int(min(LIST_FRACTION * xy.n_pairs, LIST_MAX_PAIRS))
         while True:
             threshold = (self.truncate + self.list_margin) * eps
+            seen: list[float] = []
             found = close_pairs(
-                xy, self.cx.points, self.cy.points, f.to(dtype), g.to(dtype), threshold, limit
-            )
+                xy, self.cx.points, self.cy.points, f.to(dtype), g.to(dtype), threshold, limit,
+                estimate=seen,
+            )  # fmt: skip
             self.list_builds += 1
             if found is not None:
                 break
-            if self.list_margin / 2 < LIST_MIN_MARGIN:
-                self._list, self._list_pays = None, False
-                return
-            self.list_margin /= 2
+            expected = seen[0]
+            while True:  # halved until a list might fit: tried only then
+                if self.list_margin / 2 < LIST_MIN_MARGIN:
+                    self._list, self._list_pays = None, False
+                    return
+                expected *= _fewest_within(self.truncate, self.list_margin)
+                self.list_margin /= 2
+                if expected <= limit:
+                    break
         i, j = found
         self.list_pairs.append(len(i))
         self._list = PairList(

@@ -577,11 +577,13 @@ def close_pairs(
     g: torch.Tensor,
     threshold: float,
     limit: int,
+    estimate: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The point pairs (i, j) of ``kernel``'s pattern whose slack |x_i - y_j|^2 / 2 - f_i -
     g_j is at most ``threshold`` (cost units), for its own sorted clouds x (N, D), y (M, D)
     and potentials f (N,), g (M,): ``(i, j)``, each (P,), sorted by i then j; None as soon
-    as more than ``limit`` are found.
+    as more than ``limit`` are found (then ``estimate``, a list, receives how many the whole
+    pattern would hold at the rate found so far).
 
     The slack is computed as the softmin's scores are (centred float coordinates); a pair
     within its rounding of the threshold may go either way."""
@@ -589,7 +591,7 @@ def close_pairs(
     # padding: potentials -inf, so an infinite slack, never kept
     pf = torch.cat([f, f.new_full((1,), -torch.inf)])
     pg = torch.cat([g, g.new_full((1,), -torch.inf)])
-    found_i, found_j, count = [], [], 0
+    found_i, found_j, count, searched = [], [], 0, 0
     for k, (_, row_idx, _) in enumerate(kernel.chunks):
         col_idx = kernel._column_indices(k)
         X, x_sq, Y, y_sq = kernel._geometry(k, px, py, col_idx)
@@ -600,7 +602,11 @@ def close_pairs(
         s.add_(rows.unsqueeze(2))
         c, r, l = (s <= threshold).nonzero(as_tuple=True)
         count += len(c)
+        searched += s.numel()
         if count > limit:
+            if estimate is not None:
+                padded = sum(r.numel() * w for (_, r, _), w in zip(kernel.chunks, kernel._widths))
+                estimate.append(count * padded / searched)
             return None
         found_i.append(row_idx[c, r])
         found_j.append(col_idx[c, l].long())

@@ -429,8 +429,8 @@ def test_a_pair_list_that_would_not_pay_is_not_used(monkeypatch):
     options = SinkhornOptions(blur=0.02, tol=1e-3, max_iter=5000, multiscale=True)
     p = Problem.build("t", x, y, None, None, options)
     sol = solve(p, p.x, p.a, p.y, p.b)
-    # tried at 40, 20 and 10 eps, then given up
-    assert sol.rule.converged and sol.kernel.list_builds == 3
+    # tried at 40 eps; the list found so far would not fit at 20 or 10 eps either
+    assert sol.rule.converged and sol.kernel.list_builds == 1
     assert not sol.kernel.list_pairs and sol.kernel.list_margin == multiscale.LIST_MIN_MARGIN
 
 
