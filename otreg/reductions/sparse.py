@@ -605,7 +605,8 @@ def close_pairs(
         searched += s.numel()
         if count > limit:
             if estimate is not None:
-                padded = sum(r.numel() * w for (_, r, _), w in zip(kernel.chunks, kernel._widths))
+                widths = zip(kernel.chunks, kernel._widths)
+                padded = sum(rows_k.numel() * w for (_, rows_k, _), w in widths)
                 estimate.append(count * padded / searched)
             return None
         found_i.append(row_idx[c, r])
@@ -714,9 +715,9 @@ class BlockFactors:
     one exponential a point and one batched matrix-vector product a chunk, no exponential a
     pair (on two cores, 2 ms instead of 17 for 1e7 pairs). The scores are computed in
     float64 from the points, as :class:`PairList`'s are, and the factors stored in the
-    points' dtype; a factor below the
-    dtype's smallest normal number times ``exp(spread + 1)`` is dropped (for float32 and a
-    spread of 30, ``exp(-56)`` of its row's total). The softmins are exact on the pattern
+    points' dtype; a factor below the dtype's smallest normal number times
+    ``exp(spread + 1)`` is dropped (for float32 and a spread of 30, ``exp(-56)`` of its
+    row's total). The softmins are exact on the pattern
     while the potentials' moves from the reference differ by at most ``spread`` eps on each
     side (:meth:`holds`), beyond which the caller makes new factors. ``trusted`` is False
     where a column's total at the reference is below ``exp(-COLUMN_SLACK)`` (its terms are

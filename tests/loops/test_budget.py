@@ -254,7 +254,10 @@ def test_lddmm_shooting_within_its_budget():
     store, budgeted = shoot("store"), shoot("100MB")
     assert budgeted["peak_mb"] <= 1.25 * 100 + 30, budgeted["peak_mb"]
     assert store["peak_mb"] > 2 * budgeted["peak_mb"], (store["peak_mb"], budgeted["peak_mb"])
-    assert budgeted["grad"] == pytest.approx(store["grad"], rel=1e-12, abs=1e-12)
+    # the same sums, but each process tiers its reductions up to the fused loops once they
+    # have run long enough there (reductions.COMPILED), at a point that depends on its
+    # speed: a different order of float64 additions (1e-10 relative seen on a cold cache)
+    assert budgeted["grad"] == pytest.approx(store["grad"], rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resident memory read on Linux")
