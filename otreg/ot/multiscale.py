@@ -476,11 +476,10 @@ class TruncatedKernel:
         ``FACTOR_MAX_BYTES``, the pattern's softmins run in torch and they are trusted
         (else none; once untrusted, none from then on)."""
         xy, points = self.kernels.xy, self.cx.points
-        padded = sum(r.shape[0] * r.shape[1] * w for (_, r, _), w in zip(xy.chunks, xy._widths))
         self._list = None
         if xy.uses_triton(points):
             self._factors_pay = False
-        if padded * points.element_size() > FACTOR_MAX_BYTES or not self._factors_pay:
+        if not self._factors_pay or xy.padded_pairs * points.element_size() > FACTOR_MAX_BYTES:
             return  # (a later, smaller pattern may fit)
         factors = BlockFactors(
             xy, points, self.cy.points, self._a_log, self._b_log, f, g, self.p.eps, FACTOR_SPREAD

@@ -261,6 +261,11 @@ class BlockSparse:
                 k = len(self._chunks) - 1
                 self._chunks[-1] = (*self._chunks[-1][:2], self._column_indices(k))
 
+    @property
+    def padded_pairs(self) -> int:
+        """The (row, column) slots the torch path's chunks hold, padding included."""
+        return sum(rows.numel() * w for (_, rows, _), w in zip(self.chunks, self._widths))
+
     def release_geometry(self) -> None:
         """Drop the cached centred coordinates (the gradient gathers its own); the column
         indices stay."""
@@ -605,9 +610,7 @@ def close_pairs(
         searched += s.numel()
         if count > limit:
             if estimate is not None:
-                widths = zip(kernel.chunks, kernel._widths)
-                padded = sum(rows_k.numel() * w for (_, rows_k, _), w in widths)
-                estimate.append(count * padded / searched)
+                estimate.append(count * kernel.padded_pairs / searched)
             return None
         found_i.append(row_idx[c, r])
         found_j.append(col_idx[c, l].long())
