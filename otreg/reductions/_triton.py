@@ -74,6 +74,12 @@ LN2 = math.log(2)
 #: The dtypes the kernels compute in.
 DTYPES = (torch.float32, torch.float64)
 _SQEUCLIDEAN = get_cost("sqeuclidean")
+#: The kernels' size arguments, which Triton would otherwise specialise on (== 1, a multiple
+#: of 16), compiling a kernel anew for each such kind of size: a registration's levels and
+#: splits met up to eight variants of each kernel, each compiled in about a second on a cold
+#: cache.
+DENSE_SIZES = ["N", "M", "CHUNK", "S"]
+SPARSE_SIZES = ["N", "M"]
 
 
 def interpreted() -> bool:
@@ -169,7 +175,7 @@ def _kernels() -> types.SimpleNamespace:
             total += ge[:, None] * ve[None, :]
         return total
 
-    @triton.jit
+    @triton.jit(do_not_specialize=DENSE_SIZES)
     def _forward(
         X, Y, H, V, OUT, LSE, N, M, CHUNK, S, floor,
         KIND: tl.constexpr, COST: tl.constexpr, D: tl.constexpr, E: tl.constexpr,
@@ -236,7 +242,7 @@ def _kernels() -> types.SimpleNamespace:
             w = k * (gv - go[:, None])
         return w, k
 
-    @triton.jit
+    @triton.jit(do_not_specialize=DENSE_SIZES)
     def _backward_rows(
         X, Y, H, V, OUT, LSE, G, GX, N, M, CHUNK, S, floor,
         KIND: tl.constexpr, COST: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -265,7 +271,7 @@ def _kernels() -> types.SimpleNamespace:
         row = (b * S + split) * N + rn
         tl.store(GX + row[:, None] * D + rd[None, :], acc, mask=mask_n[:, None] & (rd[None, :] < D))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=DENSE_SIZES)
     def _backward_columns(
         X, Y, H, V, OUT, LSE, G, GY, GH, GV, N, M, CHUNK, S, floor,
         KIND: tl.constexpr, COST: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -314,7 +320,7 @@ def _kernels() -> types.SimpleNamespace:
         r0, r1 = tl.load(R_PTR + owner), tl.load(R_PTR + owner + 1)
         return tl.load(T_LO + t), tl.load(T_HI + t), r0, r1
 
-    @triton.jit
+    @triton.jit(do_not_specialize=SPARSE_SIZES)
     def _sparse_forward(
         X, Y, H, LSE, T_LO, T_HI, T_OWNER, R_PTR, R_LO, R_HI, N, M,
         D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
@@ -340,7 +346,7 @@ def _kernels() -> types.SimpleNamespace:
                 m_i = m_new
         tl.store(LSE + rn, m_i + tl.log2(l_i), mask=mask_n)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=SPARSE_SIZES)
     def _sparse_rows(
         X, Y, H, LSE, TOTAL, GX, T_LO, T_HI, T_OWNER, R_PTR, R_LO, R_HI, N, M,
         D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
@@ -366,7 +372,7 @@ def _kernels() -> types.SimpleNamespace:
         tl.store(TOTAL + rn, total, mask=mask_n)
         tl.store(GX + rn[:, None] * D + rd[None, :], acc, mask=mask_n[:, None] & (rd[None, :] < D))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=SPARSE_SIZES)
     def _sparse_columns(
         X, Y, H, LSE, WEIGHT, GY, GH, T_LO, T_HI, T_OWNER, R_PTR, R_LO, R_HI, N, M,
         D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
