@@ -119,30 +119,34 @@ def clusters_by_label(x: torch.Tensor, a: torch.Tensor, labels: torch.Tensor) ->
 
 
 def _ranges_of(
-    own: Clusters, other: Clusters, I: np.ndarray, J: np.ndarray, tile: int, device
+    own: Clusters, other: Clusters, I: torch.Tensor, J: torch.Tensor, tile: int
 ) -> _triton.Ranges:
     """The Triton kernels' view of the pattern ``(I, J)`` (clusters of ``own``, clusters of
     ``other``): tasks of at most ``tile`` points of one cluster of ``own``, and for each
-    cluster the runs of consecutive kept clusters of ``other`` as point ranges."""
-    sizes = own.sizes.cpu().numpy()
-    starts = own.starts[:-1].cpu().numpy()
+    cluster the runs of consecutive kept clusters of ``other`` as point ranges. Computed on
+    the clusters' device (on a GPU, ten times as fast as in numpy at N = 1e5)."""
+    device = own.starts.device
+    I, J = I.to(device, torch.long), J.to(device, torch.long)
+    sizes, starts = own.sizes, own.starts[:-1]
     per = -(-sizes // tile)
-    owner = np.repeat(np.arange(len(sizes)), per)
-    k = np.arange(owner.size) - np.repeat(np.cumsum(per) - per, per)
-    task_lo = starts[owner] + k * tile
-    task_hi = np.minimum(task_lo + tile, starts[owner] + sizes[owner])
-    order = np.lexsort((J, I))
+    n_tasks = int(per.sum())
+    owner = torch.repeat_interleave(
+        torch.arange(len(sizes), device=device), per, output_size=n_tasks
+    )
+    first_task = torch.repeat_interleave(per.cumsum(0) - per, per, output_size=n_tasks)
+    task_lo = starts[owner] + (torch.arange(n_tasks, device=device) - first_task) * tile
+    task_hi = torch.minimum(task_lo + tile, starts[owner] + sizes[owner])
+    order = torch.argsort(I * (len(other.starts) + 1) + J)
     I, J = I[order], J[order]
-    new = np.ones(len(I), dtype=bool)
+    new = torch.ones(len(I), dtype=torch.bool, device=device)
     new[1:] = (I[1:] != I[:-1]) | (J[1:] != J[:-1] + 1)  # a run of consecutive clusters
-    first = np.flatnonzero(new)
-    last = np.append(first[1:], len(I)) - 1
-    other_starts = other.starts.cpu().numpy()
-    ptr = np.concatenate([[0], np.cumsum(np.bincount(I[first], minlength=len(sizes)))])
-    as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)  # noqa: E731
+    first = torch.nonzero(new).squeeze(1)
+    last = torch.cat([first[1:], first.new_tensor([len(I)])]) - 1
+    ptr = torch.cat([first.new_zeros(1), torch.bincount(I[first], minlength=len(sizes)).cumsum(0)])
+    as_int = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
     return _triton.Ranges(
         as_int(task_lo), as_int(task_hi), as_int(owner), as_int(ptr),
-        as_int(other_starts[J[first]]), as_int(other_starts[J[last] + 1]),
+        as_int(other.starts[J[first]]), as_int(other.starts[J[last] + 1]),
     )  # fmt: skip
 
 
@@ -309,12 +313,11 @@ class BlockSparse:
     def triton_ranges(self, dtype: torch.dtype) -> tuple[_triton.Ranges, _triton.Ranges]:
         """The Triton kernels' (rows, columns) tasks and ranges for tiles of ``dtype``."""
         if dtype not in self._ranges:
-            I, J = (t.cpu().numpy() for t in self._pattern)
+            I, J = self._pattern
             bn, bm = _triton.BLOCKS[dtype]
-            device = self.rows.centres.device
             self._ranges[dtype] = (
-                _ranges_of(self.rows, self.cols, I, J, bn, device),
-                _ranges_of(self.cols, self.rows, J, I, bm, device),
+                _ranges_of(self.rows, self.cols, I, J, bn),
+                _ranges_of(self.cols, self.rows, J, I, bm),
             )
         return self._ranges[dtype]
 
