@@ -78,10 +78,11 @@ FIRST_MARGIN = 2.0
 #: as fast as every pair at 4e6 pairs (N = 2,000), 3.8 at 9e6, 2.9 at 2.5e7 (it was 1e8)
 MIN_PAIRS = 4_000_000
 #: ... or from this many where a GPU kernel sums every pair (``reductions.fast_all_pairs``):
-#: on an H100 the kernel's softmin takes 19 ms at N = M = 1e5 (0.54 T pairs/s), and the
-#: multiscale default call 6 to 9 s there with its gradient (docs/benchmarks.md, "otreg on a
-#: GPU"), about what some 300 iterations of every pair would take; the truncated reductions
-#: still run in torch, not in GPU kernels.
+#: at N = M = 1e5 the kernel's softmin takes 19 ms (0.52 T pairs/s on an H200), so the some
+#: 230 iterations of 2 to 4 softmins of every pair would take 9 to 17 s, and the multiscale
+#: default call (its truncated softmins in Triton kernels) took 1.5 s with its gradient
+#: (docs/benchmarks.md, "otreg on a GPU"); at 1e4 (1e8 pairs) every pair took 0.53 s. Where
+#: between 1e8 and 1e10 pairs multiscale starts to pay on a card is not measured.
 MIN_PAIRS_GPU = 10_000_000_000
 #: the search for a first pattern goes through coarser clusters above this many cluster pairs
 HIERARCHY_MIN_PAIRS = 1 << 24
