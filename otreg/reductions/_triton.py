@@ -75,9 +75,9 @@ LN2 = math.log(2)
 DTYPES = (torch.float32, torch.float64)
 _SQEUCLIDEAN = get_cost("sqeuclidean")
 #: The kernels' size arguments, which Triton would otherwise specialise on (== 1, a multiple
-#: of 16), compiling a kernel anew for each such kind of size: a registration's levels and
-#: splits met up to eight variants of each kernel, each compiled in about a second on a cold
-#: cache.
+#: of 16), compiling a kernel anew for each such kind of size (about a second each on a cold
+#: cache): the first registration of fsaverage5 to Conte69 on an H200 compiled 16 kernels in
+#: 15.1 s with them specialised, 13 in 12.4 s without.
 DENSE_SIZES = ["N", "M", "CHUNK", "S"]
 SPARSE_SIZES = ["N", "M"]
 
