@@ -139,11 +139,14 @@ def worker(source_donor: str, target_donor: str, points: int) -> dict:
             kw = {"model": model} if model != "lddmm" else {}
             res = register(small_source, small_target, progress=False, **kw)
         seconds = time.perf_counter() - start
+        # scored on every vertex of B's surface, of which the registered target is a
+        # decimation: a result refuses a target of another resolution as given (a wrong
+        # file, most often), so it is told that this is its target
+        res.target = target
         overlap = res.label_overlap(
             small_source.data["label"],
             target.data["label"],
             source=small_source,
-            target=target,
             ignore=(0,),  # the atlas's medial wall (the donors have no label 0)
         )
         distances = surface_distances(res.warped, small_target, to="surface")
