@@ -151,7 +151,7 @@ class Anderson:
         # points without mass are fixed by no marginal: they keep the plain update (an
         # extrapolated value there would overflow the marginals' exp for nothing)
         out = torch.where(self.scale > 0, u - (du @ gamma)[..., 0], u)
-        if bool(info.any()) or not bool(torch.isfinite(out).all()):
+        if bool(info.any() | ~torch.isfinite(out).all()):  # (one wait for a GPU, not two)
             self._forget()
             return update
         return out.to(update.dtype)
