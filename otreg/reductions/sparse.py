@@ -124,7 +124,8 @@ def _ranges_of(
     """The Triton kernels' view of the pattern ``(I, J)`` (clusters of ``own``, clusters of
     ``other``): tasks of at most ``tile`` points of one cluster of ``own``, and for each
     cluster the runs of consecutive kept clusters of ``other`` as point ranges. Computed on
-    the clusters' device (on a GPU, ten times as fast as in numpy at N = 1e5)."""
+    the clusters' device: in numpy, these took 0.35 s of a 1.5 s divergence on an H200
+    (N = 1e5); on the CPU, torch's sort takes a quarter of numpy's lexsort's time."""
     device = own.starts.device
     I, J = I.to(device, torch.long), J.to(device, torch.long)
     sizes, starts = own.sizes, own.starts[:-1]
