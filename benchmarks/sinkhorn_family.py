@@ -181,6 +181,8 @@ def main() -> None:
                 shown = {k: v for k, v in out.items() if k != "grad"}
                 print(problem, n, method, shown, file=sys.stderr, flush=True)
                 row = {"problem": problem, "n": n, "method": method, **out}
+                if "error" in out:  # a worker that failed or ran out of time: said, not blank
+                    row["note"] = "; ".join(filter(None, (row.get("note"), out["error"])))
                 if METHODS[method][0] == "reference" and "value" in out:
                     ref = {**row, "date": time.strftime("%Y-%m-%d")}
                     CACHE.mkdir(parents=True, exist_ok=True)
