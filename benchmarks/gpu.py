@@ -202,7 +202,7 @@ def divergence_worker(method: str, n: int) -> dict:
         (g,) = torch.autograd.grad(d, xx)
         return d, g
 
-    last = []  # the last timed call's outputs (no call more: one takes 11 s at N = 1e6)
+    last = []  # the last timed call's outputs, so that no extra call is made (11 s at 1e6)
 
     def kept():
         last[:] = [run()]
