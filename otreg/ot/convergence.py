@@ -221,13 +221,14 @@ class StoppingRule:
     tolerances (:class:`Accuracy`; the loop passes a ``probe`` that
     evaluates them). ``"stalled"``: the error is
     within ``FLOOR`` times its rounding floor and has not reached a new low (by 1%) for
-    ``PATIENCE`` iterations: further iterations would change nothing. The floor is
-    u max|f, g| / eps (u the dtype's machine epsilon): the rounding of the potentials, seen
-    through exp(f / eps) in the plan's marginals. In float32 at small eps it can be above
-    ``tol``: on two noisy spheres at blur 0.02 the estimate is 1.0e-4 and the error hovers
-    at 1.9e-4 (at blur 0.01: 4.1e-4 and 1.6e-3), where float64 converges to 1e-4 in 284
-    iterations. The estimate is rough (the scores' own rounding, C / eps, adds to it), hence
-    the factor and the patience: an error that oscillates while it converges
+    ``patience`` iterations (``PATIENCE``; fewer where the loop then goes on in float64,
+    :func:`otreg.ot.loop._in_float64`): further iterations would change nothing. The floor
+    is u (max|f, g| + s) / eps (:func:`rounding_floor`, u the dtype's machine epsilon, s the
+    size of the terms of the cost's formula): the rounding of the potentials and of the
+    scores, seen through exp(f / eps) in the plan's marginals. In float32 at small eps it
+    can be above ``tol``: on two noisy spheres at blur 0.02 the error hovers at 1.9e-4,
+    where float64 converges to 1e-4 in 284 iterations. The estimate is rough, hence the
+    factor and the patience: an error that oscillates while it converges
     (over-relaxed, or with the multiscale solver's changing truncation) sets a new low
     every few dozen iterations. ``"diverged"``: the error is not finite (a fixed
     relaxation weight too large far from the solution). ``"max_iter"``: the budget ran out.
@@ -243,8 +244,15 @@ class StoppingRule:
     NOISE = 100
     NOISE_MARGIN = 1e-3
 
-    def __init__(self, tol: float | Accuracy, value_floor: float = 0.0) -> None:
+    def __init__(
+        self, tol: float | Accuracy, value_floor: float = 0.0, patience: int = PATIENCE
+    ) -> None:
         self.tol = tol
+        #: a stall: ``patience`` updates without a new low, within ``FLOOR`` times the
+        #: rounding floor
+        self.patience = patience
+        #: whether the updates went on in float64 after a float32 stall (:meth:`resume`)
+        self.promoted = False
         self.accuracy = tol if isinstance(tol, Accuracy) else None
         self.error = math.nan  # not measured until an update at the final eps
         self.reason = "max_iter"
@@ -255,6 +263,13 @@ class StoppingRule:
         self._value_floor = value_floor
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self._changes: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def resume(self) -> None:
+        """Go on after a stall, in a finer dtype: the error's history starts again, with
+        the full patience."""
+        self.reason, self.promoted, self.patience = "max_iter", True, self.PATIENCE
+        self._best, self._since = math.inf, 0
+        self._last, self._changes = None, []
 
     @property
     def converged(self) -> bool:
@@ -293,7 +308,7 @@ class StoppingRule:
             self._best, self._since = err, 0
         else:
             self._since += 1
-        if self._since >= self.PATIENCE and err < self.FLOOR * floor():
+        if self._since >= self.patience and err < self.FLOOR * floor():
             self.reason = "stalled"
             return True
         return False
@@ -350,8 +365,12 @@ def _tail(changes: list[torch.Tensor], window: int) -> float:
     return float(tail.max())
 
 
-def rounding_floor(eps: float, *potentials: torch.Tensor, dtype=None) -> float:
-    """U max |potential| / eps: the rounding noise of the marginals exp((f - s) / eps), U the
-    machine epsilon of ``dtype`` (default: the potentials')."""
+def rounding_floor(
+    eps: float, *potentials: torch.Tensor, dtype=None, cost_scale: float = 0.0
+) -> float:
+    """U (max |potential| + cost_scale) / eps: the rounding noise of the marginals
+    exp((f - s) / eps), U the machine epsilon of ``dtype`` (default: the potentials');
+    ``cost_scale`` the size of the terms the cost is computed from (|x|^2 / 2 + |y|^2 / 2
+    for the expansion of |x - y|^2 / 2), whose rounding the scores carry too."""
     top = max(float(t.abs().max()) for t in potentials)
-    return torch.finfo(dtype or potentials[0].dtype).eps * top / eps
+    return torch.finfo(dtype or potentials[0].dtype).eps * (top + cost_scale) / eps

@@ -55,9 +55,35 @@ class DenseKernel:
         b: torch.Tensor | None = None,
     ) -> None:
         self.p, self.symmetric = p, y is None
-        self.x, self.a = x, a
-        self.y, self.b = (x, a) if y is None else (y, b)
-        self._a_log, self._b_log = self.a.log(), self.b.log()
+        self._use(x, a, *((x, a) if y is None else (y, b)))
+        self._caller: tuple | None = None  # the caller's tensors while promoted
+        # the size of the terms a dense cost is computed from, for the rounding floor
+        # (|x|^2 / 2 + |y|^2 / 2 for the expansion of |x - y|^2 / 2; |x| + |y| for p = 1)
+        self._cost_scale = sum(
+            float(t.detach().norm(dim=-1).max()) ** p.cost.p / p.cost.p for t in (self.x, self.y)
+        )
+
+    def _use(self, x, a, y, b) -> None:
+        self.x, self.a, self.y, self.b = x, a, y, b
+        self._a_log, self._b_log = a.log(), b.log()
+
+    @property
+    def promotable(self) -> bool:
+        """Whether :meth:`promote` would sum in float64 (the points are not yet)."""
+        return self.x.dtype != torch.float64
+
+    def promote(self) -> bool:
+        """Sum in float64 from here (the caller's points, exactly), for the final updates
+        once float32's rounding floor stops them above ``tol``; False if already float64.
+        :meth:`finish` goes back to the caller's tensors."""
+        if not self.promotable:
+            return False
+        self._caller = (self.x, self.a, self.y, self.b)
+        x, a, y, b = (t.double() for t in self._caller)
+        if self.p.rho is None:  # totals equal in float32 differ at 1e-8 in float64
+            b = b * (a.sum(1) / b.sum(1))[:, None]
+        self._use(x, a, y, b)
+        return True
 
     def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
         return form_softmin(self.p, eps, self.x, self.y, self._b_log, g)
@@ -76,13 +102,16 @@ class DenseKernel:
 
     def rounding_floor(self, eps: float, *potentials: torch.Tensor) -> float:
         """The marginals' rounding noise at these potentials (the stall rule's floor)."""
-        return rounding_floor(eps, *potentials)
+        return rounding_floor(eps, *potentials, cost_scale=self._cost_scale)
 
     def coarse_problem(self) -> None:
         return None
 
     def finish(self, f, g, eps: float) -> None:
-        """Nothing to release."""
+        """Back to the caller's tensors after :meth:`promote`."""
+        if self._caller is not None:
+            self._use(*self._caller)
+            self._caller = None
 
     def differentiable_softmin(self, x, y, b, g, eps: float) -> torch.Tensor:
         """lambda-free softmin of log b + g / eps, differentiable in x, y and b, (B, N)."""

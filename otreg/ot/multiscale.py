@@ -556,6 +556,13 @@ class TruncatedKernel:
             self._finished = False
         self.n_pairs.append(xy.n_pairs)
 
+    promotable = False
+
+    def promote(self) -> bool:
+        """No float64 promotion: the final softmins already sum in float64 (see
+        :meth:`rounding_floor`)."""
+        return False
+
     def finish(self, f, g, eps: float) -> None:
         """The last pattern, for the converged potentials (sorted); then keep only what the
         gradient needs: the x -> y kernel (the dual value's one reduction) without its

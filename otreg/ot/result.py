@@ -55,7 +55,9 @@ class SinkhornResult:
         acceleration: what sped up the updates at the final eps: ``"anderson"`` (with
             the number of safeguard resets if any), ``"anderson, then over-relaxation
             after N resets"`` (the mixing failed and the loop fell back), ``"over-relaxation
-            (w = ...)"``, ``"none"`` or ``"closed form"``.
+            (w = ...)"``, ``"none"`` or ``"closed form"``; followed by ``"; in float64
+            from iteration k (...): "`` and what accelerated the updates from there, where
+            float32's rounding floor stopped them above ``tol`` and they went on in float64.
 
     Example:
         >>> import torch, otreg
@@ -108,11 +110,12 @@ def report_convergence(caller: str, what: str, p: Problem, n_iter: int, rule: St
         )
     elif rule.reason == "stalled":
         remedies = [f"a tol above {err:.2g}", "a larger blur"]
-        if p.x.dtype != torch.float64:
+        dtype = torch.float64 if rule.promoted else p.x.dtype
+        if dtype != torch.float64:
             remedies.insert(0, "float64 points")
         hint = (
-            f"it stopped decreasing {StoppingRule.PATIENCE} iterations before: the "
-            f"rounding floor of {p.x.dtype} at eps={p.eps:.3g}. Use "
+            f"it stopped decreasing {rule.patience} iterations before: the "
+            f"rounding floor of {dtype} at eps={p.eps:.3g}. Use "
             f"{_either(remedies)}"
         )
     elif rule.reason == "diverged" and p.relaxation not in RELAXATIONS:
