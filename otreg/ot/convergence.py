@@ -251,7 +251,7 @@ class StoppingRule:
         #: a stall: ``patience`` updates without a new low, within ``FLOOR`` times the
         #: rounding floor
         self.patience = patience
-        #: whether the updates went on in float64 after a float32 stall (:meth:`resume`)
+        #: whether the updates went on in float64 after a float32 stall
         self.promoted = False
         self.accuracy = tol if isinstance(tol, Accuracy) else None
         self.error = math.nan  # not measured until an update at the final eps
@@ -265,11 +265,17 @@ class StoppingRule:
         self._changes: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def resume(self) -> None:
-        """Go on after a stall, in a finer dtype: the error's history starts again, with
-        the full patience."""
-        self.reason, self.promoted, self.patience = "max_iter", True, self.PATIENCE
+        """Go on after a stop (in a finer dtype, or on a kernel that gained pairs): the
+        error's history starts again."""
+        self.reason = "max_iter"
         self._best, self._since = math.inf, 0
         self._last, self._changes = None, []
+
+    @property
+    def plateaued(self) -> bool:
+        """True once every ``PATIENCE`` updates without a new low (by 1%), wherever the
+        error is (a stall needs it near the rounding floor too)."""
+        return self._since > 0 and self._since % self.PATIENCE == 0
 
     @property
     def converged(self) -> bool:

@@ -38,7 +38,8 @@ class DenseKernel:
     the kernel's order; ``softmin_xy(eps, g)`` (B, N) and ``softmin_yx(eps, f)`` (B, M);
     ``to_kernel_order`` / ``to_caller_order`` for potentials; ``refresh`` (adapt to the
     current potentials, every ``refresh_every`` iterations at the final eps);
-    ``coarse_problem`` (a problem to solve first, or None) and ``extrapolate``; ``finish``;
+    ``coarse_problem`` (a problem to solve first, or None) and ``extrapolate``; ``verify``
+    (whether the updates may stop at these potentials) and ``promote``; ``finish``;
     ``differentiable_softmin`` for the gradient's one reduction, ``softmin_gradient``
     for the accuracy checks and ``rounding_floor`` for the stall rule. ``symmetric``: x
     against itself (y and b are x and a).
@@ -99,6 +100,10 @@ class DenseKernel:
 
     def refresh(self, f, g, eps: float, full: bool = False) -> None:
         """Nothing to adapt: every pair is summed."""
+
+    def verify(self, f, g) -> bool:
+        """Every pair is summed: nothing can be missing."""
+        return True
 
     def rounding_floor(self, eps: float, *potentials: torch.Tensor) -> float:
         """The marginals' rounding noise at these potentials (the stall rule's floor)."""

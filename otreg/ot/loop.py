@@ -186,6 +186,21 @@ def _in_float64(rule: StoppingRule, kernel) -> bool:
     if rule.reason != "stalled" or not kernel.promote():
         return False
     rule.resume()
+    rule.promoted, rule.patience = True, StoppingRule.PATIENCE
+    return True
+
+
+def _go_on(rule: StoppingRule, kernel, f, g, stop: bool) -> bool:
+    """Whether the updates go on after ``rule.stop`` said ``stop`` at the potentials f, g:
+    where the rule stopped them (converged or stalled), or every ``PATIENCE`` updates
+    without progress, the kernel checks that it holds every pair that matters
+    (``kernel.verify``: a multiscale pattern may have lost some); if it did not, it has
+    gained them, and the updates go on from here."""
+    if not (stop and rule.reason in ("tol", "stalled")) and not rule.plateaued:
+        return not stop
+    if kernel.verify(f, g):
+        return not stop
+    rule.resume()
     return True
 
 
@@ -222,11 +237,12 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
             continue
         if err < best[0]:
             best = (err, f.clone(), g.clone())
-        if rule.stop(
+        stop = rule.stop(
             err,
             lambda f=f, g=update: kernel.rounding_floor(eps, f, g),
             probe and (lambda g=update: probe(g)),
-        ):
+        )
+        if not _go_on(rule, kernel, f, update, stop):
             g = update
             break
         if mixing:
@@ -276,9 +292,10 @@ def _symmetric_updates(p: Problem, kernel, f, n_iter: int, rule: StoppingRule):
         err = float(residual(p, eps, kernel.a, f, sf).max())
         f = (f + lam * sf) / 2
         n_iter += 1
-        if rule.stop(
+        stop = rule.stop(
             err, lambda f=f: kernel.rounding_floor(eps, f), probe and (lambda f=f: probe(f))
-        ):
+        )
+        if not _go_on(rule, kernel, f, f, stop):
             break
     return f, n_iter
 

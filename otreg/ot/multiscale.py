@@ -364,6 +364,7 @@ class TruncatedKernel:
         self.factor_builds = 0  # the pattern's factors stored where no list pays
         self._factors_pay = True  # False once factors were not trusted
         self._finished = False  # True after finish(): softmins keep nothing
+        self.pairs_added: list[int] = []  # cluster pairs each failed verify() added
 
     # -------------------------------------------------------------- reductions
     def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
@@ -534,27 +535,58 @@ class TruncatedKernel:
         searches every cluster pair; otherwise only the current pattern's pairs, and the
         kernels are rebuilt only if at least a quarter of them can go.
         """
-        f, g = f[0].to(self.cx.points.dtype), g[0].to(self.cx.points.dtype)
-        lam = self.p.damping(eps)
-        fb, gb = self._bound_potentials(f, g, lam)
-        dx = _cluster_gradients(self.cx, f)
-        dy = dx if self.symmetric else _cluster_gradients(self.cy, g)
         threshold = max(ANNEAL_TRUNCATE * eps, self.truncate * self.p.eps) + self._margin * eps
         self._margin = 0.0
         refresh = not full and self.kernels is not None
         candidates = self.kernels.pairs if refresh else None
-        I, J = _pattern_pairs(self.cx, self.cy, fb, gb, dx, dy, threshold, candidates, self.scale)
+        I, J = self._search(f, g, eps, threshold, candidates)
         if refresh and len(I) > KEEP_FRACTION * len(candidates[0]):
             return  # the current kernels hold every pair that matters
+        self._use_pattern(I, J, subset=refresh)
+        if full:
+            self._finished = False
+
+    def _search(self, f, g, eps: float, threshold: float, candidates=None):
+        """The cluster pairs (I, J) whose slack's lower bound at the potentials f (1, N),
+        g (1, M) (sorted) is within ``threshold``: among ``candidates``, or all."""
+        f, g = f[0].to(self.cx.points.dtype), g[0].to(self.cx.points.dtype)
+        fb, gb = self._bound_potentials(f, g, self.p.damping(eps))
+        dx = _cluster_gradients(self.cx, f)
+        dy = dx if self.symmetric else _cluster_gradients(self.cy, g)
+        return _pattern_pairs(self.cx, self.cy, fb, gb, dx, dy, threshold, candidates, self.scale)
+
+    def _use_pattern(self, I: torch.Tensor, J: torch.Tensor, subset: bool) -> None:
+        """Sum over the cluster pairs (I, J) from here; ``subset``: they are among the
+        current pattern's (a pair list or stored factors made from it still hold)."""
         backend = {"auto": "auto", "triton": "triton"}.get(self.p.backend, "torch")
         xy = BlockSparse(self.cx, self.cy, I, J, backend=backend)
         yx = xy if self.symmetric else BlockSparse(self.cy, self.cx, J, I, backend=backend)
         self.kernels = _Kernels(xy, yx, (I, J))
-        if full and isinstance(self._list, BlockFactors):  # not a subset of their pattern
+        if not subset:  # made from a pattern the new one is not a subset of
             self._list = None
-        if full:
-            self._finished = False
         self.n_pairs.append(xy.n_pairs)
+
+    def verify(self, f, g) -> bool:
+        """Whether the pattern holds every cluster pair that a search of all of them keeps
+        at the final eps's potentials f (1, N), g (1, M) (sorted); if not, it gains them
+        (the updates must then go on). The pattern is refreshed among its own pairs, which
+        is fast but loses pairs that matter where the potentials move far from those it
+        was built for: on two uniform clouds in a square (N = 5,000, blur 0.005, below the
+        points' spacing) the default call converged on such a pattern, to a divergence 1%
+        off. At the potentials where the loop stops, a search of every cluster pair (0.01
+        to 0.2 s at N = 5,000 on two cores) found pairs missing on each problem of
+        benchmarks/sinkhorn_family.py too (97 of 4,286 on the spheres)."""
+        I, J = self._search(f, g, self.p.eps, self.truncate * self.p.eps)
+        Ky = self.cy.n_clusters
+        held = self.kernels.pairs[0] * Ky + self.kernels.pairs[1]
+        found = I * Ky + J
+        missing = found[~torch.isin(found, held)]
+        if len(missing) == 0:
+            return True
+        key = torch.unique(torch.cat([held, missing]))  # the union: the pattern only grows
+        self._use_pattern(key // Ky, key % Ky, subset=False)
+        self.pairs_added.append(len(missing))
+        return False
 
     promotable = False
 
