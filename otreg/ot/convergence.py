@@ -272,12 +272,6 @@ class StoppingRule:
         self._last, self._changes = None, []
 
     @property
-    def plateaued(self) -> bool:
-        """True once every ``PATIENCE`` updates without a new low (by 1%), wherever the
-        error is (a stall needs it near the rounding floor too)."""
-        return self._since > 0 and self._since % self.PATIENCE == 0
-
-    @property
     def converged(self) -> bool:
         """Whether the loop met its tolerance (or needed none: a closed form)."""
         return self.reason in ("tol", "closed form")
