@@ -152,14 +152,16 @@ def _divergence(x, y, a=None, b=None, **options):
     return value.detach(), grad
 
 
-@pytest.mark.parametrize("reach", [None, 0.5])
-def test_multiscale_divergence_equals_the_dense_one(reach):
+@pytest.mark.parametrize("reach, relaxation", [(None, "anderson"), (0.5, 1.5)])
+def test_multiscale_divergence_equals_the_dense_one(reach, relaxation):
     x, y = spheres(1500)
     g = torch.Generator().manual_seed(3)
     a = torch.rand(x.shape[0], generator=g, dtype=x.dtype) + 0.5
     b = torch.rand(y.shape[0], generator=g, dtype=x.dtype) + 0.5
     a, b = a / a.sum(), b / b.sum()
-    options = dict(blur=0.03, scaling=0.8, reach=reach, tol=1e-9, max_iter=3000, relaxation=1.5)
+    options = dict(
+        blur=0.03, scaling=0.8, reach=reach, tol=1e-9, max_iter=3000, relaxation=relaxation
+    )
     v_dense, g_dense = _divergence(x, y, a, b, multiscale=False, **options)
     v_ms, g_ms = _divergence(x, y, a, b, multiscale=Multiscale(cluster_scale=0.2), **options)
     torch.testing.assert_close(v_ms, v_dense, rtol=1e-7, atol=1e-10)
