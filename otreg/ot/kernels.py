@@ -39,7 +39,8 @@ class DenseKernel:
     ``to_kernel_order`` / ``to_caller_order`` for potentials; ``refresh`` (adapt to the
     current potentials, every ``refresh_every`` iterations at the final eps);
     ``coarse_problem`` (a problem to solve first, or None) and ``extrapolate``; ``verify``
-    (whether the updates may stop at these potentials) and ``promote``; ``finish``;
+    (whether the updates may stop at these potentials); ``promotable`` and ``promote``
+    (sum in float64 from here); ``finish``;
     ``differentiable_softmin`` for the gradient's one reduction, ``softmin_gradient``
     for the accuracy checks and ``rounding_floor`` for the stall rule. ``symmetric``: x
     against itself (y and b are x and a).
@@ -73,18 +74,15 @@ class DenseKernel:
         """Whether :meth:`promote` would sum in float64 (the points are not yet)."""
         return self.x.dtype != torch.float64
 
-    def promote(self) -> bool:
-        """Sum in float64 from here (the caller's points, exactly), for the final updates
-        once float32's rounding floor stops them above ``tol``; False if already float64.
-        :meth:`finish` goes back to the caller's tensors."""
-        if not self.promotable:
-            return False
+    def promote(self) -> None:
+        """Sum in float64 from here (the caller's points, exactly; only where
+        :attr:`promotable`), for the final updates once float32's rounding floor stops them
+        above ``tol``. :meth:`finish` goes back to the caller's tensors."""
         self._caller = (self.x, self.a, self.y, self.b)
         x, a, y, b = (t.double() for t in self._caller)
         if self.p.rho is None:  # totals equal in float32 differ at 1e-8 in float64
             b = b * (a.sum(1) / b.sum(1))[:, None]
         self._use(x, a, y, b)
-        return True
 
     def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
         return form_softmin(self.p, eps, self.x, self.y, self._b_log, g)

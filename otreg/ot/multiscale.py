@@ -596,12 +596,9 @@ class TruncatedKernel:
         self.pairs_added.append(len(missing))
         return False
 
+    #: no float64 promotion: the final softmins already sum in float64 (see
+    #: :meth:`rounding_floor`)
     promotable = False
-
-    def promote(self) -> bool:
-        """No float64 promotion: the final softmins already sum in float64 (see
-        :meth:`rounding_floor`)."""
-        return False
 
     def finish(self, f, g, eps: float) -> None:
         """The last pattern, for the converged potentials (sorted); then keep only what the
