@@ -57,7 +57,9 @@ class SinkhornResult:
             after N resets"`` (the mixing failed and the loop fell back), ``"over-relaxation
             (w = ...)"``, ``"none"`` or ``"closed form"``; followed by ``"; in float64
             from iteration k (...): "`` and what accelerated the updates from there, where
-            float32's rounding floor stopped them above ``tol`` and they went on in float64.
+            float32's rounding floor stopped them above ``tol`` and they went on in float64;
+            and by ``"; from potentials converged at blur b in k iterations"`` where the
+            final eps started there (every pair summed: :func:`otreg.ot.loop.halfway`).
 
     Example:
         >>> import torch, otreg

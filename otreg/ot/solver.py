@@ -239,7 +239,12 @@ def _solve_and_differentiate(
             # replay would then end short of the potentials returned)
             p = dataclasses.replace(p, relaxation=1.0)
         with torch.no_grad():
-            sol = solve(p, *(t.detach() for t in (p.x, p.a, p.y, p.b)), init=init)
+            sol = solve(
+                p,
+                *(t.detach() for t in (p.x, p.a, p.y, p.b)),
+                init=init,
+                continuation=options.backward_kind != "unroll",
+            )
     converged = report_convergence(caller, "the solver", p, sol.n_iter, sol.rule)
     with reductions.track() as differentiated:
         value, f, g, params = differentiate(caller, p, options, sol, (p.x, p.y, p.a, p.b))
