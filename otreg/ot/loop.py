@@ -123,7 +123,7 @@ def solve(p: Problem, x, a, y=None, b=None, init=None, continuation: bool = True
     eps, skipping the eps-scaling (a warm start from a nearby problem). Without one, where
     :func:`halfway` gives a problem, its converged potentials are the start
     (``continuation=False``: never; the unrolled gradient replays the plain schedule)."""
-    n_first, story = 0, ""
+    n_first, story, resume = 0, "", None
     first_p = halfway(p) if continuation and init is None else None
     if first_p is not None:
         first = solve(first_p, x, a, y, b, continuation=False)
@@ -131,10 +131,10 @@ def solve(p: Problem, x, a, y=None, b=None, init=None, continuation: bool = True
         if first.rule.reason == "diverged":  # the annealing's potentials then
             story = f"; the updates at blur {blur:.3g} diverged: from the annealing"
         else:
-            init = (first.f, first.g)
+            resume = (first.f, first.g, len(first_p.schedule))
             story = f"; from potentials converged at blur {blur:.3g} in {n_first} iterations"
     kernel = make_kernel(p, x, a, y, b)
-    f, g, n_iter = _anneal(p, kernel, init)
+    f, g, n_iter = _anneal(p, kernel, init, resume)
     loop = _final_symmetric if kernel.symmetric else _final_pair
     f, g, n_iter, rule, acceleration = loop(p, kernel, f, g, n_iter + n_first)
     f, g = f.to(x.dtype), g.to(x.dtype)  # a multiscale kernel's final softmins are float64
@@ -173,16 +173,21 @@ def halfway(p: Problem) -> Problem | None:
     return replace(p, schedule=schedule, max_iter=p.max_iter // 2)
 
 
-def _anneal(p: Problem, kernel, init):
+def _anneal(p: Problem, kernel, init, resume=None):
     """Potentials at the start of the final eps: a warm start, or the eps-scaling (after
-    the kernel's coarse problem, solved by this loop, when it has one)."""
+    the kernel's coarse problem, solved by this loop, when it has one); ``resume``:
+    ``(f, g, k)``, potentials converged at the schedule's k-th eps, to go on from there
+    (its remaining eps one update each: a single jump of 4 to 16 times the eps made the
+    symmetric updates' marginals overflow in float32)."""
     if init is not None:
         f, g = kernel.to_kernel_order(*init)
         kernel.refresh(f, g, p.eps, full=True)
         return f, g, 0
     schedule, n_iter = p.schedule, 0
-    coarse = kernel.coarse_problem()
-    if coarse is not None:
+    if resume is not None:
+        f, g = kernel.to_kernel_order(*resume[:2])
+        schedule = p.schedule[resume[2] :]
+    elif (coarse := kernel.coarse_problem()) is not None:
         coarse_p, X, A, Y, B = coarse
         start = solve(coarse_p, X, A, Y, B)
         f, g = kernel.extrapolate(start.f, start.g)
