@@ -154,11 +154,11 @@ def halfway(p: Problem) -> Problem | None:
     final one, and updates there until the same ``tol``, in at most half of ``max_iter``.
     From the annealing alone (one update an eps) the final eps's updates crawl where the
     plan is near a permutation; from potentials converged at twice the blur they need a
-    few dozen. Measured (divergence with its gradient, every pair, float32, two cores,
-    benchmarks/sinkhorn_family.py's problems): at N = 1,000 the four sphere problems took
-    0.48 to 1.08 s instead of 1.48 to 4.48 s (190 to 409 iterations instead of 579 to
-    1,427) and the clusters against a ball 1.03 s instead of 3.90 s, gradients as
-    accurate; at N = 2,000 the spheres 2.2 and 2.9 s instead of 6.6 and 10.8 s. None where
+    few hundred. Measured (divergence with its gradient, every pair, float32, two cores,
+    benchmarks/sinkhorn_family.py at N = 1,000, docs/benchmarks.md): the four sphere
+    problems took 0.44 to 1.21 s instead of 1.94 to 5.83 s (202 to 430 iterations instead
+    of 579 to 1,427) and the clusters against a ball 0.90 s instead of 3.76 s, gradients as
+    accurate or more; 200 to 500 points at blur 0.01 used to stop at ``max_iter``. None where
     multiscale (its truncated kernel at twice the blur keeps several times as many pairs a
     point, and converging there cost more than it saved on two brain surfaces:
     docs/guide/ot.md), for a gradient-accuracy ``tol`` (:class:`Accuracy`), for ``tol=0``
