@@ -185,8 +185,9 @@ def _anneal(p: Problem, kernel, init, resume=None):
         return f, g, 0
     schedule, n_iter = p.schedule, 0
     if resume is not None:
-        f, g = kernel.to_kernel_order(*resume[:2])
-        schedule = p.schedule[resume[2] :]
+        f, g, done = resume
+        f, g = kernel.to_kernel_order(f, g)
+        schedule = p.schedule[done:]
     elif (coarse := kernel.coarse_problem()) is not None:
         coarse_p, X, A, Y, B = coarse
         start = solve(coarse_p, X, A, Y, B)
@@ -248,12 +249,10 @@ def _go_on(rule: StoppingRule, kernel, f, g, stop: bool) -> bool:
     too, on uniform clouds in a square at a blur of a quarter of their spacing, the pairs
     gained had slacks far below zero and the updates then diverged (a marginal error of
     4.8 after 3,000 iterations where the loop had stalled at 3.6e-3)."""
-    if not (stop and rule.reason == "tol"):
-        return not stop
-    if kernel.verify(f, g):
-        return not stop
-    rule.resume()
-    return True
+    if stop and rule.reason == "tol" and not kernel.verify(f, g):
+        rule.resume()
+        return True
+    return not stop
 
 
 def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
