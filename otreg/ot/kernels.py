@@ -38,9 +38,11 @@ class DenseKernel:
     the kernel's order; ``softmin_xy(eps, g)`` (B, N) and ``softmin_yx(eps, f)`` (B, M);
     ``to_kernel_order`` / ``to_caller_order`` for potentials; ``refresh`` (adapt to the
     current potentials, every ``refresh_every`` iterations at the final eps);
-    ``coarse_problem`` (a problem to solve first, or None) and ``extrapolate``; ``verify``
+    ``coarse_problem`` (a problem to solve first, or None) and ``extrapolate``;
+    ``cell_step`` (a step on the constants of cells of points, or None); ``verify``
     (whether the updates may stop at these potentials); ``promotable`` and ``promote``
-    (sum in float64 from here); ``finish``;
+    (sum in float64 from here); ``remake_list`` (a new pair list after a stall);
+    ``finish``;
     ``differentiable_softmin`` for the gradient's one reduction, ``softmin_gradient``
     for the accuracy checks and ``rounding_floor`` for the stall rule. ``symmetric``: x
     against itself (y and b are x and a).
@@ -98,6 +100,15 @@ class DenseKernel:
 
     def refresh(self, f, g, eps: float, full: bool = False) -> None:
         """Nothing to adapt: every pair is summed."""
+
+    def remake_list(self) -> bool:
+        """No pair list to make again (:meth:`~otreg.ot.multiscale.TruncatedKernel.remake_list`)."""
+        return False
+
+    def cell_step(self, f, g) -> None:
+        """No step on cells' constants: every pair's softmin has no cells
+        (:meth:`~otreg.ot.multiscale.TruncatedKernel.cell_step`)."""
+        return None
 
     def verify(self, f, g) -> bool:
         """Every pair is summed: nothing can be missing."""

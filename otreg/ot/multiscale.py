@@ -62,6 +62,7 @@ from ..reductions.sparse import (
     grid_clusters,
     grid_labels,
 )
+from . import cells
 from .convergence import rounding_floor
 
 __all__: list[str] = []
@@ -90,6 +91,10 @@ MIN_PAIRS_GPU = 10_000_000_000
 #: 8 times in OT(a, b) and the call took 12.7 s (7.5 s without the check); with 10 eps,
 #: once and 9.7 s; with 30, once and 11.2 s
 VERIFY_MARGIN = 10.0
+#: extra margin (in units of eps) for the pattern searched after a cell step: with none,
+#: on two noisy spheres 0.5 apart (N = 5,000, blur 0.01) the updates after a step stalled
+#: at a marginal error of 1.4e-3 (the pattern lacked pairs); with 2 or 10 they converged
+CELL_MARGIN = 10.0
 #: the search for a first pattern goes through coarser clusters above this many cluster pairs
 HIERARCHY_MIN_PAIRS = 1 << 24
 #: the coarse stage runs while the blur is above this fraction of the cluster scale
@@ -371,6 +376,7 @@ class TruncatedKernel:
         self._factors_pay = True  # False once factors were not trusted
         self._finished = False  # True after finish(): softmins keep nothing
         self.pairs_added: list[int] = []  # cluster pairs each failed verify() added
+        self._list_remade = False  # once, after a stall (remake_list)
 
     # -------------------------------------------------------------- reductions
     def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
@@ -526,6 +532,50 @@ class TruncatedKernel:
     def to_caller_order(self, f, g):
         return f[:, self._unsort_x], g[:, self._unsort_y]
 
+    # -------------------------------------------------------------- cell steps
+    def cell_step(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+        """A Newton step on one constant per cell of f or of g (:mod:`otreg.ot.cells`) at
+        the final eps, from f (1, N) and g (1, M) = the softmin of f (sorted): on the side
+        whose model gains more, damped until the dual rises. Returns the new g (after f's
+        step, the softmin of the new f), or None where no step is taken: no pair list, an
+        unbalanced problem, both models' gains below ``cells.MIN_GAIN`` eps or no damping
+        making the dual rise. The pattern is searched again over every cluster pair for
+        the step's potentials (the cells move by up to ``cells.TRUST`` eps) with
+        ``CELL_MARGIN`` eps to spare, and the softmin that measures the new dual makes the
+        pair list for them."""
+        eps = self.p.eps
+        if not isinstance(self._list, PairList) or self.p.damping(eps) != 1:
+            return None
+        a, b = self.a[0].double(), self.b[0].double()
+        f, g = f[0].double(), g[0].double()
+        models = {}
+        if self.cx.n_clusters <= cells.MAX_CELLS:  # f's cells, g eliminated
+            entries = self._list.plan(f, b, transpose=True)
+            models["f"] = cells.cell_model(*entries, self.cx.labels, self.cx.masses.double(), b)
+        if self.cy.n_clusters <= cells.MAX_CELLS:  # g's cells, f eliminated
+            entries = self._list.plan(g, a)
+            models["g"] = cells.cell_model(*entries, self.cy.labels, self.cy.masses.double(), a)
+        gains = {k: m.gain(m.step(eps, cells.DAMPING[0]), eps) for k, m in models.items()}
+        if not gains or max(gains.values()) < cells.MIN_GAIN:
+            return None
+        side = max(gains, key=gains.get)
+        model, dual = models[side], float((a * f).sum() + (b * g).sum())
+        for damping in cells.DAMPING:
+            alpha = model.step(eps, damping)
+            self._margin = CELL_MARGIN
+            if side == "f":
+                f_new = f + alpha[self.cx.labels]
+                self.refresh(f_new[None], (g + model.eliminated_change(alpha))[None], eps, True)
+                g_new = self._final_softmin(f_new, transpose=True)
+            else:
+                g_new = g + alpha[self.cy.labels]
+                self.refresh((f + model.eliminated_change(alpha))[None], g_new[None], eps, True)
+                f_new = self._final_softmin(g_new, transpose=False)
+            if float((a * f_new).sum() + (b * g_new).sum()) > dual:
+                return g_new[None]
+        self.refresh(f[None], g[None], eps, full=True)  # the pattern for where it was
+        return None
+
     # -------------------------------------------------------------- patterns
     def _bound_potentials(self, f, g, lam):
         # the row terms are exp((f/lam + g - C)/eps) (unbalanced: f = lam softmin): use the
@@ -595,6 +645,16 @@ class TruncatedKernel:
         self._use_pattern(key // Ky, key % Ky, subset=False)
         self.pairs_added.append(len(missing))
         return False
+
+    def remake_list(self) -> bool:
+        """Drop the pair list so that the next softmin makes it again at the current
+        potentials, once, after the final updates stalled on its rounding floor (its
+        scores are relative to the potentials it was made for: the rounding of a softmin
+        grows with the potentials' moves since). Whether it did."""
+        if not isinstance(self._list, PairList) or self._list_remade:
+            return False
+        self._list, self._list_remade = None, True
+        return True
 
     #: no float64 promotion: the final softmins already sum in float64 (see
     #: :meth:`rounding_floor`)

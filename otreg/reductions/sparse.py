@@ -675,6 +675,15 @@ class PairList:
         """-eps log sum_i a_i exp((f_i - C_ij) / eps) over each column's pairs, (M,)."""
         return self.g0 - self.eps * self._cols.lse((f - self.f0) / self.eps).to(self.g0.dtype)
 
+    def plan(self, pot: torch.Tensor, weights: torch.Tensor, transpose: bool = False):
+        """The transport plan's entries over the listed pairs for the potential ``pot`` of
+        the other side (g (M,); f (N,) if ``transpose``), the first side's potential
+        eliminated: each row i (each column j if ``transpose``) scaled to sum to its
+        ``weights``. Returns ``(rows, others, values)``, float64 (P,), sorted by row and,
+        within a row, by the other point."""
+        side, ref = (self._cols, self.f0) if transpose else (self._rows, self.g0)
+        return side.plan((pot - ref) / self.eps, weights)
+
 
 class _Side:
     """One direction of a :class:`PairList`: the pairs grouped by their point on this side
@@ -700,6 +709,18 @@ class _Side:
         shift = float(dh.max())
         u = (dh - shift).exp_().to(self.top.dtype)
         return torch.mv(self.factors, u).log_().add_(self.top).add_(shift)
+
+    def plan(self, dh: torch.Tensor, weights: torch.Tensor):
+        """The terms exp(log w - r + dh[other]) of each point's sum scaled to sum to its
+        ``weights`` (n,): ``(points, others, values)``, float64."""
+        crow, other = self.factors.crow_indices(), self.factors.col_indices()
+        u = (dh - float(dh.max())).exp()
+        totals = torch.mv(self.factors, u.to(self.top.dtype)).double()
+        point = torch.repeat_interleave(
+            torch.arange(len(crow) - 1, device=crow.device), crow[1:] - crow[:-1]
+        )
+        values = self.factors.values().double() * u.double().index_select(0, other)
+        return point, other, values.mul_((weights.double() / totals).index_select(0, point))
 
 
 #: :class:`BlockFactors` are trusted where every column's total at the reference is at least

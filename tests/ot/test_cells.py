@@ -1,0 +1,149 @@
+"""Cell steps: the cell model against autograd of the semi-dual, and the multiscale
+solver's final updates with and without them."""
+
+import pytest
+import torch
+
+import otreg
+from otreg.ot import cells
+from otreg.reductions.sparse import PairList
+
+EPS = 0.05
+
+
+def small_problem(seed=0):
+    """Two clouds (40 and 50 points), their weights, f and g, and every pair as a list."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(40, 3, generator=gen, dtype=torch.float64)
+    y = torch.rand(50, 3, generator=gen, dtype=torch.float64) + 0.2
+    a = torch.rand(40, generator=gen, dtype=torch.float64) + 0.5
+    b = torch.rand(50, generator=gen, dtype=torch.float64) + 0.5
+    a, b = a / a.sum(), b / b.sum()
+    f = torch.randn(40, generator=gen, dtype=torch.float64) * 0.05
+    g = torch.randn(50, generator=gen, dtype=torch.float64) * 0.05
+    i, j = torch.meshgrid(torch.arange(40), torch.arange(50), indexing="ij")
+    pairs = PairList(x, y, i.flatten(), j.flatten(), a.log(), b.log(), f, g, EPS)
+    return x, y, a, b, f, g, pairs
+
+
+def softmin(x, y, log_w, pot):
+    """-eps log sum_j w_j exp((pot_j - |x_i - y_j|^2 / 2) / eps), dense."""
+    cost = ((x[:, None] - y[None]) ** 2).sum(-1) / 2
+    return -EPS * torch.logsumexp(log_w + (pot[None] - cost) / EPS, 1)
+
+
+def model_and_semi_dual(side: str, seed=0):
+    """The cell model of f's cells (g eliminated) or of g's, and the semi-dual it models
+    as a function of the cells' constants."""
+    x, y, a, b, f, g, pairs = small_problem(seed)
+    if side == "f":
+        labels = torch.arange(40) // 8  # 5 cells, sorted with the points
+        masses = torch.zeros(5, dtype=torch.float64).index_add_(0, labels, a)
+        model = cells.cell_model(*pairs.plan(f, b, transpose=True), labels, masses, b)
+
+        def semi_dual(alpha):
+            moved = f + alpha[labels]
+            return (a * moved).sum() + (b * softmin(y, x, a.log(), moved)).sum()
+
+    else:
+        labels = torch.arange(50) // 10
+        masses = torch.zeros(5, dtype=torch.float64).index_add_(0, labels, b)
+        model = cells.cell_model(*pairs.plan(g, a), labels, masses, a)
+
+        def semi_dual(alpha):
+            moved = g + alpha[labels]
+            return (b * moved).sum() + (a * softmin(x, y, b.log(), moved)).sum()
+
+    return model, semi_dual, labels
+
+
+@pytest.mark.parametrize("side", ["f", "g"])
+def test_the_cell_model_is_the_semi_duals_gradient_and_hessian(side):
+    model, semi_dual, _ = model_and_semi_dual(side)
+    zero = torch.zeros(5, dtype=torch.float64, requires_grad=True)
+    (gradient,) = torch.autograd.grad(semi_dual(zero), zero)
+    hessian = torch.autograd.functional.hessian(semi_dual, zero.detach())
+    torch.testing.assert_close(model.gradient, gradient, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(model.hessian, -EPS * hessian, rtol=1e-9, atol=1e-12)
+    assert model.gradient.abs().max() > 1e-3  # not a trivial point
+
+
+@pytest.mark.parametrize("side", ["f", "g"])
+def test_the_step_solves_the_newton_system_and_its_gain_is_second_order(side):
+    model, semi_dual, _ = model_and_semi_dual(side)
+    alpha = model.step(EPS, damping=0.0)
+    torch.testing.assert_close(model.hessian @ alpha, EPS * model.gradient, rtol=0, atol=1e-12)
+    assert abs(float((alpha * model.masses).sum())) < 1e-15  # the constant mode fixed
+    zero = torch.zeros(5, dtype=torch.float64)
+    for t in (1e-2, 1e-3):
+        actual = float(semi_dual(t * alpha) - semi_dual(zero)) / EPS
+        predicted = model.gain(t * alpha, EPS)
+        assert predicted > 0
+        assert abs(actual - predicted) < 10 * t**3 * abs(model.gain(alpha, EPS)) + 1e-12
+
+
+def test_the_step_is_damped_and_held_within_the_trust_region(monkeypatch):
+    model, _, _ = model_and_semi_dual("f")
+    free = model.step(EPS, damping=0.0)
+    damped = model.step(EPS, damping=10.0)
+    assert damped.abs().max() < free.abs().max()
+    monkeypatch.setattr(cells, "TRUST", 0.5 * float(free.abs().max()) / EPS)
+    held = model.step(EPS, damping=0.0)
+    assert float(held.abs().max()) == pytest.approx(0.5 * float(free.abs().max()))
+    torch.testing.assert_close(held, 0.5 * free)
+
+
+def test_the_eliminated_potential_moves_as_predicted_to_first_order():
+    x, y, a, b, f, g, pairs = small_problem()
+    model, _, labels = model_and_semi_dual("f")
+    alpha = model.step(EPS, damping=0.0)
+    before = softmin(y, x, a.log(), f)
+    for t in (1e-3, 1e-4):
+        moved = softmin(y, x, a.log(), f + t * alpha[labels]) - before
+        error = (moved - t * model.eliminated_change(alpha)).abs().max()
+        assert error < 50 * t**2 * float(alpha.abs().max()) ** 2 / EPS + 1e-13
+
+
+def clusters(n):
+    """Eight tight clusters (std 0.02) against a uniform unit ball, float32."""
+    gen = torch.Generator().manual_seed(3)
+    centres = torch.randn(8, 3, generator=gen, dtype=torch.float64)
+    centres = 0.7 * centres / centres.norm(dim=1, keepdim=True)
+    x = centres[torch.arange(n) % 8] + 0.02 * torch.randn(n, 3, generator=gen, dtype=torch.float64)
+    ball = torch.randn(n, 3, generator=gen, dtype=torch.float64)
+    radii = torch.rand(n, 1, generator=gen, dtype=torch.float64) ** (1 / 3)
+    y = ball / ball.norm(dim=1, keepdim=True) * radii
+    return x.float(), y.float()
+
+
+@pytest.fixture(scope="module")
+def clusters_reference():
+    """OT between 1,000-point clusters and a ball at blur 0.01, converged in float64 over
+    every pair."""
+    x, y = clusters(1000)
+    return otreg.sinkhorn(x.double(), y.double(), blur=0.01, tol=1e-7, max_iter=20_000).cost
+
+
+def test_cell_steps_cut_the_updates_and_converge_to_the_same_plan(monkeypatch, clusters_reference):
+    x, y = clusters(1000)
+    with_steps = otreg.sinkhorn(x, y, blur=0.01, multiscale=True)
+    monkeypatch.setattr(cells, "MIN_GAIN", float("inf"))
+    without = otreg.sinkhorn(x, y, blur=0.01, multiscale=True)
+    assert "cell step" in with_steps.acceleration and "cell step" not in without.acceleration
+    assert with_steps.converged and without.converged
+    assert with_steps.n_iter < without.n_iter / 2
+    for res in (with_steps, without):
+        assert float(res.cost) == pytest.approx(float(clusters_reference), rel=1e-5)
+
+
+def test_a_step_that_lowers_the_dual_is_not_taken(monkeypatch, clusters_reference):
+    """Every damping's step made downhill (its sign flipped, its model's gain said to be
+    large): none is taken, the pattern goes back to the potentials' own, and the updates
+    converge as without steps."""
+    step = cells.CellModel.step
+    monkeypatch.setattr(cells.CellModel, "step", lambda self, eps, d: -step(self, eps, d))
+    monkeypatch.setattr(cells.CellModel, "gain", lambda self, alpha, eps: 100.0)
+    x, y = clusters(1000)
+    res = otreg.sinkhorn(x, y, blur=0.01, multiscale=True)
+    assert res.converged and "cell step" not in res.acceleration
+    assert float(res.cost) == pytest.approx(float(clusters_reference), rel=1e-5)
