@@ -45,3 +45,15 @@ def clouds(n=30, m=40, d=2, dtype=torch.float64, seed=0, batch=None, shift=0.3):
     a = torch.rand(*lead, n, generator=g, dtype=dtype) + 0.1
     b = torch.rand(*lead, m, generator=g, dtype=dtype) + 0.1
     return x, y, a / a.sum(-1, keepdim=True), b / b.sum(-1, keepdim=True)
+
+
+def clusters(n):
+    """Eight tight clusters (std 0.02) against a uniform unit ball, float32."""
+    gen = torch.Generator().manual_seed(3)
+    centres = torch.randn(8, 3, generator=gen, dtype=torch.float64)
+    centres = 0.7 * centres / centres.norm(dim=1, keepdim=True)
+    x = centres[torch.arange(n) % 8] + 0.02 * torch.randn(n, 3, generator=gen, dtype=torch.float64)
+    ball = torch.randn(n, 3, generator=gen, dtype=torch.float64)
+    radii = torch.rand(n, 1, generator=gen, dtype=torch.float64) ** (1 / 3)
+    y = ball / ball.norm(dim=1, keepdim=True) * radii
+    return x.float(), y.float()

@@ -11,6 +11,7 @@ import torch
 import otreg
 from otreg.costs import get_cost
 from otreg.reductions import _dense, kernel_product, softmax_average, softmin
+from tests.conftest import clusters
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -87,6 +88,15 @@ def test_a_multiscale_divergence_on_cuda_equals_the_cpu_one():
     (v_cpu, g_cpu), (v_gpu, g_gpu) = out
     assert abs(float(v_gpu - v_cpu)) < 1e-4 * abs(float(v_cpu))
     assert float((g_gpu - g_cpu).norm() / g_cpu.norm()) < 1e-2
+
+
+def test_cell_steps_on_cuda_give_the_cpu_plan():
+    """The multiscale solver's cell steps (sparse products, a dense K x K solve) on a
+    GPU: the clusters against a ball take steps and end at the CPU's cost."""
+    x, y = clusters(1000)
+    out = [otreg.sinkhorn(x.to(d), y.to(d), blur=0.01, multiscale=True) for d in ("cpu", "cuda")]
+    assert all("cell step" in r.acceleration and r.converged for r in out)
+    assert abs(float(out[1].cost.cpu()) - float(out[0].cost)) < 1e-5 * abs(float(out[0].cost))
 
 
 def test_register_on_cuda_shapes():

@@ -317,7 +317,8 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
             stepped = kernel.cell_step(f, update)
             stepping = stepped is not None
             if stepping:  # a new start: the mixing's history and the rule's track go
-                g, cell_steps, best = stepped, cell_steps + 1, (math.inf, f, stepped)
+                (f, g), cell_steps = stepped, cell_steps + 1
+                best = (math.inf, f, g)
                 if mixing:
                     anderson = Anderson(kernel.b, eps)
                 rule.resume()

@@ -95,6 +95,12 @@ VERIFY_MARGIN = 10.0
 #: on two noisy spheres 0.5 apart (N = 5,000, blur 0.01) the updates after a step stalled
 #: at a marginal error of 1.4e-3 (the pattern lacked pairs); with 2 or 10 they converged
 CELL_MARGIN = 10.0
+#: after a cell step, the pattern made for the other potential's first-order guess is
+#: checked against a search of every cluster pair at the potentials it gives (and gains
+#: the pairs it lacks) up to this many times: on the clusters against a ball at N = 2,000
+#: the pattern for the guess lacked pairs, the softmin over it overestimated the dual's
+#: rise, and the updates after the step stalled at a marginal error of 0.24
+CELL_CHECKS = 3
 #: the search for a first pattern goes through coarser clusters above this many cluster pairs
 HIERARCHY_MIN_PAIRS = 1 << 24
 #: the coarse stage runs while the blur is above this fraction of the cluster scale
@@ -533,11 +539,12 @@ class TruncatedKernel:
         return f[:, self._unsort_x], g[:, self._unsort_y]
 
     # -------------------------------------------------------------- cell steps
-    def cell_step(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+    def cell_step(self, f: torch.Tensor, g: torch.Tensor):
         """A Newton step on one constant per cell of f or of g (:mod:`otreg.ot.cells`) at
         the final eps, from f (1, N) and g (1, M) = the softmin of f (sorted): on the side
-        whose model gains more, damped until the dual rises. Returns the new g (after f's
-        step, the softmin of the new f), or None where no step is taken: no pair list, an
+        whose model gains more, damped until the dual rises. Returns the new (f, g), the
+        side that did not step the softmin of the other, or None where no step is taken
+        (the pattern and the list then as they were): no pair list, an
         unbalanced problem, both models' gains below ``cells.MIN_GAIN`` eps or no damping
         making the dual rise. The pattern is searched again over every cluster pair for
         the step's potentials (the cells move by up to ``cells.TRUST`` eps) with
@@ -560,6 +567,7 @@ class TruncatedKernel:
             return None
         side = max(gains, key=gains.get)
         model, dual = models[side], float((a * f).sum() + (b * g).sum())
+        before = (self.kernels, self._list)
         for damping in cells.DAMPING:
             alpha = model.step(eps, damping)
             self._margin = CELL_MARGIN
@@ -571,9 +579,18 @@ class TruncatedKernel:
                 g_new = g + alpha[self.cy.labels]
                 self.refresh((f + model.eliminated_change(alpha))[None], g_new[None], eps, True)
                 f_new = self._final_softmin(g_new, transpose=False)
+            for _ in range(CELL_CHECKS):  # the pattern for the guess may lack pairs
+                if self.verify(f_new[None], g_new[None]):
+                    break
+                if side == "f":
+                    g_new = self._final_softmin(f_new, transpose=True)
+                else:
+                    f_new = self._final_softmin(g_new, transpose=False)
+            else:
+                continue  # still lacking pairs: a smaller step
             if float((a * f_new).sum() + (b * g_new).sum()) > dual:
-                return g_new[None]
-        self.refresh(f[None], g[None], eps, full=True)  # the pattern for where it was
+                return f_new[None], g_new[None]
+        self.kernels, self._list = before  # the pattern and the list for where it was
         return None
 
     # -------------------------------------------------------------- patterns
