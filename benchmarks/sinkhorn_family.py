@@ -190,7 +190,8 @@ def main() -> None:
                 row = {"problem": problem, "n": n, "method": method, **out}
                 if "error" in out:  # a worker that failed or ran out of time: said, not blank
                     row["note"] = "; ".join(filter(None, (row.get("note"), out["error"])))
-                if METHODS[method][0] == "reference" and "value" in out:
+                if METHODS[method][0] == "reference" and "value" in out and "note" not in out:
+                    # (an unconverged reference, which warned, is shown but not saved)
                     ref = {**row, "date": time.strftime("%Y-%m-%d")}
                     CACHE.mkdir(parents=True, exist_ok=True)
                     cached.write_text(json.dumps(ref))
