@@ -542,11 +542,11 @@ class TruncatedKernel:
     def cell_step(self, f: torch.Tensor, g: torch.Tensor):
         """A Newton step on one constant per cell of f or of g (:mod:`otreg.ot.cells`) at
         the final eps, from f (1, N) and g (1, M) = the softmin of f (sorted): on the side
-        whose model gains more, damped until the dual rises. Returns the new (f, g), the
-        side that did not step the softmin of the other, or None where no step is taken
-        (the pattern and the list then as they were): no pair list, an
-        unbalanced problem, both models' gains below ``cells.MIN_GAIN`` eps or no damping
-        making the dual rise. The pattern is searched again over every cluster pair for
+        whose model gains more, damped until the dual rises. Returns the new (f, g) (the
+        potential that did not step is the softmin of the other), or None where no step is
+        taken (the pattern and the list then as they were): no pair list, an unbalanced
+        problem, both models' gains below ``cells.MIN_GAIN`` eps or no damping making the
+        dual rise. The pattern is searched again over every cluster pair for
         the step's potentials (the cells move by up to ``cells.TRUST`` eps) with
         ``CELL_MARGIN`` eps to spare, and the softmin that measures the new dual makes the
         pair list for them."""
