@@ -16,8 +16,11 @@ minus its points' total in the plan) and the Hessian ``-(diag(R) - Q diag(1/b) Q
 with ``Q_Ij`` the plan's mass between cell ``I`` and point ``j``. The step solves the
 damped (Levenberg-Marquardt) system ``(H + mu diag(H)) alpha = eps (a - R)`` with ``H =
 diag(R) - Q diag(1/b) Q^T``, a constant mode fixed (F does not change when every cell
-moves together), and is scaled down to at most ``TRUST`` eps. The same holds with the
-roles of f and g swapped.
+moves together), and is scaled down to at most ``TRUST`` eps (a quarter as much at each
+larger damping: a cell the plan links weakly has a tiny diagonal, which damping barely
+shrinks). The same holds with the roles of f and g swapped. The side that steps is the
+one whose diagonal alone promises more (``diagonal_gain``), so that only its Hessian, a
+sparse product of cost growing with its cells, is made.
 
 Two earlier tries differ (docs/guide/ot.md, "Tried on the final iterations"): Newton's
 method on every point's potential (the semi-dual's Hessian over points is nearly singular
@@ -30,7 +33,7 @@ one unknown per cell (17 and 664 on the problem above).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 import torch
 
@@ -44,45 +47,72 @@ DAMPING = (1e-2, 1e-1, 1.0, 10.0)
 #: no cell moves by more than this many eps in one step (a cell the plan barely reaches
 #: has a tiny Hessian row: undamped, its step would be of 1e9 eps)
 TRUST = 1000.0
-#: no step where the better model's dual gain is below this many eps (masses sum to one).
-#: Measured (N = 5,000, blur 0.01, two cores): the clusters against a ball's first steps
-#: gain 22 and 10 eps; on noisy spheres a step gains 0.2 to 0.9 eps, less than the next
-#: ten updates (1.7 to 2.4), and with steps there (a threshold of 0.3) the divergence
-#: with its gradient took 0.99 s instead of 0.85
-MIN_GAIN = 2.0
+#: ... and by this factor less at each damping tried after it
+SHRINK = 0.25
+#: no first step where the model's dual gain is below this many eps (masses sum to one),
+#: and no step after one below ``MIN_GAIN``. Measured (blur 0.01, two cores): the clusters
+#: against a ball's first steps promise 12 to 42 eps (N = 1,000 to 5,000), noisy spheres'
+#: 0.13 to 0.9; on the spheres steps did not pay (N = 20,000, 0.25 apart: 242 iterations
+#: and 4.5 s with them, 192 and 3.7 s without; at N = 5,000 about the same time)
+FIRST_GAIN = 2.0
+#: ... while on the clusters each later step, down to a promise of 0.01 eps, takes what
+#: some 10 updates would not: at N = 5,000, 167 iterations and 10 steps, against 275
+#: iterations and 2 steps where the steps stopped below 2 eps (at N = 1,000, 185 against
+#: 361; at N = 20,000, 186 against 590)
+MIN_GAIN = 0.01
 #: a side with more cells than this takes no step (its dense K x K solve would cost more
 #: than the updates it saves)
 MAX_CELLS = 2048
 
 
-@dataclasses.dataclass
 class CellModel:
     """The dual's quadratic model in one constant per cell of one side's potential, the
     other side's eliminated.
 
     Attributes:
-        hessian: ``(K, K)`` ``diag(R) - Q diag(1/w) Q^T`` (eps times minus the Hessian).
         gradient: ``(K,)`` the cells' masses minus their totals in the plan.
         masses: ``(K,)`` the cells' masses.
+        totals: ``(K,)`` the cells' totals in the plan (R).
         entries: ``(rows, cells, q)``: the plan's mass ``q`` between each eliminated point
-            and each cell it reaches.
+            and each cell it reaches (sorted by row, then cell).
         weights: ``(n,)`` the eliminated side's weights w.
     """
 
-    hessian: torch.Tensor
-    gradient: torch.Tensor
-    masses: torch.Tensor
-    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    weights: torch.Tensor
+    def __init__(self, gradient, masses, totals, entries, weights) -> None:
+        self.gradient, self.masses, self.totals = gradient, masses, totals
+        self.entries, self.weights = entries, weights
+        rows, cells, q = entries
+        self._scaled = q / weights.index_select(0, rows).sqrt()
+        self.diagonal = totals - torch.zeros_like(totals).index_add_(0, cells, self._scaled**2)
 
-    def step(self, eps: float, damping: float) -> torch.Tensor:
-        """The damped Newton step ``alpha`` (K,), in the potential's units."""
+    @functools.cached_property
+    def hessian(self) -> torch.Tensor:
+        """``(K, K)`` ``diag(R) - Q diag(1/w) Q^T`` (eps times minus the Hessian): made on
+        first use (a sparse product, the model's one cost that grows with K^2)."""
+        rows, cells, _ = self.entries
+        K, n = len(self.totals), len(self.weights)
+        scaled = torch.sparse_coo_tensor(
+            torch.stack([rows, cells]), self._scaled, (n, K), check_invariants=False
+        )
+        coupling = torch.sparse.mm(scaled.t().coalesce(), scaled.coalesce()).to_dense()
+        return torch.diag(self.totals) - coupling
+
+    def diagonal_gain(self) -> float:
+        """The dual gain, in eps, of the step on the Hessian's diagonal alone (each cell
+        as if the others stayed): cheap, to choose the side that steps."""
+        d = self.diagonal
+        usable = d > 1e-12 * float(d.max())
+        return float((self.gradient[usable] ** 2 / d[usable]).sum()) / 2
+
+    def step(self, eps: float, damping: float, trust: float = TRUST) -> torch.Tensor:
+        """The damped Newton step ``alpha`` (K,), in the potential's units, scaled down to
+        at most ``trust`` eps a cell."""
         H, K = self.hessian, len(self.gradient)
         d = H.diagonal()
         system = H + torch.diag(damping * d + 1e-12 * float(d.max())) + float(d.mean()) / K
         alpha = eps * torch.linalg.solve(system, self.gradient)
         alpha -= (alpha * self.masses).sum() / self.masses.sum()
-        over = float(alpha.abs().max()) / (TRUST * eps)
+        over = float(alpha.abs().max()) / (trust * eps)
         return alpha / over if over > 1 else alpha
 
     def gain(self, alpha: torch.Tensor, eps: float) -> float:
@@ -103,7 +133,7 @@ def cell_model(rows, others, values, cells, masses, weights) -> CellModel:
     ``(rows, others, values)`` (P,) (float64, sorted by row, then by the other point; rows
     of the eliminated side, each summing to its ``weights`` (n,)), the other points'
     ``cells`` (sorted with the points) and the cells' ``masses`` (K,)."""
-    K, n = len(masses), len(weights)
+    K = len(masses)
     cell = cells.index_select(0, others)
     totals = torch.zeros(K, dtype=values.dtype, device=values.device).index_add_(0, cell, values)
     # each row's mass in each cell: the keys are sorted (cells are sorted with the points)
@@ -111,9 +141,4 @@ def cell_model(rows, others, values, cells, masses, weights) -> CellModel:
     q = torch.zeros(len(keys), dtype=values.dtype, device=values.device).index_add_(
         0, where, values
     )
-    r, c = keys // K, keys % K
-    scaled = torch.sparse_coo_tensor(
-        torch.stack([r, c]), q / weights[r].sqrt(), (n, K), check_invariants=False
-    )
-    coupling = torch.sparse.mm(scaled.t().coalesce(), scaled.coalesce()).to_dense()
-    return CellModel(torch.diag(totals) - coupling, masses - totals, masses, (r, c, q), weights)
+    return CellModel(masses - totals, masses, totals, (keys // K, keys % K, q), weights)

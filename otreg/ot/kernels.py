@@ -105,7 +105,7 @@ class DenseKernel:
         """No pair list to make again (:meth:`~otreg.ot.multiscale.TruncatedKernel.remake_list`)."""
         return False
 
-    def cell_step(self, f, g) -> None:
+    def cell_step(self, f, g, min_gain: float) -> None:
         """No step on cells' constants: every pair's softmin has no cells
         (:meth:`~otreg.ot.multiscale.TruncatedKernel.cell_step`)."""
         return None

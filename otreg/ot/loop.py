@@ -314,7 +314,8 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
             g = update
             break
         if stepping and (n_iter - first) % cells.EVERY == 0:
-            stepped = kernel.cell_step(f, sg)  # sg, not an over-relaxed update: exact
+            gain = cells.MIN_GAIN if cell_steps else cells.FIRST_GAIN
+            stepped = kernel.cell_step(f, sg, gain)  # sg, not an over-relaxed update: exact
             stepping = stepped is not None
             if stepping:  # a new start: the mixing's history and the rule's track go
                 (f, g), cell_steps = stepped, cell_steps + 1

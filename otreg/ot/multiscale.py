@@ -539,17 +539,14 @@ class TruncatedKernel:
         return f[:, self._unsort_x], g[:, self._unsort_y]
 
     # -------------------------------------------------------------- cell steps
-    def cell_step(self, f: torch.Tensor, g: torch.Tensor):
+    def cell_step(self, f: torch.Tensor, g: torch.Tensor, min_gain: float):
         """A Newton step on one constant per cell of f or of g (:mod:`otreg.ot.cells`) at
         the final eps, from f (1, N) and g (1, M) = the softmin of f (sorted): on the side
-        whose model gains more, damped until the dual rises. Returns the new (f, g) (the
-        potential that did not step is the softmin of the other), or None where no step is
-        taken (the pattern and the list then as they were): no pair list, an unbalanced
-        problem, both models' gains below ``cells.MIN_GAIN`` eps or no damping making the
-        dual rise. The pattern is searched again over every cluster pair for
-        the step's potentials (the cells move by up to ``cells.TRUST`` eps) with
-        ``CELL_MARGIN`` eps to spare, and the softmin that measures the new dual makes the
-        pair list for them."""
+        whose model's diagonal promises more, damped until the dual rises. Returns the new
+        (f, g) (the potential that did not step is the softmin of the other), or None
+        where no step is taken (the kernels then as they were): no pair list, an
+        unbalanced problem, a model's gain below ``min_gain`` eps or no damping
+        making the dual rise. See :meth:`_stepped` for how the step's softmin is summed."""
         eps = self.p.eps
         if not isinstance(self._list, PairList) or self.p.damping(eps) != 1:
             return None
@@ -562,35 +559,61 @@ class TruncatedKernel:
         if self.cy.n_clusters <= cells.MAX_CELLS:  # g's cells, f eliminated
             entries = self._list.plan(g, a)
             models["g"] = cells.cell_model(*entries, self.cy.labels, self.cy.masses.double(), a)
-        gains = {k: m.gain(m.step(eps, cells.DAMPING[0]), eps) for k, m in models.items()}
-        if not gains or max(gains.values()) < cells.MIN_GAIN:
+        if not models:
             return None
-        side = max(gains, key=gains.get)
-        model, dual = models[side], float((a * f).sum() + (b * g).sum())
-        before = (self.kernels, self._list)
-        for damping in cells.DAMPING:
-            alpha = model.step(eps, damping)
-            self._margin = CELL_MARGIN
-            if side == "f":
-                f_new = f + alpha[self.cx.labels]
-                self.refresh(f_new[None], (g + model.eliminated_change(alpha))[None], eps, True)
-                g_new = self._final_softmin(f_new, transpose=True)
-            else:
-                g_new = g + alpha[self.cy.labels]
-                self.refresh((f + model.eliminated_change(alpha))[None], g_new[None], eps, True)
-                f_new = self._final_softmin(g_new, transpose=False)
-            for _ in range(CELL_CHECKS):  # the pattern for the guess may lack pairs
-                if self.verify(f_new[None], g_new[None]):
-                    break
-                if side == "f":
-                    g_new = self._final_softmin(f_new, transpose=True)
-                else:
-                    f_new = self._final_softmin(g_new, transpose=False)
-            else:
-                continue  # still lacking pairs: a smaller step
-            if float((a * f_new).sum() + (b * g_new).sum()) > dual:
-                return f_new[None], g_new[None]
-        self.kernels, self._list = before  # the pattern and the list for where it was
+        side = max(models, key=lambda k: models[k].diagonal_gain())
+        model = models[side]
+        if model.gain(model.step(eps, cells.DAMPING[0]), eps) < min_gain:
+            return None
+
+        def dual(f, g):
+            return float((a * f).sum() + (b * g).sum())
+
+        before = (self.kernels, self._list, self.list_margin, self._list_pays)
+        for k, damping in enumerate(cells.DAMPING):
+            alpha = model.step(eps, damping, cells.TRUST * cells.SHRINK**k)
+            stepped = self._stepped(side, f, g, model, alpha)
+            if stepped is not None and dual(*stepped) > dual(f, g):
+                return stepped[0][None], stepped[1][None]
+            self.kernels, self._list, self.list_margin, self._list_pays = before
+        return None
+
+    def _stepped(self, side: str, f, g, model, alpha):
+        """``(f, g)`` (float64, (N,), (M,)) after the step ``alpha`` on the cells of f (``side``
+        "f") or of g, the other potential the softmin of the one that stepped; None where
+        the pattern still lacks pairs after ``CELL_CHECKS`` searches or no list fits.
+
+        Where that softmin over the pair list leaves the list within its margin (as an
+        update does), that is all: the step costs about two updates. Otherwise the cells
+        moved far: the pattern is searched again over every cluster pair for the
+        first-order guess of the other potential, with ``CELL_MARGIN`` eps to spare, and a
+        pair list is made there; the step's softmin over it must stay within its margin
+        and the pattern must hold every pair that a search of all keeps (:meth:`verify`,
+        which adds those it lacks), else the list is made again where the softmin led."""
+        transpose = side == "f"
+        moved = (f if transpose else g) + alpha[(self.cx if transpose else self.cy).labels]
+
+        def softmin_and_pair(listed):  # (f, g) with the other potential from the list
+            if transpose:
+                return moved, listed.softmin_cols(moved)
+            return listed.softmin_rows(moved), moved
+
+        f_new, g_new = softmin_and_pair(self._list)
+        if self._within(f_new - self._list.f0, g_new - self._list.g0):
+            return f_new, g_new
+        change = model.eliminated_change(alpha)
+        f_new, g_new = (moved, g + change) if transpose else (f + change, moved)
+        self._margin = CELL_MARGIN
+        self.refresh(f_new[None], g_new[None], self.p.eps, full=True)  # (the list goes)
+        for _ in range(CELL_CHECKS):
+            self._build_list(f_new, g_new)
+            if self._list is None:
+                return None
+            reference = self._list
+            f_new, g_new = softmin_and_pair(reference)
+            within = self._within(f_new - reference.f0, g_new - reference.g0)
+            if within and self.verify(f_new[None], g_new[None]):
+                return f_new, g_new
         return None
 
     # -------------------------------------------------------------- patterns

@@ -1,11 +1,16 @@
 """Cell steps: the cell model against autograd of the semi-dual, and the multiscale
 solver's final updates with and without them."""
 
+import math
+
 import pytest
 import torch
 
 import otreg
 from otreg.ot import cells, multiscale
+from otreg.ot.kernels import make_kernel
+from otreg.ot.loop import _anneal
+from otreg.ot.problem import Problem, SinkhornOptions
 from otreg.reductions.sparse import PairList
 from tests.conftest import clusters
 
@@ -83,15 +88,83 @@ def test_the_step_solves_the_newton_system_and_its_gain_is_second_order(side):
         assert abs(actual - predicted) < 10 * t**3 * abs(model.gain(alpha, EPS)) + 1e-12
 
 
-def test_the_step_is_damped_and_held_within_the_trust_region(monkeypatch):
+def test_the_step_is_damped_and_held_within_the_trust_region():
     model, _, _ = model_and_semi_dual("f")
     free = model.step(EPS, damping=0.0)
     damped = model.step(EPS, damping=10.0)
     assert damped.abs().max() < free.abs().max()
-    monkeypatch.setattr(cells, "TRUST", 0.5 * float(free.abs().max()) / EPS)
-    held = model.step(EPS, damping=0.0)
+    held = model.step(EPS, damping=0.0, trust=0.5 * float(free.abs().max()) / EPS)
     assert float(held.abs().max()) == pytest.approx(0.5 * float(free.abs().max()))
     torch.testing.assert_close(held, 0.5 * free)
+
+
+@pytest.mark.parametrize("side", ["f", "g"])
+def test_the_diagonal_and_its_gain_are_the_hessians(side):
+    model, _, _ = model_and_semi_dual(side)
+    d = model.hessian.diagonal()
+    torch.testing.assert_close(model.diagonal, d, rtol=1e-12, atol=1e-15)
+    expected = float((model.gradient**2 / d).sum()) / 2
+    assert model.diagonal_gain() == pytest.approx(expected, rel=1e-12)
+
+
+def _kernel_with_a_list():
+    """1,000 clustered points against a ball at blur 0.01 (multiscale) after the annealing
+    and 20 updates, its pair list made: ``(problem, kernel, f, g)``, g the softmin of f."""
+    x, y = clusters(1000)
+    p = Problem.build("t", x, y, None, None, SinkhornOptions(blur=0.01, multiscale=True))
+    kernel = make_kernel(p, p.x, p.a, p.y, p.b)
+    f, g, _ = _anneal(p, kernel, None)
+    for _ in range(20):
+        f = kernel.softmin_xy(p.eps, g)
+        g = kernel.softmin_yx(p.eps, f)
+    assert isinstance(kernel._list, PairList)
+    return p, kernel, f[0].double(), g[0].double()
+
+
+def dense_g(p, kernel, f):
+    """The softmin over x of log a + f / eps for each y, over every pair in float64 (the
+    kernel's sorted clouds)."""
+    x, y = kernel.cx.points.double(), kernel.cy.points.double()
+    cost = ((y[:, None] - x[None]) ** 2).sum(-1) / 2
+    log_a = kernel.a[0].double().log()
+    return -p.eps * torch.logsumexp(log_a + (f[None] - cost) / p.eps, 1)
+
+
+def _f_model(p, kernel, f):
+    b = kernel.b[0].double()
+    entries = kernel._list.plan(f, b, transpose=True)
+    return cells.cell_model(*entries, kernel.cx.labels, kernel.cx.masses.double(), b)
+
+
+def test_a_step_within_the_lists_margin_keeps_the_list():
+    """A step of a few eps a cell: g after it is the pair list's softmin, as the cells'
+    pattern gives it, and no list or pattern is made."""
+    p, kernel, f, g = _kernel_with_a_list()
+    model = _f_model(p, kernel, f)
+    alpha = model.step(p.eps, 0.01, trust=5.0)
+    builds, patterns = kernel.list_builds, len(kernel.n_pairs)
+    moved = f + alpha[kernel.cx.labels]
+    new_f, new_g = kernel._stepped("f", f, g, model, alpha)
+    assert kernel.list_builds == builds and len(kernel.n_pairs) == patterns
+    assert torch.equal(new_f, moved)
+    truncation = math.exp(-p.multiscale.truncate)  # the kernel's bound, relative to eps
+    assert (new_g - dense_g(p, kernel, moved)).abs().max() < truncation * p.eps
+
+
+def test_a_far_step_searches_every_cell_pair_and_makes_a_new_list():
+    """A step of hundreds of eps a cell leaves the list's margin: the pattern is searched
+    again over every cell pair, a new list is made, and g after the step is the softmin
+    over the cell pairs that a search of all of them keeps."""
+    p, kernel, f, g = _kernel_with_a_list()
+    model = _f_model(p, kernel, f)
+    alpha = 300 * p.eps * torch.linspace(-1, 1, len(model.gradient), dtype=torch.float64)
+    builds = kernel.list_builds
+    moved = f + alpha[kernel.cx.labels]
+    new_f, new_g = kernel._stepped("f", f, g, model, alpha)
+    assert kernel.list_builds > builds and torch.equal(new_f, moved)
+    assert kernel.verify(new_f[None], new_g[None])  # the pattern holds every pair needed
+    truncation = math.exp(-p.multiscale.truncate)  # the kernel's bound, relative to eps
+    assert (new_g - dense_g(p, kernel, moved)).abs().max() < truncation * p.eps
 
 
 def test_the_eliminated_potential_moves_as_predicted_to_first_order():
@@ -116,7 +189,7 @@ def clusters_reference():
 def test_cell_steps_cut_the_updates_and_converge_to_the_same_plan(monkeypatch, clusters_reference):
     x, y = clusters(1000)
     with_steps = otreg.sinkhorn(x, y, blur=0.01, multiscale=True)
-    monkeypatch.setattr(cells, "MIN_GAIN", float("inf"))
+    monkeypatch.setattr(cells, "FIRST_GAIN", float("inf"))
     without = otreg.sinkhorn(x, y, blur=0.01, multiscale=True)
     assert "cell step" in with_steps.acceleration and "cell step" not in without.acceleration
     assert with_steps.converged and without.converged
@@ -130,7 +203,7 @@ def test_a_step_that_lowers_the_dual_is_not_taken(monkeypatch, clusters_referenc
     large): none is taken, the pattern goes back to the potentials' own, and the updates
     converge as without steps."""
     step = cells.CellModel.step
-    monkeypatch.setattr(cells.CellModel, "step", lambda self, eps, d: -step(self, eps, d))
+    monkeypatch.setattr(cells.CellModel, "step", lambda self, *args: -step(self, *args))
     monkeypatch.setattr(cells.CellModel, "gain", lambda self, alpha, eps: 100.0)
     x, y = clusters(1000)
     res = otreg.sinkhorn(x, y, blur=0.01, multiscale=True)
@@ -147,7 +220,7 @@ def test_the_default_call_converges_after_its_steps(monkeypatch):
     res = otreg.sinkhorn(x, y, blur=0.01)
     assert res.backend == "multiscale" and "cell step" in res.acceleration
     assert res.converged and res.n_iter < 600
-    monkeypatch.setattr(cells, "MIN_GAIN", float("inf"))
+    monkeypatch.setattr(cells, "FIRST_GAIN", float("inf"))
     without = otreg.sinkhorn(x, y, blur=0.01)
     assert without.converged and without.n_iter > 2 * res.n_iter
     assert float(res.cost) == pytest.approx(float(without.cost), rel=1e-5)
@@ -158,12 +231,12 @@ def test_steps_under_over_relaxation_reach_the_same_plan(monkeypatch, clusters_r
     model's gain) a step is measured from the exact softmin, not from the over-relaxed g:
     here the first is tried and not taken (the dual does not rise), and the solve
     converges as without steps."""
-    monkeypatch.setattr(cells, "MIN_GAIN", 0.0)
+    monkeypatch.setattr(cells, "FIRST_GAIN", 0.0)
     tried, step = [], multiscale.TruncatedKernel.cell_step
 
-    def counted(self, f, g):
+    def counted(self, f, g, min_gain):
         tried.append(1)
-        return step(self, f, g)
+        return step(self, f, g, min_gain)
 
     monkeypatch.setattr(multiscale.TruncatedKernel, "cell_step", counted)
     x, y = clusters(1000)
