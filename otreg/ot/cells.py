@@ -56,9 +56,9 @@ SHRINK = 0.25
 #: and 4.5 s with them, 192 and 3.7 s without; at N = 5,000 about the same time)
 FIRST_GAIN = 2.0
 #: ... while on the clusters each later step, down to a promise of 0.01 eps, takes what
-#: some 10 updates would not: at N = 5,000, 167 iterations and 10 steps, against 275
-#: iterations and 2 steps where the steps stopped below 2 eps (at N = 1,000, 185 against
-#: 361; at N = 20,000, 186 against 590)
+#: some 10 updates would not: 167 iterations and 10 steps at N = 5,000, where steps that
+#: stopped below 2 eps took 275 iterations and 2 steps (185 against 361 at N = 1,000, 186
+#: against 590 at N = 20,000)
 MIN_GAIN = 0.01
 #: a side with more cells than this takes no step (its dense K x K solve would cost more
 #: than the updates it saves)
