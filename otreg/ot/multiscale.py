@@ -563,7 +563,8 @@ class TruncatedKernel:
             return None
         side = max(models, key=lambda k: models[k].diagonal_gain())
         model = models[side]
-        if model.gain(model.step(eps, cells.DAMPING[0]), eps) < min_gain:
+        first = model.step(eps, cells.DAMPING[0])
+        if model.gain(first, eps) < min_gain:
             return None
 
         def dual(f, g):
@@ -571,7 +572,7 @@ class TruncatedKernel:
 
         before = (self.kernels, self._list, self.list_margin, self._list_pays)
         for k, damping in enumerate(cells.DAMPING):
-            alpha = model.step(eps, damping, cells.TRUST * cells.SHRINK**k)
+            alpha = model.step(eps, damping, cells.TRUST * cells.SHRINK**k) if k else first
             stepped = self._stepped(side, f, g, model, alpha)
             if stepped is not None and dual(*stepped) > dual(f, g):
                 return stepped[0][None], stepped[1][None]
