@@ -70,16 +70,16 @@ class CellModel:
     other side's eliminated.
 
     Attributes:
-        gradient: ``(K,)`` the cells' masses minus their totals in the plan.
         masses: ``(K,)`` the cells' masses.
         totals: ``(K,)`` the cells' totals in the plan (R).
+        gradient: ``(K,)`` the masses minus the totals.
         entries: ``(rows, cells, q)``: the plan's mass ``q`` between each eliminated point
             and each cell it reaches (sorted by row, then cell).
         weights: ``(n,)`` the eliminated side's weights w.
     """
 
-    def __init__(self, gradient, masses, totals, entries, weights) -> None:
-        self.gradient, self.masses, self.totals = gradient, masses, totals
+    def __init__(self, masses, totals, entries, weights) -> None:
+        self.masses, self.totals, self.gradient = masses, totals, masses - totals
         self.entries, self.weights = entries, weights
         rows, cells, q = entries
         self._scaled = q / weights.index_select(0, rows).sqrt()
@@ -141,4 +141,4 @@ def cell_model(rows, others, values, cells, masses, weights) -> CellModel:
     q = torch.zeros(len(keys), dtype=values.dtype, device=values.device).index_add_(
         0, where, values
     )
-    return CellModel(masses - totals, masses, totals, (keys // K, keys % K, q), weights)
+    return CellModel(masses, totals, (keys // K, keys % K, q), weights)

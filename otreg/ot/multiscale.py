@@ -570,11 +570,12 @@ class TruncatedKernel:
         def dual(f, g):
             return float((a * f).sum() + (b * g).sum())
 
+        start = dual(f, g)
         before = (self.kernels, self._list, self.list_margin, self._list_pays)
         for k, damping in enumerate(cells.DAMPING):
             alpha = model.step(eps, damping, cells.TRUST * cells.SHRINK**k) if k else first
             stepped = self._stepped(side, f, g, model, alpha)
-            if stepped is not None and dual(*stepped) > dual(f, g):
+            if stepped is not None and dual(*stepped) > start:
                 return stepped[0][None], stepped[1][None]
             self.kernels, self._list, self.list_margin, self._list_pays = before
         return None
@@ -594,13 +595,15 @@ class TruncatedKernel:
         transpose = side == "f"
         moved = (f if transpose else g) + alpha[(self.cx if transpose else self.cy).labels]
 
-        def softmin_and_pair(listed):  # (f, g) with the other potential from the list
+        def over(listed):  # (f, g), the other from the list, and whether the list holds
             if transpose:
-                return moved, listed.softmin_cols(moved)
-            return listed.softmin_rows(moved), moved
+                f_new, g_new = moved, listed.softmin_cols(moved)
+            else:
+                f_new, g_new = listed.softmin_rows(moved), moved
+            return f_new, g_new, self._within(f_new - listed.f0, g_new - listed.g0)
 
-        f_new, g_new = softmin_and_pair(self._list)
-        if self._within(f_new - self._list.f0, g_new - self._list.g0):
+        f_new, g_new, within = over(self._list)
+        if within:
             return f_new, g_new
         change = model.eliminated_change(alpha)
         f_new, g_new = (moved, g + change) if transpose else (f + change, moved)
@@ -610,9 +613,7 @@ class TruncatedKernel:
             self._build_list(f_new, g_new)
             if self._list is None:
                 return None
-            reference = self._list
-            f_new, g_new = softmin_and_pair(reference)
-            within = self._within(f_new - reference.f0, g_new - reference.g0)
+            f_new, g_new, within = over(self._list)
             if within and self.verify(f_new[None], g_new[None]):
                 return f_new, g_new
         return None
