@@ -279,7 +279,7 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
     over-relaxation (after Anderson) or half its weight (a weight the caller fixed is kept,
     and such an error stops the loop, 'diverged'). Every ``cells.EVERY`` updates the kernel
     may take a step on its cells' constants (:meth:`TruncatedKernel.cell_step`), until one
-    declines. Also returns what accelerated them."""
+    declines (the first after ``cells.FIRST_AT``). Also returns what accelerated them."""
     eps, lam = p.eps, p.damping(p.eps)
     anderson = Anderson(kernel.b, eps) if p.relaxation == "anderson" else None
     relax = Relaxation("auto" if anderson else p.relaxation)
@@ -313,7 +313,8 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
         if not _go_on(rule, kernel, f, update, stop):
             g = update
             break
-        if stepping and (n_iter - first) % cells.EVERY == 0:
+        done = n_iter - first
+        if stepping and (done == cells.FIRST_AT or done % cells.EVERY == 0):
             gain = cells.MIN_GAIN if cell_steps else cells.FIRST_GAIN
             stepped = kernel.cell_step(f, sg, gain)  # sg, not an over-relaxed update: exact
             stepping = stepped is not None

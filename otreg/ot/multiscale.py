@@ -571,50 +571,45 @@ class TruncatedKernel:
             return float((a * f).sum() + (b * g).sum())
 
         start = dual(f, g)
-        before = (self.kernels, self._list, self.list_margin, self._list_pays)
+        before = (self.kernels, self._list)
         for k, damping in enumerate(cells.DAMPING):
             alpha = model.step(eps, damping, cells.TRUST * cells.SHRINK**k) if k else first
             stepped = self._stepped(side, f, g, model, alpha)
             if stepped is not None and dual(*stepped) > start:
                 return stepped[0][None], stepped[1][None]
-            self.kernels, self._list, self.list_margin, self._list_pays = before
+            self.kernels, self._list = before
         return None
 
     def _stepped(self, side: str, f, g, model, alpha):
         """``(f, g)`` (float64, (N,), (M,)) after the step ``alpha`` on the cells of f (``side``
         "f") or of g, the other potential the softmin of the one that stepped; None where
-        the pattern still lacks pairs after ``CELL_CHECKS`` searches or no list fits.
+        the pattern still lacks pairs after ``CELL_CHECKS`` searches.
 
         Where that softmin over the pair list leaves the list within its margin (as an
         update does), that is all: the step costs about two updates. Otherwise the cells
         moved far: the pattern is searched again over every cluster pair for the
-        first-order guess of the other potential, with ``CELL_MARGIN`` eps to spare, and a
-        pair list is made there; the step's softmin over it must stay within its margin
-        and the pattern must hold every pair that a search of all keeps (:meth:`verify`,
-        which adds those it lacks), else the list is made again where the softmin led."""
+        first-order guess of the other potential, with ``CELL_MARGIN`` eps to spare, the
+        softmin is summed over its blocks, and the pattern must hold every pair that a
+        search of all keeps at the result (:meth:`verify`, which adds those it lacks, and
+        the softmin is summed again). No list is made for a step that may not be taken:
+        the next update makes one where the step led."""
         transpose = side == "f"
         moved = (f if transpose else g) + alpha[(self.cx if transpose else self.cy).labels]
-
-        def over(listed):  # (f, g), the other from the list, and whether the list holds
-            if transpose:
-                f_new, g_new = moved, listed.softmin_cols(moved)
-            else:
-                f_new, g_new = listed.softmin_rows(moved), moved
-            return f_new, g_new, self._within(f_new - listed.f0, g_new - listed.g0)
-
-        f_new, g_new, within = over(self._list)
-        if within:
+        listed = self._list
+        if transpose:
+            f_new, g_new = moved, listed.softmin_cols(moved)
+        else:
+            f_new, g_new = listed.softmin_rows(moved), moved
+        if self._within(f_new - listed.f0, g_new - listed.g0):
             return f_new, g_new
         change = model.eliminated_change(alpha)
         f_new, g_new = (moved, g + change) if transpose else (f + change, moved)
         self._margin = CELL_MARGIN
         self.refresh(f_new[None], g_new[None], self.p.eps, full=True)  # (the list goes)
         for _ in range(CELL_CHECKS):
-            self._build_list(f_new, g_new)
-            if self._list is None:
-                return None
-            f_new, g_new, within = over(self._list)
-            if within and self.verify(f_new[None], g_new[None]):
+            other = self._block_softmin(self.p.eps, moved, transpose).double()
+            f_new, g_new = (moved, other) if transpose else (other, moved)
+            if self.verify(f_new[None], g_new[None]):
                 return f_new, g_new
         return None
 

@@ -151,17 +151,18 @@ def test_a_step_within_the_lists_margin_keeps_the_list():
     assert (new_g - dense_g(p, kernel, moved)).abs().max() < truncation * p.eps
 
 
-def test_a_far_step_searches_every_cell_pair_and_makes_a_new_list():
+def test_a_far_step_searches_every_cell_pair_and_sums_its_blocks():
     """A step of hundreds of eps a cell leaves the list's margin: the pattern is searched
-    again over every cell pair, a new list is made, and g after the step is the softmin
-    over the cell pairs that a search of all of them keeps."""
+    again over every cell pair, no list is made (the next update makes one), and g after
+    the step is the softmin over the cell pairs that a search of all of them keeps."""
     p, kernel, f, g = _kernel_with_a_list()
     model = _f_model(p, kernel, f)
     alpha = 300 * p.eps * torch.linspace(-1, 1, len(model.gradient), dtype=torch.float64)
-    builds = kernel.list_builds
+    builds, patterns = kernel.list_builds, len(kernel.n_pairs)
     moved = f + alpha[kernel.cx.labels]
     new_f, new_g = kernel._stepped("f", f, g, model, alpha)
-    assert kernel.list_builds > builds and torch.equal(new_f, moved)
+    assert kernel.list_builds == builds and kernel._list is None
+    assert len(kernel.n_pairs) > patterns and torch.equal(new_f, moved)
     assert kernel.verify(new_f[None], new_g[None])  # the pattern holds every pair needed
     truncation = math.exp(-p.multiscale.truncate)  # the kernel's bound, relative to eps
     assert (new_g - dense_g(p, kernel, moved)).abs().max() < truncation * p.eps
