@@ -10,11 +10,14 @@ number: any other file (a ``.csv``, a gzipped file of another kind) is refused, 
 as numbers it does not hold.
 
 An ``.annot`` stores each vertex's colour, not a label number: its labels come back as
-indices into its colour table (names and colours kept), and a vertex whose colour is black
-(0, 0, 0) as -1, unknown, as FreeSurfer reads it."""
+indices into its colour table (names, colours and transparency kept), and a vertex whose
+colour is black (0, 0, 0) as -1, unknown, as FreeSurfer reads it. So that labels written
+to an .annot come back, a label whose colour is black or another label's is written with
+its red moved by a unit or a few (of 255)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,7 +153,7 @@ def read_values(path: Path, caller: str) -> VertexValues:
             table = {
                 int(k): (
                     name.decode() if isinstance(name, bytes) else str(name),
-                    tuple(float(c) / 255 for c in ctab[k, :3]) + (1.0,),
+                    tuple(float(c) / 255 for c in ctab[k, :3]) + (1 - float(ctab[k, 3]) / 255,),
                 )
                 for k, name in enumerate(names)
             }
@@ -205,6 +208,37 @@ def read_values(path: Path, caller: str) -> VertexValues:
 MAP_INTENTS = {".shape.gii": "NIFTI_INTENT_SHAPE"}
 
 
+def _annot_colour(rgba) -> list[int]:
+    """A colour-table row of an .annot: red, green, blue and transparency (255 (1 - alpha)),
+    0 to 255."""
+    return [round(255 * c) for c in rgba[:3]] + [round(255 * (1 - rgba[3]))]
+
+
+def _distinct_colours(ctab: np.ndarray) -> None:
+    """In place: make the colours (K, 4) of an .annot's table distinct and never black. An
+    .annot stores each vertex's colour, so two labels of one colour would come back as one,
+    and black, colour 0, comes back as -1 (no label): such a colour's red moves by the
+    fewest units (of 255) in one channel that make it a colour of its own."""
+    used: set[tuple[int, ...]] = set()
+    for row in ctab:
+        rgb = tuple(int(c) for c in row[:3])
+        step = 0
+        while rgb == (0, 0, 0) or rgb in used:
+            step += 1
+            moved = [
+                rgb[:c] + (rgb[c] + d,) + rgb[c + 1 :] for c in range(3) for d in (step, -step)
+            ]
+            free = [m for m in moved if 0 <= min(m) and max(m) <= 255 and m not in used]
+            if free:
+                rgb = free[0]
+            elif step > 255:  # every colour one channel away is taken: any free one
+                rgb = next(
+                    c for c in itertools.product(range(256), repeat=3) if c not in used and any(c)
+                )
+        used.add(rgb)
+        row[:3] = rgb
+
+
 def write_values(values: VertexValues, path: Path, kind: str, name: str = "") -> None:
     """Write values in the format ``kind`` (:func:`suffix` of the final name, ``name``) at
     ``path`` (the temporary file the caller renames into place)."""
@@ -219,7 +253,8 @@ def write_values(values: VertexValues, path: Path, kind: str, name: str = "") ->
                                        np.unique(data)}  # fmt: skip
         keys = sorted(table)
         index = {k: i for i, k in enumerate(keys)}
-        ctab = np.array([[round(255 * c) for c in table[k][1][:3]] + [0] for k in keys])
+        ctab = np.array([_annot_colour(table[k][1]) for k in keys])
+        _distinct_colours(ctab)
         names = [table[k][0] for k in keys]
         labels = np.array([index.get(int(v), -1) for v in data], dtype=np.int32)
         nib.freesurfer.write_annot(str(path), labels, ctab, names, fill_ctab=True)

@@ -100,17 +100,9 @@ class Registration:
             return what.with_points(self.transform(what.points))
         if isinstance(what, np.ndarray):
             return self.transform(torch.as_tensor(what)).numpy()
-        if not isinstance(what, torch.Tensor):
-            raise TypeError(
-                f"Registration.transform: give points (N, 3) as a tensor or array, "
-                f"or a Shape; got {type(what).__name__}"
-            )
-        if what.dim() != 2 or what.shape[1] != 3:
-            raise ValueError(
-                f"Registration.transform: points have shape {tuple(what.shape)}; "
-                "they must be (N, 3)"
-            )
-        dtype = what.dtype if what.is_floating_point() else torch.float64  # never rounded
+        dtype = _checked_points("transform", what)
+        if len(what) == 0:
+            return what.to(dtype)
         with torch.no_grad():
             return self.apply(what.detach().double()).to(dtype)
 
@@ -152,13 +144,9 @@ class Registration:
             return what.with_points(self.inverse_transform(what.points))
         if isinstance(what, np.ndarray):
             return self.inverse_transform(torch.as_tensor(what)).numpy()
-        if not isinstance(what, torch.Tensor) or what.dim() != 2 or what.shape[1] != 3:
-            shape = tuple(what.shape) if isinstance(what, torch.Tensor) else type(what).__name__
-            raise ValueError(
-                f"Registration.inverse_transform: give points (N, 3) as a tensor or array, or "
-                f"a Shape; got {shape}"
-            )
-        dtype = what.dtype if what.is_floating_point() else torch.float64
+        dtype = _checked_points("inverse_transform", what)
+        if len(what) == 0:
+            return what.to(dtype)
         x = what.detach().double().to(self.device)
         with torch.no_grad():
             if self.deformation is not None:
@@ -572,8 +560,12 @@ def _vertex_values(caller: str, values, surface: Shape, role: str) -> VertexValu
     if isinstance(values, str):
         if values not in surface.data:
             have = ", ".join(sorted(surface.data)) or "none"
+            hint = ""
+            if "/" in values or "." in values:  # a file's name, read with load_values
+                hint = f"; to carry a file's values, give otreg.io.load_values({values!r})"
             raise ValueError(
-                f"{caller}: the {role} carries no per-vertex array {values!r} (its arrays: {have})"
+                f"{caller}: the {role} carries no per-vertex array {values!r} (its arrays: "
+                f"{have}){hint}"
             )
         values = surface.data[values]
     if isinstance(values, np.ndarray):
@@ -657,6 +649,24 @@ def nearest_triangles(points: torch.Tensor, surface: Shape) -> tuple[np.ndarray,
     w = np.clip(w, 0.0, 1.0)
     w /= np.maximum(w.sum(1, keepdims=True), 1e-30)
     return faces, w
+
+
+def _checked_points(method: str, what) -> torch.dtype:
+    """The dtype that ``Registration.<method>`` returns for the points ``what``, a tensor
+    (N, 3) of finite numbers (integers come back as float64, never rounded), else an error
+    naming what was given."""
+    caller = f"Registration.{method}"
+    if not isinstance(what, torch.Tensor):
+        raise TypeError(
+            f"{caller}: give points (N, 3) as a tensor or array, or a Shape; "
+            f"got {type(what).__name__}"
+        )
+    if what.dim() != 2 or what.shape[1] != 3:
+        raise ValueError(f"{caller}: points have shape {tuple(what.shape)}; they must be (N, 3)")
+    if what.is_floating_point() and not bool(torch.isfinite(what).all()):
+        bad = int((~torch.isfinite(what)).any(1).sum())
+        raise ValueError(f"{caller}: {bad} of the {len(what)} points are NaN or infinite")
+    return what.dtype if what.is_floating_point() else torch.float64
 
 
 def transform_jacobians(linear, deformation: LDDMM | ComposedLDDMM | None, points) -> torch.Tensor:

