@@ -16,6 +16,7 @@ import torch
 
 from .._checks import check_choice, check_device, check_int, check_positive
 from ..io import VertexValues, load_input, load_values, save_values
+from ..io._values import KINDS
 from ..registration import LBFGSOptions, LDDMMOptions, PrealignOptions, register
 from ..registration.losses import LOSSES, SINKHORN_TERM
 from ..registration.options import MODELS, PREALIGNS
@@ -30,8 +31,6 @@ __all__ = ["JobOptions", "run_job"]
 JOB_LOSSES = tuple(name for name in LOSSES if name != "landmarks")
 #: Every file a job writes into its folder, by role.
 JOB_FILES = {**OUTPUTS, **PICTURES}
-#: ... and the beginnings of the names of the values it carries (and their confidence)
-CARRIED_PREFIXES = ("to-target_", "to-source_")
 
 
 @dataclass(frozen=True)
@@ -341,6 +340,8 @@ def _carry(
 
 
 def _stem(name: str) -> str:
-    """A values file's name less its extension (a FreeSurfer morph file has none)."""
-    exts = (".label.gii", ".func.gii", ".shape.gii", ".gii", ".annot", ".npy")
-    return next((name[: -len(e)] for e in exts if name.lower().endswith(e)), name)
+    """A values file's name less its extension (:data:`otreg.io._values.KINDS`, gzipped or
+    not; a FreeSurfer morph file has none)."""
+    lower = name.lower()
+    ends = (ext for kind in KINDS for ext in (kind, kind + ".gz") if lower.endswith(ext))
+    return name[: len(name) - len(next(ends, ""))]

@@ -16,7 +16,20 @@ from .register import demo, register_cmd, transfer
 __all__ = ["main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """click's group, but Ctrl-C (or SIGTERM, which the commands raise as
+    KeyboardInterrupt) exits with 130, as shells expect and ``otreg batch`` documents,
+    instead of click's "Aborted!" and 1. The commands leave no partial output."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("otreg: interrupted; nothing partial was left", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="otreg")
 def main() -> None:
     """Optimal transport and registration on PyTorch, within a memory budget."""

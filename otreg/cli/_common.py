@@ -21,7 +21,7 @@ import click
 import torch
 
 from ..batch.dispatch import sigterm_as_interrupt
-from ..batch.job import CARRIED_PREFIXES, JOB_FILES, JOB_LOSSES, JOB_OPTION_NAMES, JobOptions
+from ..batch.job import JOB_FILES, JOB_LOSSES, JOB_OPTION_NAMES, JobOptions
 from ..batch.worker import STAGING_PREFIX
 from ..io import VOLUME_EXTS, check_writable_folder, remove_empty_folders, same_file
 from ..registration.options import MODELS, PREALIGNS, LBFGSOptions
@@ -36,8 +36,9 @@ def output_folder(output: str, inputs: list[str], extra: tuple[str, ...] = ()) -
     staging folder inside it for the command's files.
 
     When the command ends well its files replace an earlier job's in the folder, and the
-    earlier job's files it did not write (:data:`JOB_FILES`, carried values ``to-*``) are
-    removed, so that the folder holds one run's results (inputs are never touched). When
+    files that the earlier run recorded writing (in :data:`RECORD`) and this one did not
+    write are removed, so that the folder holds one run's results; any other file (the
+    user's, an input) is never touched, whatever its name. When
     it fails or is interrupted (Ctrl-C, or SIGTERM, which raises KeyboardInterrupt here)
     the staging folder goes, the folder is as it was, and removed if this command made it."""
     folder = Path(output).expanduser()
@@ -70,23 +71,32 @@ def output_folder(output: str, inputs: list[str], extra: tuple[str, ...] = ()) -
         shutil.rmtree(staging, ignore_errors=True)
 
 
+#: the hidden file in an output folder that lists the files its last run wrote, one name a
+#: line: the only files a later run into the folder removes
+RECORD = ".otreg-outputs"
+
+
 def _publish(staging: Path, folder: Path, inputs: list[str]) -> None:
-    """Move the staged files into ``folder``, then remove an earlier job's files that they
-    did not replace (never an input), with Ctrl-C and SIGTERM held until it is done (then
-    raised), so that the folder never mixes two runs."""
+    """Move the staged files into ``folder``, then remove the files that the earlier run
+    recorded writing and this one did not replace (never an input), and record this run's,
+    with Ctrl-C and SIGTERM held until it is done (then raised), so that the folder never
+    mixes two runs."""
     new = {p.name for p in staging.iterdir()}
+    record = folder / RECORD
+    earlier = set(record.read_text().split("\n")) if record.is_file() else set()
+    (staging / RECORD).write_text("".join(name + "\n" for name in sorted(new)))
     with _signals_held():
         for name in sorted(new):
             os.replace(staging / name, folder / name)
-        for old in folder.iterdir():
-            earlier = old.name in JOB_FILES.values() or old.name.startswith(CARRIED_PREFIXES)
+        for name in sorted(earlier - new - {""}):
+            old = folder / name
             if (
-                earlier
-                and old.name not in new
+                "/" not in name
                 and old.is_file()
                 and not any(same_file(old, given) for given in inputs)
             ):
                 old.unlink()
+        os.replace(staging / RECORD, record)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from ..batch.engine import check_memory_limit, describe, plan_batch, run_batch
 from ..batch.manifest import check_pair_id
 from ..batch.records import find_records, unreadable_records
 from ..batch.report import build_report
+from ..io import same_file
 from ._common import (
     device_option,
     given_registration_options,
@@ -234,9 +235,27 @@ _id_from = click.option(
     show_default=True,
     help="Subject id: the file name up to its first dot, or its folder's name.",
 )
-_manifest_out = click.option(
-    "-o", "--output", required=True, type=click.Path(dir_okay=False), help="The CSV to write."
-)
+
+
+def _manifest_out(command):
+    """``-o OUTPUT`` and ``--overwrite``: an existing CSV is replaced only when asked."""
+    command = click.option(
+        "--overwrite", is_flag=True, help="Replace OUTPUT if it exists (else refused)."
+    )(command)
+    return click.option(
+        "-o", "--output", required=True, type=click.Path(dir_okay=False), help="The CSV to write."
+    )(command)
+
+
+def _write_manifest(pairs, output: str, overwrite: bool, inputs) -> None:
+    """Write the manifest, refusing to replace an input, or an existing file unasked."""
+    if any(same_file(output, given) for given in inputs):
+        raise click.BadParameter(f"{output} is one of the inputs", param_hint="-o")
+    if Path(output).exists() and not overwrite:
+        raise click.BadParameter(
+            f"{output} exists; give --overwrite to replace it", param_hint="-o"
+        )
+    write_manifest(pairs, output)
 
 
 @manifest.command("to-template", cls=BatchCommand)
@@ -245,11 +264,13 @@ _manifest_out = click.option(
 @click.option("--template-id", default="template", show_default=True)
 @_id_from
 @_manifest_out
-def to_template(template: str, files: tuple[str, ...], template_id: str, id_from, output):
+def to_template(
+    template: str, files: tuple[str, ...], template_id: str, id_from, output, overwrite
+):
     """Every subject FILE onto TEMPLATE."""
     try:
         pairs = pairs_to_template(_subject_ids(files, id_from), template, template_id)
-        write_manifest(pairs, output)
+        _write_manifest(pairs, output, overwrite, (template, *files))
     except (ValueError, TypeError) as err:
         raise click.UsageError(str(err)) from err
     click.echo(f"wrote {output}: {len(pairs)} pairs")
@@ -260,11 +281,11 @@ def to_template(template: str, files: tuple[str, ...], template_id: str, id_from
 @click.option("--symmetric", is_flag=True, help="Both directions of every pair.")
 @_id_from
 @_manifest_out
-def all_pairs_cmd(files: tuple[str, ...], symmetric: bool, id_from, output):
+def all_pairs_cmd(files: tuple[str, ...], symmetric: bool, id_from, output, overwrite):
     """Every pair of subject FILES (a before b in the given order)."""
     try:
         pairs = all_pairs(_subject_ids(files, id_from), symmetric=symmetric)
-        write_manifest(pairs, output)
+        _write_manifest(pairs, output, overwrite, files)
     except (ValueError, TypeError) as err:
         raise click.UsageError(str(err)) from err
     click.echo(f"wrote {output}: {len(pairs)} pairs")

@@ -114,7 +114,7 @@ def test_register_is_a_batch_of_one(tmp_path):
     )
     assert batch.exit_code == 0, batch.records
     one, many = tmp_path / "one", tmp_path / "many" / "pairs" / "p"
-    assert sorted(p.name for p in one.iterdir()) == sorted(
+    assert sorted(p.name for p in one.iterdir() if p.name != ".otreg-outputs") == sorted(
         p.name for p in many.iterdir() if p.name not in ("metrics.json", "log.txt")
     )
     a, b = Registration.load(one), Registration.load(many)
@@ -192,6 +192,17 @@ def test_a_job_carries_values_both_ways(tmp_path):
     assert float(agree) > 0.97
     confidence = np.load(tmp_path / "out" / "to-source_atlas_confidence.npy")
     assert confidence.min() >= 1 / 3 - 1e-6 and confidence.max() <= 1 + 1e-6
+
+
+def test_a_confidence_file_is_named_after_its_values_less_their_extension():
+    """Gzipped GIFTI too: to-target_atlas.label.gii.gz's confidence was
+    to-target_atlas.label.gii.gz_confidence.npy."""
+    from otreg.batch.job import _stem
+
+    for name, stem in [("atlas.label.gii.gz", "atlas"), ("atlas.label.gii", "atlas"),
+                       ("thick.func.gii.gz", "thick"), ("lh.aparc.annot", "lh.aparc"),
+                       ("x.mgz", "x"), ("lh.thickness", "lh.thickness")]:  # fmt: skip
+        assert _stem(name) == stem
 
 
 def test_labels_carried_both_ways_under_one_name_are_scored_before_and_after(tmp_path):

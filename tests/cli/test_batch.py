@@ -437,6 +437,14 @@ def test_manifest_helpers_write_what_batch_reads(subjects, tmp_path):
     assert dry.returncode == 0 and dry.stdout.count("will run") == 6
     clash = run("manifest", "all-pairs", files[0], files[0], "-o", tmp_path / "c.csv")
     assert clash.returncode == 1 and "subject id" in clash.stderr
+    before = (tmp_path / "t.csv").read_text()  # an existing manifest: replaced only if asked
+    again = run("manifest", "all-pairs", *files[:2], "-o", tmp_path / "t.csv")
+    assert again.returncode == 1 and "t.csv exists; give --overwrite" in again.stderr
+    assert (tmp_path / "t.csv").read_text() == before
+    again = run("manifest", "all-pairs", *files[:2], "-o", tmp_path / "t.csv", "--overwrite")
+    assert again.returncode == 0 and len(list(csv.DictReader(open(tmp_path / "t.csv")))) == 1
+    onto = run("manifest", "all-pairs", *files[:2], "-o", files[0], "--overwrite")
+    assert onto.returncode == 1 and "is one of the inputs" in onto.stderr
 
 
 def test_an_existing_dask_cluster_losing_a_worker_completes_every_pair(subjects, tmp_path):

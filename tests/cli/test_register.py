@@ -27,6 +27,7 @@ def test_demo_registers_two_brain_surfaces_and_writes_everything(pair, tmp_path)
         "registration.json",
         "picture.png",
         "history.png",
+        ".otreg-outputs",
     }
     doc = json.loads((out / "registration.json").read_text())
     m = doc["metrics"]
@@ -318,11 +319,29 @@ def test_a_second_run_replaces_the_first_runs_carried_files_and_names_only_its_o
     assert second.exit_code == 0
     assert "to-target_z.func.gii" not in second.output
     assert sorted(p.name for p in out.iterdir()) == [
+        ".otreg-outputs",
         "notes.txt",
         "parameters.npz",
         "registration.json",
         "warped.vtk",
     ]
+
+
+def test_a_users_file_with_a_jobs_name_is_never_removed(two_meshes, tmp_path):
+    """A picture.png and a metrics file the user put in the folder before any otreg run
+    there are kept by a run that writes no picture: only what an earlier run recorded
+    writing goes."""
+    src, tgt = two_meshes
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "picture.png").write_text("my photo")
+    (out / "history.png").write_text("my plot")
+    base = ["register", str(src), str(tgt), "-o", str(out), "--model", "rigid", "--no-picture"]
+    assert run(*base).exit_code == 0
+    assert (out / "picture.png").read_text() == "my photo"
+    assert (out / "history.png").read_text() == "my plot"
+    written = (out / ".otreg-outputs").read_text().split()
+    assert "warped.vtk" in written and "picture.png" not in written
 
 
 def test_values_are_checked_before_the_fit(tmp_path, monkeypatch):
@@ -411,7 +430,7 @@ def test_sigterm_during_register_leaves_no_output(two_meshes, tmp_path):
         proc.wait(timeout=30)
     finally:
         proc.kill()
-    assert proc.returncode != 0
+    assert proc.returncode == 130  # as a shell's Ctrl-C, and as otreg batch exits
     deadline = time.monotonic() + 5
     while out.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -468,9 +487,10 @@ def test_an_interrupt_while_the_files_move_in_waits_until_they_all_have(tmp_path
 
     monkeypatch.setattr(_common.os, "replace", replace)
     result = run(*base)
-    assert result.exit_code == 1 and "Aborted" in result.output
-    assert len(moves) == 3  # all three moved after the signal came
+    assert result.exit_code == 130 and "interrupted" in result.output
+    assert len(moves) == 4  # all three and the record moved after the signal came
     assert sorted(p.name for p in out.iterdir()) == [
+        ".otreg-outputs",
         "parameters.npz",
         "registration.json",
         "warped.vtk",
