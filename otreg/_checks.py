@@ -84,6 +84,11 @@ def as_points(caller: str, name: str, x: object) -> tuple[torch.Tensor, bool]:
         )
     if x.dim() not in (2, 3):
         hint = " (a 1-D tensor looks like weights: points come before their weights)"
+        if caller.startswith("SinkhornLoss"):  # loss(a, x, b, y): weights first
+            hint = (
+                " (a 1-D tensor looks like weights: SinkhornLoss takes loss(x, y) or "
+                "loss(a, x, b, y))"
+            )
         raise ValueError(
             f"{caller}: {name} has shape {tuple(x.shape)}; points must be (N, D) or (B, N, D)"
             + (hint if x.dim() == 1 else "")
@@ -101,6 +106,11 @@ def as_points(caller: str, name: str, x: object) -> tuple[torch.Tensor, bool]:
 
 
 def _check_finite(caller: str, name: str, x: torch.Tensor) -> None:
+    if x.is_meta:
+        raise ValueError(
+            f"{caller}: {name} is on the meta device (shapes without values); give a tensor "
+            "on the CPU or a GPU"
+        )
     bad = ~torch.isfinite(x.detach())
     if bool(bad.any()):
         n_nan = int(torch.isnan(x.detach()).sum())

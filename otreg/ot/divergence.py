@@ -159,7 +159,8 @@ def sinkhorn_divergence(
     options: SinkhornOptions | None = None,
     **changes,
 ) -> torch.Tensor:
-    """The debiased Sinkhorn divergence S_eps(a, b) >= 0 between two weighted point clouds.
+    """The debiased Sinkhorn divergence S_eps(a, b) >= 0 between two weighted point clouds
+    (up to rounding: two identical float32 clouds may give -1e-7 of the cost's size).
 
     Args:
         x: source points, ``(N, D)`` or batched ``(B, N, D)``.

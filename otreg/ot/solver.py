@@ -90,13 +90,21 @@ def check_init(caller: str, init, p: Problem):
     return tuple(out)
 
 
+class _LeftDefault(float):
+    """The blur keyword's default (0.05, and shown so), told apart from a blur of 0.05 that
+    the caller gave: only a blur left at its default warns about the data's span."""
+
+
+_LEFT_DEFAULT_BLUR = _LeftDefault(SinkhornOptions.blur)
+
+
 def sinkhorn(
     x: torch.Tensor,
     y: torch.Tensor,
     a: torch.Tensor | None = None,
     b: torch.Tensor | None = None,
     *,
-    blur: float = 0.05,
+    blur: float = _LEFT_DEFAULT_BLUR,
     reach: float | None = None,
     diameter: float | None = None,
     scaling: float = 0.5,
@@ -186,8 +194,9 @@ def sinkhorn(
         (True, (200,), (300,))
     """
     caller = "sinkhorn"
+    left_default = blur is _LEFT_DEFAULT_BLUR
     given = dict(
-        blur=blur,
+        blur=float(blur) if isinstance(blur, float) else blur,
         reach=reach,
         diameter=diameter,
         scaling=scaling,
@@ -204,7 +213,7 @@ def sinkhorn(
         given = {k: v for k, v in given.items() if not _is_default(k, v)}
     options = resolve_options(caller, options, **given)
     p = Problem.build(caller, x, y, a, b, options)
-    if options.blur == _DEFAULTS.blur:  # given or not: the default's value
+    if left_default and options.blur == _DEFAULTS.blur:  # neither given nor in options
         warn_default_blur(caller, p)
     init = check_init(caller, init, p)
     check_range(caller, p)

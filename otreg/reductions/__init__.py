@@ -164,11 +164,12 @@ def status() -> dict:
     }
 
 
-def keops_status(device: torch.device | str | None = None) -> tuple[bool, str]:
+def keops_status(device: torch.device | str | None = None, announce=None) -> tuple[bool, str]:
     """Whether KeOps can be used: without ``device``, whether pykeops is installed (nothing
     is imported); with it, the verdict of the check that compiles and runs otreg's formulas
     on that device in a child process (once a machine; cached on disk), so that a crash in
-    pykeops never takes this process down.
+    pykeops never takes this process down. ``announce()``, if given, is called before such
+    a check starts (it may take minutes).
 
     Example:
         >>> from otreg.reductions import keops_status
@@ -178,7 +179,7 @@ def keops_status(device: torch.device | str | None = None) -> tuple[bool, str]:
     """
     if device is None:
         return _keops.status()
-    return _keops.verdict(torch.device(device))
+    return _keops.verdict(torch.device(device), announce)
 
 
 #: The dtypes KeOps computes in (float16 on GPUs only).

@@ -118,10 +118,11 @@ def environment(device: torch.device) -> dict[str, str]:
     return env
 
 
-def verdict(device: torch.device) -> tuple[bool, str]:
+def verdict(device: torch.device, announce=None) -> tuple[bool, str]:
     """Whether pykeops compiles and runs otreg's formulas on ``device``: ``(ok, reason)``,
     from this process's memory, the cache file, or a child process that tries them (the
-    first time on a machine, or after an upgrade; minutes when its cache is cold)."""
+    first time on a machine, or after an upgrade; minutes when its cache is cold), after
+    calling ``announce()`` if given."""
     ok, reason = status()
     if not ok:
         return ok, reason
@@ -139,6 +140,8 @@ def verdict(device: torch.device) -> tuple[bool, str]:
     if key in saved and isinstance(saved[key], list) and len(saved[key]) == 2:
         _verdicts[key] = (bool(saved[key][0]), str(saved[key][1]))
         return _verdicts[key]
+    if announce is not None:
+        announce()
     _verdicts[key] = _check_in_a_child(device)
     saved[key] = list(_verdicts[key])
     try:  # atomically: two processes checking at once write whole files

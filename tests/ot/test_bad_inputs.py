@@ -102,6 +102,12 @@ def test_mixed_devices_message_without_a_gpu():
         check_same_device_dtype("sinkhorn", {"x": x, "y": meta})
 
 
+def test_a_meta_tensor_is_named_not_read():
+    x = torch.rand(5, 3)
+    with pytest.raises(ValueError, match="y is on the meta device"):
+        otreg.sinkhorn(x, torch.empty(4, 3, device="meta"))
+
+
 def test_sinkhorn_loss_rejects_bad_options_at_construction():
     with pytest.raises(ValueError, match="SinkhornLoss: blur is -0.1"):
         otreg.SinkhornLoss(blur=-0.1)
@@ -114,6 +120,8 @@ def test_sinkhorn_loss_names_weights_given_after_their_points():
     x, y = torch.rand(20, 3), torch.rand(30, 3)
     with pytest.raises(TypeError, match=r"weights before its points; got shapes \(20, 3\)"):
         otreg.SinkhornLoss()(x, a, y, b)
+    with pytest.raises(ValueError, match=r"SinkhornLoss takes loss\(x, y\) or loss\(a, x"):
+        otreg.SinkhornLoss()(x, y, a, b)  # the hint said points come before their weights
     assert torch.isfinite(otreg.SinkhornLoss(blur=0.1)(a, x, b, y))
 
 

@@ -136,6 +136,9 @@ def test_sinkhorn_flags_the_default_blur_on_data_in_mm_as_the_divergence_does():
     x, y, _, _ = clouds(n=30, m=40, d=3, seed=0)
     with pytest.warns(UserWarning, match="sinkhorn: blur is the default 0.05"):
         otreg.sinkhorn(100 * x, 100 * y, max_iter=5000)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
+    with warnings.catch_warnings(record=True) as caught:  # a blur the caller chose
+        warnings.simplefilter("always")
         otreg.sinkhorn(100 * x, 100 * y, blur=2.0)
+        otreg.sinkhorn(100 * x, 100 * y, blur=0.05, max_iter=50)  # even the default's value
+        otreg.sinkhorn(100 * x, 100 * y, options=otreg.SinkhornOptions(blur=2.0))
+    assert not [w for w in caught if "blur is the default" in str(w.message)]

@@ -117,3 +117,26 @@ def test_the_check_passes_with_the_real_pykeops(tmp_path, monkeypatch):
     ok, reason = _keops.verdict(torch.device("cpu"))
     assert ok, reason
     assert (tmp_path / "keops-check.json").is_file()
+
+
+def test_otreg_info_says_before_a_check_that_may_take_minutes(tmp_path, monkeypatch):
+    """The first `otreg info` on a machine compiles KeOps' formulas (2.5 minutes for a new
+    user, under load, with nothing said): a line on stderr says so first; a cached verdict
+    says nothing."""
+    pytest.importorskip("pykeops")
+    import io
+
+    import otreg
+    from otreg.reductions import _keops
+
+    monkeypatch.setenv("OTREG_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_keops, "_verdicts", {})
+    monkeypatch.setattr(_keops, "_check_in_a_child", lambda device: (True, "ok"))
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    otreg.info(file=io.StringIO())
+    assert "checking KeOps on cpu: compiling otreg's formulas" in err.getvalue()
+    monkeypatch.setattr(_keops, "_verdicts", {})  # a new process: the file's verdict
+    err.truncate(0)
+    otreg.info(file=io.StringIO())
+    assert "checking KeOps" not in err.getvalue()
