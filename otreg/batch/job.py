@@ -15,8 +15,7 @@ from pathlib import Path
 import torch
 
 from .._checks import check_choice, check_device, check_int, check_positive
-from ..io import VertexValues, load_input, load_values, save_values
-from ..io._values import KINDS
+from ..io import VertexValues, load_input, load_values, save_values, values_stem
 from ..registration import LBFGSOptions, LDDMMOptions, PrealignOptions, register
 from ..registration.losses import LOSSES, SINKHORN_TERM
 from ..registration.options import MODELS, PREALIGNS
@@ -293,7 +292,7 @@ def _overlaps(res, source: Shape, target: Shape, carried: dict) -> dict:
             overlap = res.label_overlap(mine, own, source=source, target=target)
         except (ValueError, TypeError) as err:
             raise InputError(f"labels {name} (of {path} and {other}): {err}") from err
-        key = re.sub(r"\W+", "_", _stem(name)).strip("_") or "labels"
+        key = re.sub(r"\W+", "_", values_stem(name)).strip("_") or "labels"
         out[f"{key}_dice"], out[f"before_{key}_dice"] = overlap["dice"], overlap["before_dice"]
     return out
 
@@ -333,15 +332,7 @@ def _carry(
     save_values(moved, folder / name)
     files = {f"to-{to}:{carried_name(path)}": name}
     if moved.confidence is not None:
-        confidence = folder / f"{_stem(name)}_confidence.npy"
+        confidence = folder / f"{values_stem(name)}_confidence.npy"
         save_values(moved.confidence, confidence)
         files[f"to-{to}:{carried_name(path)}:confidence"] = confidence.name
     return files
-
-
-def _stem(name: str) -> str:
-    """A values file's name less its extension (:data:`otreg.io._values.KINDS`, gzipped or
-    not; a FreeSurfer morph file has none)."""
-    lower = name.lower()
-    ends = (ext for kind in KINDS for ext in (kind, kind + ".gz") if lower.endswith(ext))
-    return name[: len(name) - len(next(ends, ""))]

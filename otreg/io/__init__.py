@@ -38,6 +38,7 @@ from ._files import (
 __all__ = [
     "VertexValues",
     "unlabelled",
+    "values_stem",
     "load_values",
     "save_values",
     "load_shape",
@@ -57,6 +58,7 @@ __all__ = [
 VOLUME_EXTS = (".nii", ".nii.gz", ".mgz")
 VertexValues = _values.VertexValues
 unlabelled = _values.unlabelled
+values_stem = _values.values_stem
 MESH_EXTS = (*_files.PYVISTA_EXTS, ".gii", ".gii.gz", ".csv", ".npy")
 
 

@@ -13,7 +13,7 @@ An ``.annot`` stores each vertex's colour, not a label number: its labels come b
 indices into its colour table (names, colours and transparency kept), and a vertex whose
 colour is black (0, 0, 0) as -1, unknown, as FreeSurfer reads it. So that labels written
 to an .annot come back, a label whose colour is black or another label's is written with
-its red moved by a unit or a few (of 255)."""
+one of its channels moved by a unit or a few (of 255)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["VertexValues", "unlabelled"]
+__all__ = ["VertexValues", "unlabelled", "values_stem"]
 
 #: A label table: label value -> (name, RGBA colour in [0, 1]).
 LabelTable = dict[int, tuple[str, tuple[float, float, float, float]]]
@@ -130,6 +130,20 @@ def suffix(path: Path) -> str:
     return "morph"  # FreeSurfer's curv, thickness, sulc, area... files have no extension
 
 
+def values_stem(name: str) -> str:
+    """A values file's name less its extension (:data:`KINDS`, gzipped or not; a FreeSurfer
+    morphometry file has none).
+
+    Example:
+        >>> from otreg.io import values_stem
+        >>> values_stem("atlas.label.gii.gz"), values_stem("lh.thickness")
+        ('atlas', 'lh.thickness')
+    """
+    lower = name.lower()
+    ends = (ext for kind in KINDS for ext in (kind, kind + ".gz") if lower.endswith(ext))
+    return name[: len(name) - len(next(ends, ""))]
+
+
 def _is_morph(path: Path) -> bool:
     """Whether the file starts with FreeSurfer's morphometry magic number."""
     with open(path, "rb") as f:
@@ -217,8 +231,8 @@ def _annot_colour(rgba) -> list[int]:
 def _distinct_colours(ctab: np.ndarray) -> None:
     """In place: make the colours (K, 4) of an .annot's table distinct and never black. An
     .annot stores each vertex's colour, so two labels of one colour would come back as one,
-    and black, colour 0, comes back as -1 (no label): such a colour's red moves by the
-    fewest units (of 255) in one channel that make it a colour of its own."""
+    and black, colour 0, comes back as -1 (no label): such a colour moves by the fewest
+    units (of 255) in one channel that make it a colour of its own."""
     used: set[tuple[int, ...]] = set()
     for row in ctab:
         rgb = tuple(int(c) for c in row[:3])

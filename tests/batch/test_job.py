@@ -197,12 +197,12 @@ def test_a_job_carries_values_both_ways(tmp_path):
 def test_a_confidence_file_is_named_after_its_values_less_their_extension():
     """Gzipped GIFTI too: to-target_atlas.label.gii.gz's confidence was
     to-target_atlas.label.gii.gz_confidence.npy."""
-    from otreg.batch.job import _stem
+    from otreg.io import values_stem
 
     for name, stem in [("atlas.label.gii.gz", "atlas"), ("atlas.label.gii", "atlas"),
                        ("thick.func.gii.gz", "thick"), ("lh.aparc.annot", "lh.aparc"),
                        ("x.mgz", "x"), ("lh.thickness", "lh.thickness")]:  # fmt: skip
-        assert _stem(name) == stem
+        assert values_stem(name) == stem
 
 
 def test_labels_carried_both_ways_under_one_name_are_scored_before_and_after(tmp_path):
