@@ -74,7 +74,7 @@ _kernels: dict = {}
 _seconds: dict = {}
 _calls: dict = {}  # blocked calls timed, by reduction
 _fused: set = set()
-_fused_times: dict = {}  # each reduction's fused calls' seconds, the compiling one first
+_fused_times: dict = {}  # each reduction's first fused calls' seconds (compiling one first)
 _slower: set = set()  # reductions whose fused calls were not faster: blocked from then on
 _now = 0  # > 0 inside compile_now(): reductions go fused without waiting
 _hold = 0  # > 0 inside fit_to_budget() for a budget too small for the compiler
@@ -381,6 +381,8 @@ def judged(key: tuple, seconds: float) -> None:
     ``TIMED_CALLS`` more, the reduction goes back to the blocked path for good if the
     fastest of those was not faster than the blocked path's mean call."""
     times = _fused_times.setdefault(key, [])
+    if len(times) > TIMED_CALLS:  # judged: nothing more to keep on this hot path
+        return
     times.append(seconds)
     if len(times) == TIMED_CALLS + 1 and key in _calls:
         if min(times[1:]) >= _seconds[key] / _calls[key]:
