@@ -463,15 +463,14 @@ class TruncatedKernel:
         """The pairs of the cluster pattern within ``truncate + list_margin`` eps of the
         potentials f (N,), g (M,) (sorted, float64), as the final eps's kernel, if few
         enough (else at half the margin, down to ``LIST_MIN_MARGIN``; then no list)."""
-        eps, xy, dtype = self.p.eps, self.kernels.xy, self.cx.points.dtype
+        eps, xy = self.p.eps, self.kernels.xy
         limit = int(min(LIST_FRACTION * xy.n_pairs, LIST_MAX_PAIRS))
         while True:
             threshold = (self.truncate + self.list_margin) * eps
             seen: list[float] = []
             found = close_pairs(
-                xy, self.cx.points, self.cy.points, f.to(dtype), g.to(dtype), threshold, limit,
-                estimate=seen,
-            )  # fmt: skip
+                xy, self.cx.points, self.cy.points, f, g, threshold, limit, estimate=seen
+            )
             self.list_builds += 1
             if found is not None:
                 break
@@ -484,10 +483,10 @@ class TruncatedKernel:
                 self.list_margin /= 2
                 if expected <= limit:
                     break
-        i, j = found
+        i, j, slack = found
         self.list_pairs.append(len(i))
         self._list = PairList(
-            self.cx.points, self.cy.points, i, j, self._a_log, self._b_log, f, g, eps
+            self.cx.points, self.cy.points, i, j, self._a_log, self._b_log, f, g, eps, slack
         )
 
     def _store_factors(self, f: torch.Tensor, g: torch.Tensor) -> None:

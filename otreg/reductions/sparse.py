@@ -587,43 +587,57 @@ def close_pairs(
     threshold: float,
     limit: int,
     estimate: list | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The point pairs (i, j) of ``kernel``'s pattern whose slack |x_i - y_j|^2 / 2 - f_i -
     g_j is at most ``threshold`` (cost units), for its own sorted clouds x (N, D), y (M, D)
-    and potentials f (N,), g (M,): ``(i, j)``, each (P,), sorted by i then j; None as soon
-    as more than ``limit`` are found (then ``estimate``, a list, receives how many the whole
-    pattern would hold at the rate found so far).
+    and potentials f (N,), g (M,): ``(i, j, slack)``, each (P,), the slacks in float64,
+    grouped by row (each row's pairs in a run, the rows in the pattern's chunk order) and
+    within a row by column; None as soon as more than ``limit`` are found (then
+    ``estimate``, a list, receives how many the whole pattern would hold at the rate found
+    so far).
 
-    The slack is computed as the softmin's scores are (centred float coordinates); a pair
-    within its rounding of the threshold may go either way."""
-    px, py, _ = kernel._padded(x, y, g)
+    The slack is summed in the points' dtype as the per-point terms ``|x_i - c|^2 / 2 - f_i``
+    and ``|y_j - c|^2 / 2 - g_j`` (c the row cluster's centre) added first, then
+    ``<x_i - c, y_j - c>`` taken off, and the two terms' rounding restored in float64: for a
+    pair within the threshold every number then is of the size of the slack and the cell,
+    not of the potentials, so the slack is exact to the points' precision times the cell's
+    size whatever |f| / eps (a pair within its rounding of the threshold may go either way).
+    """
+    wide = torch.float64
+    px, py = (torch.cat([z.to(wide), z.new_zeros(1, z.shape[1], dtype=wide)]) for z in (x, y))
     # padding: potentials -inf, so an infinite slack, never kept
-    pf = torch.cat([f, f.new_full((1,), -torch.inf)])
-    pg = torch.cat([g, g.new_full((1,), -torch.inf)])
-    found_i, found_j, count, searched = [], [], 0, 0
-    for k, (_, row_idx, _) in enumerate(kernel.chunks):
-        col_idx = kernel._column_indices(k)
-        X, x_sq, Y, y_sq = kernel._geometry(k, px, py, col_idx)
-        # slack = |X|^2/2 + |Y|^2/2 - <X, Y> - f - g
-        rows = x_sq.squeeze(2) - pf.index_select(0, row_idx.view(-1)).view(row_idx.shape)
-        cols = y_sq - pg.index_select(0, col_idx.view(-1).long()).view(col_idx.shape)
-        s = torch.baddbmm(cols.unsqueeze(1), X, Y.transpose(1, 2), alpha=-1.0)
-        s.add_(rows.unsqueeze(2))
-        c, r, l = (s <= threshold).nonzero(as_tuple=True)
-        count += len(c)
+    pf, pg = (torch.cat([p.to(wide), p.new_full((1,), -torch.inf, dtype=wide)]) for p in (f, g))
+    found, count, searched = [], 0, 0
+    for k, (clusters, row_idx, _) in enumerate(kernel.chunks):
+        col_idx = kernel._column_indices(k).long()
+        c = kernel.rows.centres[clusters].to(wide).unsqueeze(1)  # (C, 1, D)
+        D = x.shape[1]
+        X = px.index_select(0, row_idx.view(-1)).view(*row_idx.shape, D) - c
+        Y = py.index_select(0, col_idx.view(-1)).view(*col_idx.shape, D) - c
+        rows = (X * X).sum(-1) / 2 - pf.index_select(0, row_idx.view(-1)).view(row_idx.shape)
+        cols = (Y * Y).sum(-1) / 2 - pg.index_select(0, col_idx.view(-1)).view(col_idx.shape)
+        X, Y = X.to(x.dtype), Y.to(x.dtype)
+        rows_low, cols_low = rows.to(x.dtype), cols.to(x.dtype)
+        s = rows_low.unsqueeze(2) + cols_low.unsqueeze(1)  # (C, R, L)
+        s.baddbmm_(X, Y.transpose(1, 2), alpha=-1.0)
+        keep = (s.view(-1) <= threshold).nonzero().squeeze(1)
+        count += len(keep)
         searched += s.numel()
         if count > limit:
             if estimate is not None:
                 estimate.append(count * kernel.padded_pairs / searched)
             return None
-        found_i.append(row_idx[c, r])
-        found_j.append(col_idx[c, l].long())
-    i, j, m = torch.cat(found_i), torch.cat(found_j), int(y.shape[0])
-    key = i * m + j
-    if x.shape[0] * m < 2**31:  # a 32-bit sort takes half the time
-        key = key.int()
-    key = torch.sort(key).values.long()  # by row, then column
-    return key // m, key % m
+        width = s.shape[2]
+        row_slot = keep // width  # c * R + r
+        col_slot = row_slot // s.shape[1] * width + keep % width  # c * L + l
+        slack = s.view(-1).index_select(0, keep).double()
+        slack += (rows - rows_low).view(-1).index_select(0, row_slot)
+        slack += (cols - cols_low).view(-1).index_select(0, col_slot)
+        i = row_idx.view(-1).index_select(0, row_slot)
+        j = col_idx.view(-1).index_select(0, col_slot)
+        found.append((i, j, slack))
+    i, j, slack = (torch.cat(t) for t in zip(*found))
+    return i, j, slack
 
 
 class PairList:
@@ -632,39 +646,58 @@ class PairList:
     (a transport plan near a permutation) while the kept cluster pairs hold hundreds.
 
     Scores are stored relative to reference potentials (f0, g0):
-    ``r_ij = (|x_i - y_j|^2 / 2 - f0_i - g0_j) / eps``, computed in float64 and small, so
-    that a softmin is ``f0_i - eps log sum_j b_j exp((g_j - g0_j) / eps - r_ij)``: every
-    number in it is of order one, whatever the size of the potentials. Each row's largest
-    ``log b_j - r_ij`` is kept, so that the log-sum-exp's shift is that plus the largest
-    (g_j - g0_j) / eps, with no pass for a maximum: a row whose terms all fall far below
-    that shift underflows to an infinite softmin, which the caller sees. The pairs' factors
-    ``exp(log b_j - r_ij - top_i)`` are computed once, as a sparse (CSR) matrix, so that a
-    softmin is one exponential a point and one sparse matrix-vector product (torch's,
-    which is MKL's on the CPU and cuSPARSE's on a GPU): no padding, no block, no
-    exponential a pair.
+    ``r_ij = (|x_i - y_j|^2 / 2 - f0_i - g0_j) / eps``, small, from slacks exact to the
+    points' precision (:func:`close_pairs`, or float64 here), so that a softmin is ``f0_i -
+    eps log sum_j b_j exp((g_j - g0_j) / eps - r_ij)``: every number in it is of order one,
+    whatever the size of the potentials. The largest ``log b_j - r_ij`` (each row's own
+    where they spread over more than ``SHARED_SHIFT_RANGE``) is kept, so that the
+    log-sum-exp's shift is that plus the largest (g_j - g0_j) / eps, with no pass for a
+    maximum: a row whose terms all fall far below that shift (or that has no pair) gets an
+    infinite softmin, which the caller sees. The pairs' factors ``exp(log b_j - r_ij -
+    top_i)`` are computed once, as a sparse (CSR)
+    matrix over the rows that have pairs, so that a softmin is one exponential a point and
+    one sparse matrix-vector product (torch's, which is MKL's on the CPU and cuSPARSE's on
+    a GPU): no padding, no block, no exponential a pair.
 
     Args:
         x, y: the sorted clouds (N, D), (M, D).
-        i, j: ``(P,)`` the pairs, sorted by i.
+        i, j: ``(P,)`` the pairs, grouped by row (each row's pairs in one run, the rows in
+            any order), within a row by column cell (as :func:`close_pairs` gives them).
         log_a, log_b: the log-weights (N,), (M,) the softmins will use.
         f0, g0: the reference potentials (N,), (M,); the softmins are in their dtype
             (float64 for the solver), the sums in the points' dtype.
         eps: the temperature the scores are divided by.
+        slack: ``(P,)`` the pairs' slacks ``|x_i - y_j|^2 / 2 - f0_i - g0_j`` in float64,
+            where known (:func:`close_pairs`); else computed here from the points.
     """
 
-    def __init__(self, x, y, i, j, log_a, log_b, f0, g0, eps: float) -> None:
+    def __init__(
+        self, x, y, i, j, log_a, log_b, f0, g0, eps: float, slack: torch.Tensor | None = None
+    ) -> None:
         self.eps = eps
         self.f0, self.g0 = f0, g0
-        xd, yd, sq = x.double(), y.double(), x.new_zeros(i.shape, dtype=torch.float64)
-        for k in range(x.shape[1]):  # coordinate by coordinate: no (P, D) copies
-            d = xd[:, k].index_select(0, i) - yd[:, k].index_select(0, j)
-            sq.addcmul_(d, d)
-        f0_i, g0_j = f0.double().index_select(0, i), g0.double().index_select(0, j)
-        r = sq.mul_(0.5).sub_(f0_i).sub_(g0_j).div_(eps).to(x.dtype)
-        by_col = torch.argsort(j.int(), stable=True)  # j < M; 32 bits sort faster
+        if slack is None:
+            xd, yd = x.double(), y.double()
+            slack = x.new_zeros(i.shape, dtype=torch.float64)
+            for k in range(x.shape[1]):  # coordinate by coordinate: no (P, D) copies
+                d = xd[:, k].index_select(0, i) - yd[:, k].index_select(0, j)
+                slack.addcmul_(d, d)
+            slack.mul_(0.5)
+            slack -= f0.double().index_select(0, i)
+            slack -= g0.double().index_select(0, j)
+        r = (slack / eps).to(x.dtype)
+        # stable: within a column the rows keep their order (grouped by row cell); j < M,
+        # and fewer bits sort faster (int16: 100 ms for 9 million pairs, int32: 170)
+        key = j.short() if y.shape[0] <= torch.iinfo(torch.int16).max else j.int()
+        by_col = torch.argsort(key, stable=True)
         n, m = x.shape[0], y.shape[0]
-        self._rows = _Side(i, j, r, log_b, n, m)
-        self._cols = _Side(j[by_col], i[by_col], r[by_col], log_a, m, n)
+        rows, row_counts = torch.unique_consecutive(i, return_counts=True)
+        cols = torch.bincount(j, minlength=m)
+        self._rows = _Side(rows, row_counts, j, log_b.index_select(0, j) - r, n, m)
+        i_by_col = i.index_select(0, by_col)
+        base = log_a.index_select(0, i_by_col) - r.index_select(0, by_col)
+        used = cols > 0
+        self._cols = _Side(used.nonzero().squeeze(1), cols[used], i_by_col, base, m, n)
         self.n_pairs = int(i.shape[0])
 
     def softmin_rows(self, g: torch.Tensor) -> torch.Tensor:
@@ -679,48 +712,62 @@ class PairList:
         """The transport plan's entries over the listed pairs for the potential ``pot`` of
         the other side (g (M,); f (N,) if ``transpose``), the first side's potential
         eliminated: each row i (each column j if ``transpose``) scaled to sum to its
-        ``weights``. Returns ``(rows, others, values)``, float64 (P,), sorted by row and,
-        within a row, by the other point."""
+        ``weights``. Returns ``(rows, others, values)``, float64 (P,), grouped by row and,
+        within a row, by the other point's cell."""
         side, ref = (self._cols, self.f0) if transpose else (self._rows, self.g0)
         return side.plan((pot - ref) / self.eps, weights)
 
 
-class _Side:
-    """One direction of a :class:`PairList`: the pairs grouped by their point on this side
-    (``seg``, sorted) against the other side's point (``other``), as the sparse matrix
-    (n, n_other) of ``exp(log w - r - top)``, with ``top`` each point's largest
-    ``log w - r``."""
+#: a :class:`PairList`'s factors share one shift where every point's largest term is
+#: within this many e-folds of the largest (float32 keeps 87 below 1 normal), else each
+#: point's sum gets its own
+SHARED_SHIFT_RANGE = 60.0
 
-    def __init__(self, seg, other, r, log_w, n: int, n_other: int) -> None:
-        base = log_w.index_select(0, other) - r
-        top = base.new_full((n,), -torch.inf).scatter_reduce_(0, seg, base, "amax")
-        self.top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        starts = torch.zeros(n + 1, dtype=seg.dtype, device=seg.device)
-        starts[1:] = torch.bincount(seg, minlength=n).cumsum(0)
-        factors = base.sub_(self.top.index_select(0, seg)).exp_()
+
+class _Side:
+    """One direction of a :class:`PairList`: for the ``points`` (G,) of this side that
+    have pairs, each with ``counts`` (G,) of them in a run, the other side's point
+    (``other``, (P,)) and ``base = log w[other] - r`` (P,), as the sparse matrix
+    (G, n_other) of ``exp(base - top)``, with ``top`` the largest ``base`` (each point's
+    own where they spread over more than ``SHARED_SHIFT_RANGE``)."""
+
+    def __init__(self, points, counts, other, base, n: int, n_other: int) -> None:
+        self.points, self.counts, self.n = points, counts, n
+        top = torch.segment_reduce(base, "max", lengths=counts)
+        highest = float(top.max()) if len(top) else 0.0
+        if len(top) == 0 or highest - float(top.min()) <= SHARED_SHIFT_RANGE:
+            self.top = torch.full_like(top, highest, dtype=torch.float64)
+            factors = base.sub_(highest).exp_()
+        else:
+            self.top = top.double()
+            factors = base.sub_(torch.repeat_interleave(top, counts)).exp_()
+        starts = torch.zeros(len(points) + 1, dtype=other.dtype, device=other.device)
+        starts[1:] = counts.cumsum(0)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
             self.factors = torch.sparse_csr_tensor(
-                starts, other, factors, size=(n, n_other), check_invariants=False
+                starts, other, factors, size=(len(points), n_other), check_invariants=False
             )
 
     def lse(self, dh: torch.Tensor) -> torch.Tensor:
-        """Log sum exp(log w - r + dh[other]) per point, (n,)."""
+        """Log sum exp(log w - r + dh[other]) per point, (n,) (-inf for a point with no
+        pair)."""
         shift = float(dh.max())
-        u = (dh - shift).exp_().to(self.top.dtype)
-        return torch.mv(self.factors, u).log_().add_(self.top).add_(shift)
+        u = (dh - shift).exp_().to(self.factors.dtype)
+        sums = torch.mv(self.factors, u).double().log_().add_(self.top).add_(shift)
+        out = sums.new_full((self.n,), -torch.inf)
+        return out.index_copy_(0, self.points, sums)
 
     def plan(self, dh: torch.Tensor, weights: torch.Tensor):
         """The terms exp(log w - r + dh[other]) of each point's sum scaled to sum to its
         ``weights`` (n,): ``(points, others, values)``, float64."""
-        crow, other = self.factors.crow_indices(), self.factors.col_indices()
+        other = self.factors.col_indices()
         u = (dh - float(dh.max())).exp()
-        totals = torch.mv(self.factors, u.to(self.top.dtype)).double()
-        point = torch.repeat_interleave(
-            torch.arange(len(crow) - 1, device=crow.device), crow[1:] - crow[:-1]
-        )
+        totals = torch.mv(self.factors, u.to(self.factors.dtype)).double()
+        point = torch.repeat_interleave(self.points, self.counts)
         values = self.factors.values().double() * u.double().index_select(0, other)
-        return point, other, values.mul_((weights.double() / totals).index_select(0, point))
+        scale = weights.double().index_select(0, self.points) / totals
+        return point, other, values.mul_(torch.repeat_interleave(scale, self.counts))
 
 
 #: :class:`BlockFactors` are trusted where every column's total at the reference is at least

@@ -261,16 +261,19 @@ def _brute_softmin(x, y, log_b, g, eps, keep):
     return -eps * torch.logsumexp(scores.masked_fill(~keep, -torch.inf), 1)
 
 
-def test_pair_list_softmins_equal_brute_force_over_its_pairs():
-    """Both ways, with potentials far from the reference ones (the scores' shift moves)."""
+@pytest.mark.parametrize("spread", [0.5, 200.0])
+def test_pair_list_softmins_equal_brute_force_over_its_pairs(spread):
+    """Both ways, with potentials far from the reference ones (the scores' shift moves);
+    with weights spread over e^200 each point's sum keeps its own shift (one shared shift
+    would underflow the lightest points' sums in float32)."""
     gen = torch.Generator().manual_seed(0)
     x, y = torch.rand(60, 3, generator=gen), torch.rand(70, 3, generator=gen)
     keep = torch.rand(60, 70, generator=gen) < 0.3
     keep[torch.arange(60), torch.arange(60)] = True  # every row and column has a pair
     keep[torch.arange(60) % 60, torch.arange(60, 70).repeat(6)[:60]] = True
     i, j = keep.nonzero(as_tuple=True)
-    log_a = torch.log(torch.rand(60, generator=gen) + 0.5)
-    log_b = torch.log(torch.rand(70, generator=gen) + 0.5)
+    log_a = torch.rand(60, generator=gen) * spread
+    log_b = torch.rand(70, generator=gen) * spread
     eps = 0.01
     f0 = torch.randn(60, generator=gen, dtype=torch.float64) * 0.05
     g0 = torch.randn(70, generator=gen, dtype=torch.float64) * 0.05
@@ -302,8 +305,17 @@ def test_close_pairs_finds_exactly_the_pattern_pairs_within_the_threshold():
     in_pattern = torch.zeros(cx.n_clusters, cy.n_clusters, dtype=torch.bool)
     in_pattern[I[half], J[half]] = True
     expected = (slack <= 0.05) & in_pattern[cx.labels][:, cy.labels]
-    i, j = close_pairs(kernel, cx.points, cy.points, f, g, 0.05, limit=10**6)
-    assert torch.equal(torch.stack([i, j]), torch.stack(expected.nonzero(as_tuple=True)))
+    i, j, found_slack = close_pairs(kernel, cx.points, cy.points, f, g, 0.05, limit=10**6)
+    order = torch.argsort(i * len(g) + j)
+    assert torch.equal(
+        torch.stack([i[order], j[order]]), torch.stack(expected.nonzero(as_tuple=True))
+    )
+    # grouped by row, each row's columns ascending; the slacks exact to float32's rounding
+    assert len(torch.unique_consecutive(i)) == len(torch.unique(i))
+    assert bool((j[1:] > j[:-1])[i[1:] == i[:-1]].all())
+    exact = slack.double()[i, j]
+    assert found_slack.dtype == torch.float64
+    torch.testing.assert_close(found_slack, exact, rtol=0, atol=1e-6)
     assert 0 < len(i) < 0.5 * expected.numel()
     assert close_pairs(kernel, cx.points, cy.points, f, g, 0.05, limit=len(i) - 1) is None
 
@@ -436,9 +448,8 @@ def test_a_move_the_list_accepts_leaves_every_dropped_pair_below_the_truncation(
 
 def _pair_indices(listed):
     """The (i, j) pairs of a PairList, from its rows' sparse matrix."""
-    m = listed._rows.factors
-    rows = torch.repeat_interleave(torch.arange(m.shape[0]), m.crow_indices().diff())
-    return rows, m.col_indices()
+    side = listed._rows
+    return torch.repeat_interleave(side.points, side.counts), side.factors.col_indices()
 
 
 def test_a_pair_list_that_would_not_pay_is_not_used(monkeypatch):
