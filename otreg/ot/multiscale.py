@@ -575,6 +575,8 @@ class TruncatedKernel:
             alpha = model.step(eps, damping, cells.TRUST * cells.SHRINK**k) if k else first
             stepped = self._stepped(side, f, g, model, alpha)
             if stepped is not None and dual(*stepped) > start:
+                if self._list is None and self._list_pays:  # a far step: a list where it led
+                    self._build_list(*stepped)
                 return stepped[0][None], stepped[1][None]
             self.kernels, self._list = before
         return None
@@ -591,7 +593,8 @@ class TruncatedKernel:
         softmin is summed over its blocks, and the pattern must hold every pair that a
         search of all keeps at the result (:meth:`verify`, which adds those it lacks, and
         the softmin is summed again). No list is made for a step that may not be taken:
-        the next update makes one where the step led."""
+        :meth:`cell_step` makes one where a step taken led (from the other potential
+        summed here, which spares the next update a softmin over the blocks)."""
         transpose = side == "f"
         moved = (f if transpose else g) + alpha[(self.cx if transpose else self.cy).labels]
         listed = self._list

@@ -195,8 +195,10 @@ class BlockSparse:
         block_elements: about how many (row, column) pairs a chunk holds.
         cache_bytes: memory for the chunks' column indices and centred coordinates
             (default 256 MB; gathering and centring them costs as much as the chunk's
-            matrix product). Chunks beyond it rebuild them at each call, so memory stays
-            O(cluster pairs + chunk) however many point pairs the pattern holds.
+            matrix product): the indices first (4 bytes a column slot, slower to rebuild),
+            the coordinates in what is left. Chunks beyond it rebuild them at each call, so
+            memory stays O(cluster pairs + chunk) however many point pairs the pattern
+            holds.
         backend: ``"auto"`` (the Triton kernels on a GPU where Triton imports, the chunked
             torch products elsewhere), ``"triton"`` or ``"torch"``. The Triton kernels sum
             each tile of a cluster's rows over the runs of its kept column clusters,
@@ -219,8 +221,7 @@ class BlockSparse:
         self._ranges: dict = {}  # the Triton kernels' tasks and ranges, by dtype
         self._own = None  # padded copies of the clusterings' own points
         self._geometry_cache: dict = {}
-        # a column slot costs 4 bytes of index and (D + 1) numbers of centred geometry
-        self._slots_left = cache_bytes // (4 * (rows.points.shape[1] + 2))
+        self._bytes_left = cache_bytes  # for the column indices, then the geometry
         self.n_pairs = int((rows.sizes[I] * cols.sizes[J]).sum())
         n_rows = rows.sizes.cpu().numpy()
         self._col_sizes = cols.sizes.cpu().numpy()
@@ -261,8 +262,8 @@ class BlockSparse:
             self._widths.append(longest)
             chunk_t = torch.from_numpy(chunk).to(device)
             self._chunks.append((chunk_t, torch.from_numpy(row_idx).to(device), None))
-            if self._slots_left >= len(chunk) * longest:  # keep the columns while they fit
-                self._slots_left -= len(chunk) * longest
+            if self._bytes_left >= 4 * len(chunk) * longest:  # keep the columns while they fit
+                self._bytes_left -= 4 * len(chunk) * longest
                 k = len(self._chunks) - 1
                 self._chunks[-1] = (*self._chunks[-1][:2], self._column_indices(k))
 
@@ -334,7 +335,9 @@ class BlockSparse:
         X = px.index_select(0, row_idx.view(-1)).view(*row_idx.shape, D) - c
         Y = py.index_select(0, col_idx.view(-1)).view(*col_idx.shape, D) - c
         out = (X, (X * X).sum(-1, keepdim=True) / 2, Y, (Y * Y).sum(-1) / 2)
-        if own and stored is not None:
+        size = (X.numel() + Y.numel() + X.shape[0] * (X.shape[1] + Y.shape[1])) * X.element_size()
+        if own and stored is not None and self._bytes_left >= size:
+            self._bytes_left -= size
             self._geometry_cache[k] = out
         return out
 

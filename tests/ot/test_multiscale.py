@@ -65,6 +65,32 @@ def test_block_sparse_softmin_with_every_pair_equals_the_dense_one():
     torch.testing.assert_close(got, dense, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("cache_bytes", [0, 6000, 1 << 28])
+def test_block_sparse_softmin_is_the_same_whatever_its_cache_holds(cache_bytes):
+    """Column indices are kept first, the centred coordinates in what is left; a chunk
+    beyond the budget rebuilds them at each call, with the same result."""
+    x, y = spheres(300)
+    h = torch.randn(y.shape[0], dtype=x.dtype)
+    cx = grid_clusters(x, torch.ones(300, dtype=x.dtype), 0.4)
+    cy = grid_clusters(y, torch.ones(y.shape[0], dtype=x.dtype), 0.4)
+    pairs = all_pairs(cx, cy)
+    kernel = BlockSparse(cx, cy, *pairs, block_elements=5000, cache_bytes=cache_bytes)
+    reference = BlockSparse(cx, cy, *pairs, block_elements=5000)
+    for _ in range(2):  # the second call reads what the first one cached
+        got = kernel.softmin(cx.points, cy.points, h[cy.order], 0.01)
+        torch.testing.assert_close(
+            got, reference.softmin(cx.points, cy.points, h[cy.order], 0.01), rtol=1e-12, atol=0
+        )
+    stored = sum(chunk[2] is not None for chunk in kernel.chunks)
+    cached = len(kernel._geometry_cache)
+    if cache_bytes == 0:
+        assert stored == cached == 0
+    elif cache_bytes == 6000:  # the indices of some chunks, the coordinates of fewer
+        assert 0 < stored < len(kernel.chunks) and cached < stored
+    else:
+        assert stored == cached == len(kernel.chunks)
+
+
 def test_chunks_cover_the_clusters_once_and_pad_within_the_slack():
     from otreg.reductions import sparse
 
