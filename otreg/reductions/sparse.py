@@ -657,10 +657,10 @@ class PairList:
     log-sum-exp's shift is that plus the largest (g_j - g0_j) / eps, with no pass for a
     maximum: a row whose terms all fall far below that shift (or that has no pair) gets an
     infinite softmin, which the caller sees. The pairs' factors ``exp(log b_j - r_ij -
-    top_i)`` are computed once, as a sparse (CSR)
-    matrix over the rows that have pairs, so that a softmin is one exponential a point and
-    one sparse matrix-vector product (torch's, which is MKL's on the CPU and cuSPARSE's on
-    a GPU): no padding, no block, no exponential a pair.
+    top_i)`` are computed once, as a sparse (CSR) matrix over the rows that have pairs, so
+    that a softmin is one exponential a point and one sparse matrix-vector product
+    (torch's, which is MKL's on the CPU and cuSPARSE's on a GPU): no padding, no block, no
+    exponential a pair.
 
     Args:
         x, y: the sorted clouds (N, D), (M, D).
