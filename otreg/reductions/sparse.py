@@ -561,6 +561,8 @@ class _SparseSoftmin(torch.autograd.Function):
             s = torch.baddbmm(
                 col.sub_(y_sq, alpha=1 / eps).unsqueeze(1), X, Y.transpose(1, 2), alpha=1.0 / eps
             )
+            # (torch.logsumexp here took 6 times as long: 0.9 s against 0.16 s for a
+            # pattern of 114 million pairs on two cores)
             _, m, total = _softmax_(s)
             row = total.log_().add_(m).mul_(-eps).add_(x_sq)
             out.index_copy_(0, row_idx.view(-1), row.view(-1))
