@@ -153,8 +153,9 @@ def test_a_step_within_the_lists_margin_keeps_the_list():
 
 def test_a_far_step_searches_every_cell_pair_and_sums_its_blocks():
     """A step of hundreds of eps a cell leaves the list's margin: the pattern is searched
-    again over every cell pair, no list is made (the next update makes one), and g after
-    the step is the softmin over the cell pairs that a search of all of them keeps."""
+    again over every cell pair, no list is made by the step itself, and g after
+    the step is the softmin over the cell pairs that a search of all of them keeps (the
+    list is made by :meth:`cell_step` once the step is taken)."""
     p, kernel, f, g = _kernel_with_a_list()
     model = _f_model(p, kernel, f)
     alpha = 300 * p.eps * torch.linspace(-1, 1, len(model.gradient), dtype=torch.float64)
@@ -166,6 +167,23 @@ def test_a_far_step_searches_every_cell_pair_and_sums_its_blocks():
     assert kernel.verify(new_f[None], new_g[None])  # the pattern holds every pair needed
     truncation = math.exp(-p.multiscale.truncate)  # the kernel's bound, relative to eps
     assert (new_g - dense_g(p, kernel, moved)).abs().max() < truncation * p.eps
+
+
+def test_a_far_step_that_is_taken_makes_its_list_where_it_led():
+    """f's cells pushed hundreds of eps apart: the step that takes them back leaves the
+    list's margin, and once taken a pair list is made at the potentials it returns (the
+    other one summed over the blocks), so that the next update sums a list."""
+    p, kernel, f, g = _kernel_with_a_list()
+    cells_of_f = kernel.cx.labels
+    push = 300 * p.eps * torch.linspace(-1, 1, kernel.cx.n_clusters, dtype=torch.float64)
+    f = f + push[cells_of_f]
+    g = kernel.softmin_yx(p.eps, f[None])[0].double()
+    builds = kernel.list_builds
+    stepped = kernel.cell_step(f[None], g[None], cells.MIN_GAIN)
+    assert stepped is not None and kernel.list_builds == builds + 1
+    assert isinstance(kernel._list, PairList)
+    assert torch.equal(kernel._list.f0, stepped[0][0])
+    assert torch.equal(kernel._list.g0, stepped[1][0])
 
 
 def test_the_eliminated_potential_moves_as_predicted_to_first_order():
