@@ -317,17 +317,21 @@ def test_pair_list_softmins_equal_brute_force_over_its_pairs(spread):
     torch.testing.assert_close(got_cols, cols, rtol=0, atol=1e-5 * eps)
 
 
-def test_close_pairs_finds_exactly_the_pattern_pairs_within_the_threshold():
-    x, y = spheres(300)
+@pytest.mark.parametrize("offset", [0.0, 1000.0])
+def test_close_pairs_finds_exactly_the_pattern_pairs_within_the_threshold(offset):
+    """In float32 points too, with potentials of any size (``offset`` added to f and taken
+    from g leaves every slack as it was): the slacks come out exact to 1e-6."""
+    x, y = spheres(300, dtype=torch.float32)
     cx = grid_clusters(x, torch.ones(300, dtype=x.dtype), 0.4)
     cy = grid_clusters(y, torch.ones(y.shape[0], dtype=x.dtype), 0.4)
     gen = torch.Generator().manual_seed(1)
-    f = torch.randn(300, generator=gen, dtype=x.dtype) * 0.1
-    g = torch.randn(y.shape[0], generator=gen, dtype=x.dtype) * 0.1
+    f = torch.randn(300, generator=gen, dtype=torch.float64) * 0.1 + offset
+    g = torch.randn(y.shape[0], generator=gen, dtype=torch.float64) * 0.1 - offset
     I, J = all_pairs(cx, cy)
     half = torch.arange(len(I)) % 2 == 0  # a pattern of half the cluster pairs
     kernel = BlockSparse(cx, cy, I[half], J[half], block_elements=5000)
-    slack = ((cx.points[:, None] - cy.points[None]) ** 2).sum(-1) / 2 - f[:, None] - g[None]
+    xd, yd = cx.points.double(), cy.points.double()
+    slack = ((xd[:, None] - yd[None]) ** 2).sum(-1) / 2 - f[:, None] - g[None]
     in_pattern = torch.zeros(cx.n_clusters, cy.n_clusters, dtype=torch.bool)
     in_pattern[I[half], J[half]] = True
     expected = (slack <= 0.05) & in_pattern[cx.labels][:, cy.labels]
@@ -339,9 +343,8 @@ def test_close_pairs_finds_exactly_the_pattern_pairs_within_the_threshold():
     # grouped by row, each row's columns ascending; the slacks exact to float32's rounding
     assert len(torch.unique_consecutive(i)) == len(torch.unique(i))
     assert bool((j[1:] > j[:-1])[i[1:] == i[:-1]].all())
-    exact = slack.double()[i, j]
     assert found_slack.dtype == torch.float64
-    torch.testing.assert_close(found_slack, exact, rtol=0, atol=1e-6)
+    torch.testing.assert_close(found_slack, slack[i, j], rtol=0, atol=1e-6)
     assert 0 < len(i) < 0.5 * expected.numel()
     assert close_pairs(kernel, cx.points, cy.points, f, g, 0.05, limit=len(i) - 1) is None
 
