@@ -13,8 +13,10 @@ formulas below; with ``W_ij = d out / d C_ij`` (times the incoming gradient G):
   W_ij = -S_ij / eps, d/dh_j = sum_i S_ij, d/dv_j = sum_i P_ij G_i;
 
 then d/dx_i = sum_j W_ij dC/dx (x_i - y_j for |x - y|^2/2, (x_i - y_j)/C_ij for |x - y|) and
-d/dy_j likewise. A second derivative (``create_graph=True``) falls back to autograd through
-the dense formulas, block by block, which stores that graph.
+d/dy_j likewise (for |x - y| from the coordinates' differences, as C itself: expanded, the
+two sums cancel where x_i is near y_j and leave the rounding over C_ij). A second
+derivative (``create_graph=True``) falls back to autograd through the dense formulas, block
+by block, which stores that graph.
 
 Where :mod:`otreg.reductions._compiled` serves the call (``fused``: squared Euclidean
 softmin or kernel
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..costs import SQRT_FLOOR, Cost
+from ..costs import SQRT_FLOOR, Cost, squared_differences
 from . import _compiled, _dense
 
 __all__: list[str] = []
@@ -77,9 +79,10 @@ class _Blocks:
                 col = col + self.h
             s = torch.baddbmm(col.unsqueeze(1), xb, yt, alpha=1.0 / eps, out=self.buf[:, :n])
             return s, -(xb * xb).sum(-1, keepdim=True) / (2 * eps), None
-        sq = (xb * xb).sum(-1, keepdim=True) + self.y_sq.unsqueeze(1)
-        C = torch.baddbmm(sq, xb, yt, alpha=-2.0, out=self.buf_c[:, :n])
-        C.clamp_(min=0).add_(SQRT_FLOOR).sqrt_()
+        # from the differences: a matrix product's rounding under the root would be a
+        # distance of about sqrt(u) |x| between coincident points (costs.py)
+        C = squared_differences(xb, self.y, out=self.buf_c[:, :n])
+        C.add_(SQRT_FLOOR).sqrt_()
         s = torch.mul(C, -1.0 / eps, out=self.buf[:, :n])
         if self.h is not None:
             s.add_(self.h.unsqueeze(1))
@@ -149,15 +152,30 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
             W, scale = S, -1.0 / eps
         if gx is None and gy is None:
             continue
-        if C is not None:
-            W.div_(C)
         xb = blocks.x[:, sl]
+        if C is not None:  # |x - y|: the unit vectors from the differences, not expanded
+            _unit_gradients(W.div_(C), xb, blocks.y, sl, scale, gx, gy)
+            continue
         if gx is not None:
             gx[:, sl] = (xb * W.sum(2, keepdim=True) - torch.bmm(W, blocks.y)) * scale
         if gy is not None:
             dy = blocks.y * W.sum(1).unsqueeze(-1) - torch.bmm(W.transpose(1, 2), xb)
             gy.add_(dy, alpha=float(scale))
     return [gx, gy, gh, gv]
+
+
+def _unit_gradients(U, xb, y, sl, scale, gx, gy) -> None:
+    """Add ``scale`` times sum_j U_ij (x_i - y_j) to gx[:, sl] and its opposite summed over
+    i to gy, coordinate by coordinate from the differences: expanded as x_i sum_j U_ij -
+    sum_j U_ij y_j, the two terms cancel where x_i is near y_j and U_ij (a weight over the
+    distance) is large, and the rounding is left."""
+    diff = torch.empty_like(U)
+    for k in range(xb.shape[-1]):
+        torch.sub(xb[..., k, None], y[..., k].unsqueeze(-2), out=diff).mul_(U)
+        if gx is not None:
+            gx[:, sl, k] = diff.sum(2) * scale
+        if gy is not None:
+            gy[..., k].add_(diff.sum(1), alpha=-float(scale))
 
 
 class _BlockedReduction(torch.autograd.Function):

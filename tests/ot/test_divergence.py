@@ -198,3 +198,19 @@ def test_a_default_blur_far_below_the_data_warns_once():
         otreg.sinkhorn_divergence(x, y, blur=2.0)
         otreg.SinkhornLoss(blur=2.0)(x, y)
         otreg.sinkhorn_divergence(x / 100, y / 100)  # data of unit size: the default fits
+
+
+def test_euclidean_divergence_gradient_in_float32_matches_float64():
+    """The self terms' coincident points (and clouds near each other) once gave float32
+    gradients hundreds of times too large with cost="euclidean": the squared distances went
+    through a matrix product whose rounding sat under the root (each backend: the module's
+    fixture points ``auto`` at it)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 3, generator=gen, dtype=torch.float64)
+    y = x + 1e-3 * torch.randn(200, 3, generator=gen, dtype=torch.float64) + 0.5
+    grads = []
+    for dtype in (torch.float64, torch.float32):
+        xx = x.to(dtype).requires_grad_(True)
+        value = otreg.sinkhorn_divergence(xx, y.to(dtype), blur=0.5, cost="euclidean")
+        grads.append(torch.autograd.grad(value, xx)[0].double())
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-4
