@@ -24,6 +24,8 @@ from .gradient import differentiate, dual_value, first_order_only
 from .large_blur import check_range, closed_form_applies
 from .loop import closed_form_solution, solve
 from .problem import (
+    KEYWORD_DEFAULTS,
+    KeywordDefault,
     Problem,
     SinkhornOptions,
     no_autocast,
@@ -230,8 +232,9 @@ class SinkhornLoss(nn.Module):
             next ``WARM_BACKOFF`` (4) calls: where the points move far between calls the
             warm start does not pay, and then costs little. Call :meth:`reset` when the
             problem changes.
-        options: a :class:`~otreg.ot.problem.SinkhornOptions`; ``blur``, ``reach`` and
-            ``**changes`` given here replace its values.
+        options: a :class:`~otreg.ot.problem.SinkhornOptions`; ``blur`` (unless None),
+            ``reach`` and ``**changes`` given here replace its values (``reach=None``
+            makes it balanced).
         **changes: the other options of :func:`otreg.sinkhorn`, by name.
 
     Example:
@@ -246,7 +249,7 @@ class SinkhornLoss(nn.Module):
     def __init__(
         self,
         blur: float | None = None,
-        reach: float | None = None,
+        reach: float | None = KEYWORD_DEFAULTS["reach"],
         debias: bool = True,
         warm_start: bool = False,
         options: SinkhornOptions | None = None,
@@ -262,7 +265,7 @@ class SinkhornLoss(nn.Module):
         self._default_blur = blur is None and _blur_left_default(options, changes)
         if blur is not None:
             changes["blur"] = blur
-        if reach is not None:
+        if not isinstance(reach, KeywordDefault):  # given, even None: it replaces options'
             changes["reach"] = reach
         self.options = resolve_options(caller, options, **changes)
         self.debias, self.warm_start = debias, warm_start

@@ -270,6 +270,23 @@ def _checked(caller: str, options: SinkhornOptions | dict) -> dict:
     return v
 
 
+class KeywordDefault:
+    """A keyword's default, shown as its value (``blur=0.05``) but told apart from the same
+    value given by the caller: a keyword given replaces its field of ``options`` even where
+    it equals the default (``reach=None``: balanced), one left out does not; and only a blur
+    left at its default warns about the data's span."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+#: each option's keyword default (:class:`KeywordDefault`)
+KEYWORD_DEFAULTS = {f.name: KeywordDefault(f.default) for f in dataclasses.fields(SinkhornOptions)}
+
+
 def resolve_options(
     caller: str, options: SinkhornOptions | None = None, **changes: Any
 ) -> SinkhornOptions:

@@ -43,7 +43,9 @@ from .gradient import differentiate
 from .large_blur import check_range, closed_form_applies
 from .loop import closed_form_solution, solve
 from .problem import (
+    KEYWORD_DEFAULTS,
     Implicit,
+    KeywordDefault,
     Multiscale,
     Problem,
     SinkhornOptions,
@@ -90,32 +92,24 @@ def check_init(caller: str, init, p: Problem):
     return tuple(out)
 
 
-class _LeftDefault(float):
-    """The blur keyword's default (0.05, and shown so), told apart from a blur of 0.05 that
-    the caller gave: only a blur left at its default warns about the data's span."""
-
-
-_LEFT_DEFAULT_BLUR = _LeftDefault(SinkhornOptions.blur)
-
-
 def sinkhorn(
     x: torch.Tensor,
     y: torch.Tensor,
     a: torch.Tensor | None = None,
     b: torch.Tensor | None = None,
     *,
-    blur: float = _LEFT_DEFAULT_BLUR,
-    reach: float | None = None,
-    diameter: float | None = None,
-    scaling: float = 0.5,
-    cost: str = "sqeuclidean",
-    form: str = "log",
-    backend: str = "auto",
-    tol: float | Accuracy = 1e-3,
-    max_iter: int = 2000,
-    relaxation: float | str = "anderson",
-    backward: str | Implicit | Unroll = "envelope",
-    multiscale: bool | str | Multiscale = "auto",
+    blur: float = KEYWORD_DEFAULTS["blur"],
+    reach: float | None = KEYWORD_DEFAULTS["reach"],
+    diameter: float | None = KEYWORD_DEFAULTS["diameter"],
+    scaling: float = KEYWORD_DEFAULTS["scaling"],
+    cost: str = KEYWORD_DEFAULTS["cost"],
+    form: str = KEYWORD_DEFAULTS["form"],
+    backend: str = KEYWORD_DEFAULTS["backend"],
+    tol: float | Accuracy = KEYWORD_DEFAULTS["tol"],
+    max_iter: int = KEYWORD_DEFAULTS["max_iter"],
+    relaxation: float | str = KEYWORD_DEFAULTS["relaxation"],
+    backward: str | Implicit | Unroll = KEYWORD_DEFAULTS["backward"],
+    multiscale: bool | str | Multiscale = KEYWORD_DEFAULTS["multiscale"],
     init: tuple[torch.Tensor, torch.Tensor] | None = None,
     options: SinkhornOptions | None = None,
 ) -> SinkhornResult:
@@ -123,8 +117,8 @@ def sinkhorn(
 
     The keyword options are the fields of :class:`~otreg.ot.problem.SinkhornOptions`, with
     the same defaults; ``options=SinkhornOptions(...)`` gives them all at once (as for
-    :func:`sinkhorn_divergence` and :class:`SinkhornLoss`), a keyword given a value other
-    than its default replacing that field.
+    :func:`sinkhorn_divergence` and :class:`SinkhornLoss`), a keyword given replacing that
+    field (even with its default value: ``reach=None`` makes it balanced).
 
     Args:
         x: source points, ``(N, D)`` or batched ``(B, N, D)``.
@@ -180,7 +174,7 @@ def sinkhorn(
             previous step of an optimisation), shaped like a and b: the solver starts from
             them at the final eps, without the eps-scaling (a warm start).
         options: all the options at once, as a :class:`~otreg.ot.problem.SinkhornOptions`;
-            a keyword above given a value other than its default replaces its field.
+            a keyword above that is given replaces its field.
 
     Returns:
         :class:`SinkhornResult`. Warns :class:`~otreg.ConvergenceWarning` when ``tol`` is
@@ -194,9 +188,8 @@ def sinkhorn(
         (True, (200,), (300,))
     """
     caller = "sinkhorn"
-    left_default = blur is _LEFT_DEFAULT_BLUR
-    given = dict(
-        blur=float(blur) if isinstance(blur, float) else blur,
+    keywords = dict(
+        blur=blur,
         reach=reach,
         diameter=diameter,
         scaling=scaling,
@@ -209,12 +202,11 @@ def sinkhorn(
         backward=backward,
         multiscale=multiscale,
     )
-    if options is not None:  # the keywords left at their defaults take its values
-        given = {k: v for k, v in given.items() if not _is_default(k, v)}
-    options = resolve_options(caller, options, **given)
+    given = {k: v for k, v in keywords.items() if not isinstance(v, KeywordDefault)}
+    base, options = options, resolve_options(caller, options, **given)  # (checks options)
     p = Problem.build(caller, x, y, a, b, options)
-    if left_default and options.blur == _DEFAULTS.blur:  # neither given nor in options
-        warn_default_blur(caller, p)
+    if "blur" not in given and (base is None or base.blur == KEYWORD_DEFAULTS["blur"].value):
+        warn_default_blur(caller, p)  # the blur neither given nor in options
     init = check_init(caller, init, p)
     check_range(caller, p)
     budget = options.backward.memory if isinstance(options.backward, Unroll) else None
@@ -222,14 +214,6 @@ def sinkhorn(
     # (a model's mixed precision) would round the scores to half: off, the inputs are float32
     with within_budget(caller, budget, p.x.device), no_autocast(p.x.device):
         return _solve_and_differentiate(caller, p, options, init)
-
-
-def _is_default(name: str, value) -> bool:
-    default = getattr(_DEFAULTS, name)
-    return type(value) is type(default) and value == default
-
-
-_DEFAULTS = SinkhornOptions()
 
 
 def _solve_and_differentiate(

@@ -15,13 +15,14 @@ from tests.conftest import clouds
 def test_the_signatures_defaults_are_the_options_defaults():
     signature = inspect.signature(otreg.sinkhorn).parameters
     for f in dataclasses.fields(SinkhornOptions):
-        assert signature[f.name].default == f.default, f.name
+        default = signature[f.name].default  # shown as the value, told apart from it
+        assert default.value == f.default and repr(default) == repr(f.default), f.name
     assert otreg.SinkhornLoss().options == SinkhornOptions()
 
 
 def test_sinkhorn_takes_options_as_the_divergence_does():
     """sinkhorn(options=...) was a TypeError while sinkhorn_divergence and SinkhornLoss
-    took it; a keyword given a value other than its default replaces the option's."""
+    took it; a keyword given replaces the option's."""
     x, y, _, _ = clouds(n=30, m=40, d=2, seed=0)
     options = SinkhornOptions(blur=0.2, tol=1e-8)
     res = otreg.sinkhorn(x, y, options=options)
@@ -31,6 +32,21 @@ def test_sinkhorn_takes_options_as_the_divergence_does():
     assert torch.equal(other.f, otreg.sinkhorn(x, y, blur=0.3, tol=1e-8).f)
     with pytest.raises(TypeError, match="options must be an otreg.SinkhornOptions"):
         otreg.sinkhorn(x, y, options={"blur": 0.2})
+
+
+def test_a_keyword_given_replaces_options_even_at_its_default_value():
+    """sinkhorn once dropped a keyword equal to its default (blur=0.05, reach=None) next
+    to options= while sinkhorn_divergence and SinkhornLoss kept it; SinkhornLoss could not
+    make unbalanced options balanced."""
+    x, y, _, _ = clouds(n=30, m=40, d=2, seed=0)
+    options = SinkhornOptions(blur=0.2, reach=1.0)
+    assert otreg.sinkhorn(x, y, options=options, blur=0.05).options.blur == 0.05
+    assert otreg.sinkhorn(x, y, options=options, reach=None).options.reach is None
+    assert otreg.sinkhorn(x, y, options=options).options == options  # keywords left out
+    assert otreg.SinkhornLoss(options=options, reach=None).options.reach is None
+    assert otreg.SinkhornLoss(options=options).options == options
+    value = otreg.sinkhorn_divergence(x, y, options=options, blur=0.05, reach=None)
+    assert torch.equal(value, otreg.sinkhorn_divergence(x, y, blur=0.05))
 
 
 def test_options_are_frozen_and_replace_checks_names_and_values():
