@@ -29,8 +29,8 @@ class Accuracy:
     Every ``every`` iterations the loop evaluates, at its current potential g, what the
     caller will get: the dual value V and the envelope gradient G (with respect to both
     clouds, one differentiable reduction). With d_k the relative change of G between two
-    checks and q the larger of the last two ratios d_k / d_(k-1) (the contraction per
-    check), the error left is estimated by the geometric tail
+    checks and q the largest ratio d_k / d_(k-1) over the last four changes (the
+    contraction per check), the error left is estimated by the geometric tail
 
     .. math::
 
@@ -38,7 +38,7 @@ class Accuracy:
 
     exact for a loop that converges linearly at a steady rate (plain or over-relaxed
     Sinkhorn near its fixed point), and the same for V. The loop stops when both estimates
-    are below the tolerances (at the third check at the earliest). It is an estimate, not a
+    are below the tolerances (at the fifth check at the earliest). It is an estimate, not a
     bound: the tests check it against converged float64 solutions, with which the errors
     agreed within a factor of 3. Each check costs about two reductions; the stall,
     divergence and ``max_iter`` rules still apply, and the marginal error is still reported.
@@ -257,7 +257,7 @@ class StoppingRule:
         self.error = math.nan  # not measured until an update at the final eps
         self.reason = "max_iter"
         #: with an Accuracy: the estimated relative errors of the value and the gradient
-        #: at the last check (infinite until three checks have been made)
+        #: at the last check (infinite until ``WINDOW + 1`` checks have been made)
         self.estimates: dict[str, float] | None = None
         self._best, self._since, self._count = math.inf, 0, 0
         self._value_floor = value_floor
