@@ -270,6 +270,12 @@ def _checked(caller: str, options: SinkhornOptions | dict) -> dict:
     return v
 
 
+def _functorch_active() -> bool:
+    """Whether a torch.func transform is running (torch's own flag, where it has one)."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
 class KeywordDefault:
     """A keyword's default, shown as its value (``blur=0.05``) but told apart from the same
     value given by the caller: a keyword given replaces its field of ``options`` even where
@@ -340,6 +346,13 @@ class Problem:
     @classmethod
     def build(cls, caller: str, x, y, a, b, options: SinkhornOptions) -> Problem:
         """Check the inputs against each other and the options; batch them."""
+        if _functorch_active():
+            raise NotImplementedError(
+                f"{caller}: torch.func transforms (grad, vmap, jacrev...) are not supported: "
+                "otreg's solves and reductions are torch.autograd.Functions with their own "
+                "backward; use torch.autograd.grad or .backward(), and a batch (B, N, D) "
+                "instead of vmap"
+            )
         x, x_batched = as_points(caller, "x", x)
         y, y_batched = as_points(caller, "y", y)
         if x_batched != y_batched:

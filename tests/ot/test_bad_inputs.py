@@ -219,3 +219,18 @@ def test_costs_or_eps_beyond_the_dtype_are_refused_naming_them():
     with pytest.raises(ValueError, match=r"eps = blur\^2 = 1e-42, below torch.float32's"):
         otreg.sinkhorn(x, y, blur=1e-21)
     assert otreg.sinkhorn(x.double(), y.double(), blur=1e-21).converged
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_raise_a_clear_error(transform):
+    """torch.func.grad once failed inside torch ("must override the setup_context
+    staticmethod"); the entry points now say what to use instead."""
+    x, y = torch.rand(20, 3, dtype=torch.float64), torch.rand(25, 3, dtype=torch.float64)
+    if transform == "grad":
+        call = torch.func.grad(lambda p: otreg.sinkhorn_divergence(p, y, blur=0.5))
+        args = (x,)
+    else:
+        call = torch.func.vmap(lambda p: otreg.sinkhorn(p, y, blur=0.5).cost)
+        args = (x[None].repeat(2, 1, 1),)
+    with pytest.raises(NotImplementedError, match="torch.func transforms .* not supported"):
+        call(*args)
