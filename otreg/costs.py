@@ -52,6 +52,36 @@ def squared_differences(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | No
     return out
 
 
+class _Distances(torch.autograd.Function):
+    """|x_i - y_j| (smoothed at 0) from the coordinates' differences, its gradient the
+    unit vectors (x_i - y_j) / |x_i - y_j| from them too, coordinate by coordinate: autograd
+    through the differences would keep D matrices (B, N, M) for the backward, this keeps
+    the distances only (the backward's own operations are differentiable, for a second
+    derivative)."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        with torch.no_grad():
+            out = squared_differences(x, y).add_(SQRT_FLOOR).sqrt_()
+        ctx.save_for_backward(x, y, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y, dist = ctx.saved_tensors
+        weights = grad / dist
+        gx = gy = None
+        columns = []
+        for k in range(x.shape[-1]):
+            term = weights * (x[..., k, None] - y[..., k].unsqueeze(-2))
+            columns.append((term.sum(-1), term.sum(-2)))
+        if ctx.needs_input_grad[0]:
+            gx = torch.stack([c[0] for c in columns], -1)
+        if ctx.needs_input_grad[1]:
+            gy = -torch.stack([c[1] for c in columns], -1)
+        return gx, gy
+
+
 @dataclass(frozen=True)
 class Cost:
     """A ground cost: its name, its exponent p, and a formula for each backend.
@@ -70,7 +100,7 @@ class Cost:
         """The cost matrix, ``(B, N, M)``, for x ``(B, N, D)`` and y ``(B, M, D)``."""
         if self.p == 2:
             return _sq_dists(x, y) / 2
-        return torch.sqrt(squared_differences(x, y) + SQRT_FLOOR)
+        return _Distances.apply(x, y)
 
     def keops(self, x_i: Any, y_j: Any) -> Any:
         """The same formula on KeOps LazyTensors (symbolic, never stored)."""
