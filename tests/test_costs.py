@@ -54,3 +54,14 @@ def test_euclidean_costs_are_exact_near_coincident_points_in_float32():
     x64 = x.clone().requires_grad_(True)
     (g64,) = torch.autograd.grad(cost.dense(x64, y)[..., :50].sum(), x64)
     torch.testing.assert_close(g.double(), g64, rtol=1e-3, atol=1e-3)
+
+
+def test_euclidean_distances_pass_gradcheck_and_gradgradcheck():
+    """Their gradient is a hand-written Function (the distances kept, not D matrices of
+    differences): first and second derivatives against finite differences in float64."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(2, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    cost = get_cost("euclidean")
+    assert torch.autograd.gradcheck(cost.dense, (x, y))
+    assert torch.autograd.gradgradcheck(cost.dense, (x, y))
