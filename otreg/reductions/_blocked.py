@@ -165,10 +165,10 @@ def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
 
 
 def _unit_gradients(U, xb, y, sl, scale, gx, gy) -> None:
-    """Add ``scale`` times sum_j U_ij (x_i - y_j) to gx[:, sl] and its opposite summed over
-    i to gy, coordinate by coordinate from the differences: expanded as x_i sum_j U_ij -
-    sum_j U_ij y_j, the two terms cancel where x_i is near y_j and U_ij (a weight over the
-    distance) is large, and the rounding is left."""
+    """Set gx[:, sl] to ``scale`` times sum_j U_ij (x_i - y_j) and add its opposite, summed
+    over i, to gy, coordinate by coordinate from the differences: expanded as x_i sum_j
+    U_ij - sum_j U_ij y_j, the two terms cancel where x_i is near y_j and U_ij (a weight
+    over the distance) is large, and the rounding is left."""
     diff = torch.empty_like(U)
     for k in range(xb.shape[-1]):
         torch.sub(xb[..., k, None], y[..., k].unsqueeze(-2), out=diff).mul_(U)
