@@ -162,7 +162,9 @@ def sinkhorn_divergence(
     **changes,
 ) -> torch.Tensor:
     """The debiased Sinkhorn divergence S_eps(a, b) >= 0 between two weighted point clouds
-    (up to rounding: two identical float32 clouds may give -1e-7 of the cost's size).
+    (up to the solves' tolerance and rounding: two identical clouds of 200 Gaussian points
+    at blur 0.3 gave -6e-8 at the default ``tol``, in float32 and in float64, and -1e-14 at
+    ``tol=1e-9`` in float64).
 
     Args:
         x: source points, ``(N, D)`` or batched ``(B, N, D)``.
