@@ -70,16 +70,15 @@ class _Distances(torch.autograd.Function):
     def backward(ctx, grad):
         x, y, dist = ctx.saved_tensors
         weights = grad / dist
-        gx = gy = None
-        columns = []
+        need_x, need_y = ctx.needs_input_grad[:2]
+        gx, gy = [], []
         for k in range(x.shape[-1]):
             term = weights * (x[..., k, None] - y[..., k].unsqueeze(-2))
-            columns.append((term.sum(-1), term.sum(-2)))
-        if ctx.needs_input_grad[0]:
-            gx = torch.stack([c[0] for c in columns], -1)
-        if ctx.needs_input_grad[1]:
-            gy = -torch.stack([c[1] for c in columns], -1)
-        return gx, gy
+            if need_x:
+                gx.append(term.sum(-1))
+            if need_y:
+                gy.append(-term.sum(-2))
+        return (torch.stack(gx, -1) if need_x else None), (torch.stack(gy, -1) if need_y else None)
 
 
 @dataclass(frozen=True)
