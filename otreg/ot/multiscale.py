@@ -383,6 +383,7 @@ class TruncatedKernel:
         self._finished = False  # True after finish(): softmins keep nothing
         self.pairs_added: list[int] = []  # cluster pairs each failed verify() added
         self._list_remade = False  # once, after a stall (remake_list)
+        self._last_eps: float | None = None  # the eps of the last softmin
 
     # -------------------------------------------------------------- reductions
     def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
@@ -400,6 +401,7 @@ class TruncatedKernel:
 
     def _block_softmin(self, eps: float, pot: torch.Tensor, transpose: bool) -> torch.Tensor:
         """The softmin over the kept cluster pairs, in the points' dtype."""
+        self._last_eps = eps
         pot = pot.to(self.cx.points.dtype)
         if not transpose:
             h = self._b_log + pot / eps
@@ -419,6 +421,10 @@ class TruncatedKernel:
         float64 potentials keep the marginals' rounding far below float32's u |f| / eps (4e-3
         for potentials of size 2 at eps 1e-4, which stalled the loop above tol)."""
         pot = pot.double()
+        # pot was summed at a larger eps (the annealing's last): a list made now would
+        # hold pairs for potentials the next update moves far from (rows with no pair)
+        stale = self._last_eps not in (None, self.p.eps)
+        self._last_eps = self.p.eps
         listed = self._list
         if listed is not None and not self._finished:
             if transpose:
@@ -434,7 +440,8 @@ class TruncatedKernel:
             return out
         f, g = (pot, out) if transpose else (out, pot)
         if self._list_pays:
-            self._build_list(f, g)
+            if not stale:
+                self._build_list(f, g)
         elif self._factors_pay and not transpose:  # the factors' rows need f exact
             self._store_factors(f, g)
         return out
