@@ -18,6 +18,7 @@ serve the other writers (registration results, the command line).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -231,8 +232,6 @@ def load_input(
         >>> load_input(datasets.fsaverage5_path("white"), points=1000).n_points <= 1100
         True
     """
-    import dataclasses
-
     volume = Path(path).name.lower().endswith(VOLUME_EXTS)
     shape = load_shape(path, label=label if volume else None, level=level if volume else None)
     if points is not None:
@@ -268,14 +267,17 @@ def load_values(path: str | Path) -> VertexValues:
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
         raise FileNotFoundError(f"{caller}: {path} {what}")
-    return _values.read_values(path, caller)
+    return dataclasses.replace(_values.read_values(path, caller), source=path)
 
 
 def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Path) -> Path:
     """Write per-vertex values atomically, in the format of ``path``'s name (see
     :func:`load_values`); a tensor or array is a map (floats) or labels (integers, no
     table). A ``.shape.gii`` map has GIFTI's shape intent; labels in GIFTI have a table
-    entry for every value (an annot's unassigned -1: ``???``). Returns the path written.
+    entry for every value (an annot's unassigned -1: ``???``). Refuses to overwrite
+    ``values.source`` (the file they were read from), values that the format cannot hold
+    (several columns in a morphometry file, labels beyond 32 bits) and a label format for
+    anything but one integer a vertex. Returns the path written.
 
     Example:
         >>> import tempfile, torch
@@ -305,10 +307,33 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
             f"({path.name}); name the file .func.gii, .label.gii, .annot, .mgh, .mgz, .npy, or "
             "lh.NAME for a FreeSurfer morphometry file"
         )
+    if values.source is not None and _files.same_file(path, values.source):
+        raise ValueError(
+            f"{caller}: {path} is the file these values were read from; otreg never "
+            "overwrites an input: choose another path"
+        )
+    data = values.values
+    if data.is_complex():
+        raise TypeError(f"{caller}: values are {data.dtype}; give real numbers or integers")
     if kind in (".label.gii", ".annot") and not values.is_labels:
         raise ValueError(
-            f"{caller}: {path.name} holds labels but the values are {values.values.dtype}: "
+            f"{caller}: {path.name} holds labels but the values are {data.dtype}: "
             "give integers, or a .func.gii / .npy name for a map"
         )
+    columns = 1 if data.dim() == 1 else int(data.shape[1])
+    if (kind in (".label.gii", ".annot") or kind == "morph") and columns != 1:
+        what = "labels" if kind != "morph" else "a FreeSurfer morphometry file"
+        raise ValueError(
+            f"{caller}: {path.name}: {what} hold one value a vertex, the values have shape "
+            f"{tuple(data.shape)}; write several columns as .func.gii, .mgh or .npy"
+        )
+    if values.is_labels and kind != ".npy" and data.numel():
+        low, high = int(data.min()), int(data.max())
+        limits = torch.iinfo(torch.int32)
+        if low < limits.min or high > limits.max:
+            raise ValueError(
+                f"{caller}: {path.name} stores labels as 32-bit integers; these range from "
+                f"{low} to {high}: renumber them, or write .npy"
+            )
     atomic_write(path, lambda tmp: _values.write_values(values, tmp, kind, path.name))
     return path

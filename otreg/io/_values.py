@@ -18,6 +18,7 @@ one of its channels moved by a unit or a few (of 255)."""
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,8 @@ LabelTable = dict[int, tuple[str, tuple[float, float, float, float]]]
 class VertexValues:
     """Values at the vertices of a surface: ``values`` ``(N,)`` or ``(N, C)`` (a map, float)
     or ``(N,)`` integers (labels, with their ``label_table``); labels carried from another
-    surface also have a ``confidence`` per vertex, in [0, 1].
+    surface also have a ``confidence`` per vertex (:meth:`~otreg.Registration.transfer`'s:
+    the nearest triangle's barycentric weight on the label chosen, in [1/3, 1]).
 
     Example:
         >>> import torch
@@ -48,6 +50,9 @@ class VertexValues:
     values: torch.Tensor
     label_table: LabelTable | None = field(default=None)
     confidence: torch.Tensor | None = field(default=None, repr=False)
+    #: the file they were read from (:func:`~otreg.io.load_values`), which
+    #: :func:`~otreg.io.save_values` never overwrites
+    source: Path | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         dtype = str(self.values.dtype).removeprefix("torch.")
@@ -63,7 +68,7 @@ class VertexValues:
     @property
     def is_labels(self) -> bool:
         """Whether these are labels (integers), not a map."""
-        return not self.values.is_floating_point()
+        return not (self.values.is_floating_point() or self.values.is_complex())
 
     @property
     def n_vertices(self) -> int:
@@ -94,9 +99,11 @@ NOT_MORPH = (".csv", ".tsv", ".txt", ".json", ".gz", ".nii", ".npz", ".mat", ".p
              ".vtk", ".vtp", ".ply", ".stl", ".obj")  # fmt: skip
 
 
-#: Names of a label table's "no label" entries (FreeSurfer's unknown, the HCP's ???, a
-#: medial wall), compared in lower case.
-UNLABELLED = frozenset({"unknown", "???", "medial_wall", "medialwall", "medial wall"})
+#: Names of a label table's "no label" entries (FreeSurfer's unknown, the HCP's ???),
+#: compared in lower case; a name with a medial wall in it is one too (the HCP's
+#: L_Medial_Wall, Schaefer's Background+FreeSurfer_Defined_Medial_Wall)
+UNLABELLED = frozenset({"unknown", "???", "background"})
+_MEDIAL_WALL = re.compile(r"medial[ _]?wall", re.IGNORECASE)
 
 
 def unlabelled(*values: VertexValues) -> tuple[int, ...]:
@@ -109,11 +116,13 @@ def unlabelled(*values: VertexValues) -> tuple[int, ...]:
         >>> table = {0: ("Unknown", (0, 0, 0, 0)), 1: ("V1", (1.0, 0, 0, 1))}
         >>> unlabelled(VertexValues(torch.tensor([0, 1, 1]), table))
         (-1, 0)
+        >>> unlabelled(VertexValues(torch.tensor([0, 1]), {0: ("L_Medial_Wall", (0, 0, 0, 0))}))
+        (-1, 0)
     """
     keys = {-1}
     for v in values:
         for key, (name, _) in (v.label_table or {}).items():
-            if name.strip().lower() in UNLABELLED:
+            if name.strip().lower() in UNLABELLED or _MEDIAL_WALL.search(name):
                 keys.add(int(key))
     return tuple(sorted(keys))
 
@@ -150,7 +159,11 @@ def _is_morph(path: Path) -> bool:
         return f.read(3) == MORPH_MAGIC
 
 
-class _NotLabels(ValueError):
+class _NotValues(ValueError):
+    """A file that holds something other than per-vertex values (its message says what)."""
+
+
+class _NotLabels(_NotValues):
     """A label file whose values are not integers."""
 
 
@@ -190,6 +203,12 @@ def read_values(path: Path, caller: str) -> VertexValues:
                 return VertexValues(torch.as_tensor(data.astype(np.int64)))
             return VertexValues(torch.as_tensor(np.asarray(data, dtype=np.float32)))
         img = nib.load(str(path))
+        intents = {nib.nifti1.intent_codes.label[d.intent] for d in img.darrays}
+        if intents & {"pointset", "triangle"}:
+            raise _NotValues(
+                f"{caller}: {path} is a surface (points and triangles), not values at its "
+                "vertices: read it with otreg.load_shape"
+            )
         arrays = [d.data for d in img.darrays]
         data = arrays[0] if len(arrays) == 1 else np.stack(arrays, axis=1)
         if kind == ".label.gii" and not np.issubdtype(data.dtype, np.integer):
@@ -207,7 +226,7 @@ def read_values(path: Path, caller: str) -> VertexValues:
             }
             return VertexValues(torch.as_tensor(data.astype(np.int64)), table or None)
         return VertexValues(torch.as_tensor(np.asarray(data)))
-    except _NotLabels:
+    except _NotValues:
         raise
     except Exception as err:  # nibabel's readers raise many kinds (XML, zip, struct...)
         raise ValueError(
@@ -281,7 +300,8 @@ def write_values(values: VertexValues, path: Path, kind: str, name: str = "") ->
     else:
         labels = values.is_labels
         columns = data[:, None] if data.ndim == 1 else data
-        ends = next((e for e in MAP_INTENTS if name.lower().endswith(e)), None)
+        plain = name.lower().removesuffix(".gz")
+        ends = next((e for e in MAP_INTENTS if plain.endswith(e)), None)
         intent = "NIFTI_INTENT_LABEL" if labels else MAP_INTENTS.get(ends, "NIFTI_INTENT_NONE")
         dtype = np.int32 if labels else np.float32
         img = nib.GiftiImage(

@@ -4,8 +4,10 @@ which carry one run id so that a folder mixing two runs is refused at load."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,8 +180,11 @@ class Registration:
                 name of a per-vertex array that surface carries in ``data``.
             to: ``"target"`` or ``"source"``.
             kind: ``"map"`` (barycentric interpolation: thickness, activation), ``"labels"``
-                (the label with the largest barycentric weight, whose weight is returned as
-                the vertex's confidence, in [1/3, 1]) or ``"auto"`` (labels for integers).
+                (the label whose corners of the nearest triangle hold the most barycentric
+                weight, summed over the corners that carry it; that sum is returned as the
+                vertex's confidence, in [1/3, 1]; floats that are whole numbers are taken
+                as integers) or ``"auto"`` (labels for integers; floats that are all whole
+                numbers, with few distinct values, are carried as a map with a warning).
             target: the target surface, where the result does not hold it (loaded from
                 files whose target file moved).
 
@@ -203,7 +208,7 @@ class Registration:
         goal = self._target(caller, target)
         origin, onto = (self.warped, goal) if to == "target" else (goal, self.warped)
         role = "source" if to == "target" else "target"
-        given, labels = checked_values(caller, values, origin, role, kind)
+        given, labels = checked_values(caller, values, origin, role, kind, onto)
         return _carry(given, origin, onto.points, labels)
 
     def label_probabilities(
@@ -555,14 +560,23 @@ def _locate(caller: str, path: Path) -> tuple[Path, str]:
     return path, ""  # nothing there: the missing file is named next
 
 
-def _vertex_values(caller: str, values, surface: Shape, role: str) -> VertexValues:
-    """``values`` checked against the surface they come from (its vertex count)."""
+def _vertex_values(
+    caller: str, values, surface: Shape, role: str, other: Shape | None = None
+) -> VertexValues:
+    """``values`` checked against the surface they come from (its vertex count); ``other``,
+    the surface they would go to, for the hint where they have its vertex count."""
     if isinstance(values, str):
         if values not in surface.data:
             have = ", ".join(sorted(surface.data)) or "none"
             hint = ""
             if "/" in values or "." in values:  # a file's name, read with load_values
                 hint = f"; to carry a file's values, give otreg.io.load_values({values!r})"
+            elif role == "target" and not surface.data:
+                hint = (
+                    "; a registration loaded from its folder reads the target from its file, "
+                    "without the arrays added to it in memory: give target= the Shape that "
+                    "carries them"
+                )
             raise ValueError(
                 f"{caller}: the {role} carries no per-vertex array {values!r} (its arrays: "
                 f"{have}){hint}"
@@ -577,27 +591,61 @@ def _vertex_values(caller: str, values, surface: Shape, role: str) -> VertexValu
             f"{caller}: values must be a tensor, an array, a VertexValues or the name of a "
             f"per-vertex array; got {type(values).__name__}"
         )
+    shape = tuple(values.values.shape)
     if values.values.dim() not in (1, 2) or values.n_vertices != surface.n_points:
+        hint = ""
+        if len(shape) == 2 and shape[1] == surface.n_points:
+            hint = " (transposed? give values.T)"
+        elif other is not None and values.n_vertices == other.n_points != surface.n_points:
+            back = "source" if role == "target" else "target"
+            hint = (
+                f" (they have the {back}'s vertex count: to carry the {back}'s values onto "
+                f"the {role}, give to={role!r})"
+            )
         raise ValueError(
-            f"{caller}: values have shape {tuple(values.values.shape)}; the {role} has "
-            f"{surface.n_points} vertices: give (N,) or (N, C) with N = {surface.n_points}"
+            f"{caller}: values have shape {shape}; the {role} has {surface.n_points} "
+            f"vertices: give (N,) or (N, C) with N = {surface.n_points}{hint}"
         )
     return values
 
 
+#: float values with at most this many distinct whole numbers look like labels: carried as
+#: a map, with a warning that says how to carry them as labels
+MAX_LABELS_GUESS = 1000
+
+
 def checked_values(
-    caller: str, values, surface: Shape, role: str, kind: str = "auto"
+    caller: str, values, surface: Shape, role: str, kind: str = "auto", other: Shape | None = None
 ) -> tuple[VertexValues, bool]:
     """``values`` checked as :meth:`Registration.transfer` would carry them from
-    ``surface`` (the ``role``): one a vertex, labels integers, a map finite; with whether
-    they are carried as labels. :func:`~otreg.batch.run_job` checks its files with it
-    before the fit."""
-    given = _vertex_values(caller, values, surface, role)
+    ``surface`` (the ``role``) to ``other``: one a vertex, labels integers (floats that are
+    whole numbers become integers), a map finite; with whether they are carried as labels.
+    :func:`~otreg.batch.run_job` checks its files with it before the fit."""
+    given = _vertex_values(caller, values, surface, role, other)
     labels = given.is_labels if kind == "auto" else kind == "labels"
     data = given.values
+    if data.is_complex():
+        raise TypeError(f"{caller}: values are {data.dtype}; give real numbers or integers")
+    whole = data.is_floating_point() and bool((data == data.round()).all())
     if labels and data.is_floating_point():
+        if not whole:
+            bad = int((data != data.round()).sum())
+            raise ValueError(
+                f"{caller}: kind='labels' but {bad} of the values are not whole numbers "
+                f"(they are {data.dtype}); labels are integers"
+            )
+        given = dataclasses.replace(given, values=data.long())  # labels stored as floats
+    elif kind == "auto" and whole and data.dim() == 1 and len(data.unique()) <= MAX_LABELS_GUESS:
+        warnings.warn(
+            f"{caller}: the values are {data.dtype} but each is a whole number "
+            f"({len(data.unique())} distinct): they are carried as a map (interpolated); "
+            "if they are labels, give kind='labels'",
+            stacklevel=3,
+        )
+    if labels and given.values.dim() != 1:
         raise ValueError(
-            f"{caller}: kind='labels' but the values are {data.dtype}; labels are integers"
+            f"{caller}: labels are one integer a vertex, (N,); these have shape "
+            f"{tuple(data.shape)}: carry each column alone, or give kind='map'"
         )
     if not labels and not bool(torch.isfinite(data.double()).all()):
         bad = int((~torch.isfinite(data.double())).sum())
@@ -610,8 +658,8 @@ def checked_values(
 
 def _carry(given: VertexValues, origin: Shape, points: torch.Tensor, labels: bool) -> VertexValues:
     """``given`` at the vertices of surface ``origin``, carried onto ``points`` ``(M, 3)``: maps
-    interpolated on the nearest triangle, labels by the largest barycentric weight (with it
-    as the confidence)."""
+    interpolated on the nearest triangle, labels by the largest barycentric weight summed
+    per label over its corners (with it as the confidence)."""
     data = given.values
     corners, weights = nearest_triangles(points, origin)
     picked = data[torch.as_tensor(corners)]  # (M, 3) or (M, 3, C)

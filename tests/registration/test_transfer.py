@@ -176,6 +176,9 @@ def test_a_saved_result_finds_its_target_or_asks_for_it(ball, tmp_path):
     with pytest.raises(FileNotFoundError, match="give target="):
         again.transfer(z)
     assert again.transfer(z, target=res.target).values.shape == (res.target.n_points,)
+    # an array the target carried in memory is not in its file: the error says so
+    with pytest.raises(ValueError, match="reads the target from its file.*give target="):
+        back.transfer("cortex", to="source")
 
 
 @pytest.mark.parametrize(
@@ -201,8 +204,33 @@ def test_nan_in_a_map_and_a_wrong_direction_are_refused(ball):
         res.transfer(bad)
     with pytest.raises(ValueError, match="to is 'sideways'"):
         res.transfer(bad, to="sideways")
-    with pytest.raises(ValueError, match="kind='labels' but the values are torch.float64"):
-        res.transfer(torch.zeros(ball.n_points, dtype=D), kind="labels")
+    with pytest.raises(ValueError, match="kind='labels' but 1 of the values are not whole"):
+        res.transfer(torch.tensor([0.5] + [2.0] * (ball.n_points - 1), dtype=D), kind="labels")
+    with pytest.raises(ValueError, match=r"labels are one integer a vertex, \(N,\); these"):
+        res.transfer(torch.zeros(ball.n_points, 2, dtype=torch.long))
+    with pytest.raises(TypeError, match="values are torch.complex64"):
+        res.transfer(torch.zeros(ball.n_points, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"\(transposed\? give values.T\)"):
+        res.transfer(torch.zeros(2, ball.n_points, dtype=D))
+
+
+def test_labels_stored_as_floats_are_carried_as_labels_when_asked_and_flagged_when_not(ball):
+    """A FreeSurfer .mgh overlay of labels is float32: carried as a map it was averaged into
+    fractional labels without a word, and kind='labels' refused it."""
+    res = otreg.register(ball, ball, prealign="none", model="rigid", progress=False)
+    halves = (ball.points[:, 2] > 0).long() * 7
+    carried = res.transfer(halves.float(), kind="labels")
+    assert carried.is_labels and torch.equal(carried.values, halves)
+    with pytest.warns(UserWarning, match=r"each is a whole number \(2 distinct\).*kind='labels'"):
+        moved = res.transfer(halves.float())
+    assert not moved.is_labels
+
+
+def test_values_of_the_wrong_side_get_a_hint(ball):
+    small = otreg.Shape.from_pyvista(pv.Sphere(radius=20, theta_resolution=12)).to(D)
+    res = otreg.register(small, ball, model="rigid", progress=False)
+    with pytest.raises(ValueError, match="have the target's vertex count: .* give to='source'"):
+        res.transfer(torch.zeros(ball.n_points, dtype=D), to="target")
 
 
 @pytest.mark.parametrize(
@@ -267,6 +295,8 @@ def test_gifti_labels_have_an_entry_for_every_value_and_maps_their_intent(tmp_pa
     torch.testing.assert_close(load_values(shape).values.double(), torch.linspace(1, 3, 4).double())
     func = save_values(torch.rand(4), tmp_path / "a.func.gii")
     assert nib.load(func).darrays[0].intent == nib.nifti1.intent_codes["NIFTI_INTENT_NONE"]
+    zipped = save_values(np.linspace(1.0, 3.0, 4), tmp_path / "thick.shape.gii.gz")
+    assert nib.load(zipped).darrays[0].intent == nib.nifti1.intent_codes["NIFTI_INTENT_SHAPE"]
     many = VertexValues(labels, {k: (f"L{k}", (0.0, 0.0, 0.0, 1.0)) for k in range(40)})
     assert repr(many) == "VertexValues((4,) int64; 40 labels: L0, L1, L2, ... 37 more)"
 
@@ -281,6 +311,38 @@ def test_a_label_file_of_fractions_is_refused_not_truncated(tmp_path):
     whole = nib.gifti.GiftiDataArray(np.array([0.0, 1.0, 2.0], dtype=np.float32))
     nib.save(nib.GiftiImage(darrays=[whole]), tmp_path / "w.label.gii")
     assert load_values(tmp_path / "w.label.gii").values.tolist() == [0, 1, 2]
+
+
+def test_values_are_never_written_over_their_own_file(tmp_path):
+    path = save_values(torch.rand(5), tmp_path / "sulc.shape.gii")
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="is the file these values were read from"):
+        save_values(load_values(path), path)
+    with pytest.raises(ValueError, match="is the file these values were read from"):
+        save_values(load_values(path), tmp_path / "." / "sulc.shape.gii")
+    assert path.read_bytes() == before
+    save_values(load_values(path), tmp_path / "copy.shape.gii")  # elsewhere: fine
+
+
+def test_values_a_format_cannot_hold_are_refused_not_mangled(tmp_path):
+    with pytest.raises(ValueError, match=r"lh.two: a FreeSurfer morphometry file .* \(4, 2\)"):
+        save_values(torch.zeros(4, 2), tmp_path / "lh.two")
+    with pytest.raises(ValueError, match=r"labels hold one value a vertex"):
+        save_values(torch.zeros(4, 2, dtype=torch.long), tmp_path / "two.label.gii")
+    huge = torch.tensor([2**40, 1])
+    with pytest.raises(ValueError, match=r"32-bit integers; these range from 1 to 1099511627776"):
+        save_values(huge, tmp_path / "huge.label.gii")
+    assert torch.equal(load_values(save_values(huge, tmp_path / "huge.npy")).values, huge)
+    with pytest.raises(TypeError, match="complex64"):
+        save_values(torch.zeros(3, dtype=torch.complex64), tmp_path / "c.npy")
+    assert not list(tmp_path.glob("*.gii")) and not (tmp_path / "lh.two").exists()
+
+
+def test_a_surface_given_as_values_is_named_a_surface(tmp_path):
+    sphere = otreg.Shape.from_pyvista(pv.Sphere(radius=20, theta_resolution=8))
+    path = otreg.save_shape(sphere, tmp_path / "lh.pial.surf.gii")
+    with pytest.raises(ValueError, match="is a surface .points and triangles.*load_shape"):
+        load_values(path)
 
 
 def test_value_files_errors_name_the_file(tmp_path):
