@@ -341,7 +341,6 @@ def run_batch(
                 dispatch(cl, specs, records, progress, echo)
         except KeyboardInterrupt:
             interrupted = True
-            echo("otreg batch: interrupted; the pairs not finished run on the next call")
         finally:
             _sweep_leftovers(out, [p.pair for p in planned])
     _collect_finished(out, todo, records)  # pairs that ended while an interrupt came
@@ -358,9 +357,16 @@ def run_batch(
         if tables
         else "the tables of every run come with the group level"
     )
+    n_left = len(selected) - n_ok - n_failed
+    if interrupted:  # said once the records are read: the last pair may have finished
+        echo(
+            f"otreg batch: interrupted; the {n_left} pair(s) not finished run on the next call"
+            if n_left
+            else "otreg batch: interrupted after every pair had finished: nothing is left to run"
+        )
     echo(
         f"otreg batch: {n_ok} done{flagged}, {n_failed} failed, "
-        f"{len(selected) - n_ok - n_failed} not run, in {seconds:.0f} s; {where}"
+        f"{n_left} not run, in {seconds:.0f} s; {where}"
     )
     if interrupted:
         code = EXIT_INTERRUPTED

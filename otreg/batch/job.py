@@ -171,6 +171,38 @@ def carried_name(path: str | Path) -> str:
     return name
 
 
+def carried_outputs(path: str | Path) -> tuple[str, str]:
+    """The two names a carried values file may be written under in a job's folder (less
+    the ``to-<side>_`` before them): :func:`carried_name`, and the labels' confidence,
+    ``<stem>_confidence.npy``.
+
+    Example:
+        >>> from otreg.batch.job import carried_outputs
+        >>> carried_outputs("/d/sub-01_hemi-L_dseg.label.gii")
+        ('dseg.label.gii', 'dseg_confidence.npy')
+    """
+    name = carried_name(path)
+    return name, f"{values_stem(name)}_confidence.npy"
+
+
+def check_carried_names(files: Sequence[str | Path], what: str) -> None:
+    """ValueError where two of ``files`` (carried the same way) would be written under one
+    name: the same :func:`carried_name`, or one's name the other's labels' confidence
+    (``dk.npy`` and ``dk_confidence.npy``; ``dk.label.gii`` and ``dk.npy``, whose
+    confidences share a name). Whether a file holds labels is known only once it is read,
+    so every file's confidence name is kept free."""
+    taken: dict[str, str] = {}
+    for f in files:
+        for n, out in enumerate(carried_outputs(f)):
+            if out in taken and taken[out] != str(f):
+                why = " (a labels file's confidence is written as <name>_confidence.npy)"
+                raise ValueError(
+                    f"{what} has {taken[out]} and {f}, which would both be written as "
+                    f"{out}{why if n or out.endswith('_confidence.npy') else ''}"
+                )
+            taken[out] = str(f)
+
+
 class InputError(ValueError):
     """An input of a job cannot be registered: unreadable, not a surface, a bad label."""
 
@@ -242,6 +274,8 @@ def run_job(
     if not isinstance(options, JobOptions):
         raise TypeError(f"run_job: options must be a JobOptions, got {type(options).__name__}")
     device = check_device("run_job", device)
+    for what, files in (("source_values", source_values), ("target_values", target_values)):
+        check_carried_names(files, f"run_job: {what}")
     full, full_target = _load("source", source, label, level), _load("target", target, label, level)
     carried = {  # read and checked before the work: (file, values) by the side they go to
         "target": [_read_carried("source", path, full, full_target) for path in source_values],
@@ -332,7 +366,7 @@ def _carry(
     save_values(moved, folder / name)
     files = {f"to-{to}:{carried_name(path)}": name}
     if moved.confidence is not None:
-        confidence = folder / f"{values_stem(name)}_confidence.npy"
+        confidence = folder / f"to-{to}_{carried_outputs(path)[1]}"
         save_values(moved.confidence, confidence)
         files[f"to-{to}:{carried_name(path)}:confidence"] = confidence.name
     return files

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .._checks import warn
 from ..io import MESH_EXTS, VOLUME_EXTS, atomic_write, same_file
-from .job import JobOptions, carried_name
+from .job import JobOptions, check_carried_names
 
 __all__ = [
     "Pair",
@@ -133,7 +133,7 @@ def _values_files(files: object, pair_id: str, name: str) -> tuple[str, ...]:
         raise TypeError(
             f"pair {pair_id}: {name} must be a list of files, got {type(files).__name__}"
         )
-    out, names = [], {}
+    out = []
     for f in files:
         if not isinstance(f, (str, Path)):
             raise TypeError(f"pair {pair_id}: {name} holds {f!r}, not a file name")
@@ -147,14 +147,8 @@ def _values_files(files: object, pair_id: str, name: str) -> tuple[str, ...]:
                 f"pair {pair_id}: {name} {f} is a surface or a volume; it takes per-vertex "
                 "values (.func.gii, .shape.gii, .label.gii, .annot, FreeSurfer curv files, .npy)"
             )
-        out_name = carried_name(f)
-        if out_name in names:
-            raise ValueError(
-                f"pair {pair_id}: {name} has {names[out_name]} and {f}, which would both be "
-                f"written as {out_name}"
-            )
-        names[out_name] = f
         out.append(f)
+    check_carried_names(out, f"pair {pair_id}: {name}")
     return tuple(out)
 
 
@@ -321,6 +315,22 @@ def _subjects(subjects: Mapping[str, str | Path], caller: str) -> dict[str, str]
     return out
 
 
+def hemisphere_of(path: str | Path) -> str | None:
+    """The hemisphere a file's name gives: a BIDS ``hemi-L``/``hemi-R`` entity or a
+    FreeSurfer ``lh.``/``rh.`` prefix ("L" or "R"), else None.
+
+    Example:
+        >>> from otreg.batch.manifest import hemisphere_of
+        >>> hemisphere_of("sub-01_hemi-R_pial.surf.gii"), hemisphere_of("/fs/lh.white")
+        ('R', 'L')
+    """
+    name = Path(path).name
+    found = re.search(r"(?:^|_)hemi-([LR])(?:_|\.|$)", name)
+    if found:
+        return found.group(1)
+    return {"lh.": "L", "rh.": "R"}.get(name[:3].lower())
+
+
 def pairs_to_template(
     subjects: Mapping[str, str | Path],
     template: str | Path,
@@ -333,7 +343,9 @@ def pairs_to_template(
         subjects: subject id -> surface or volume file.
         template: the template's file.
         template_id: the template's name in pair ids and the group report.
-        **columns: label, level, hemisphere or options, the same for every pair.
+        **columns: label, level, hemisphere or options, the same for every pair (the
+            hemisphere, where not given, from each subject's file name:
+            :func:`hemisphere_of`).
 
     Example:
         >>> from otreg.batch import pairs_to_template
@@ -360,7 +372,7 @@ def pairs_to_template(
             template,
             source_subject=sid,
             target_subject=template_id,
-            **columns,
+            **({"hemisphere": hemisphere_of(f)} | columns),
         )
         for sid, f in subjects.items()
     ]

@@ -272,13 +272,29 @@ def _run_locked(spec: dict, pair: Pair, out: Path, lock: PairLock) -> dict:
     files = {role: f"{pair.prefix}{name}" for role, name in doc["files"].items()}
     files["log"] = f"{pair.prefix}log.txt"
     record["files"] = files
-    _write_json(staging / DONE_NAME, record)
-    _clear_old_outputs(out, pair)
-    for role, name in doc["files"].items():
-        os.replace(staging / name, folder / files[role])
-    os.replace(log_path, folder / files["log"])
-    os.replace(staging / DONE_NAME, record_path(out, pair, "done"))  # last: now it is done
-    shutil.rmtree(staging, ignore_errors=True)
+    placed: list[Path] = []
+    try:
+        _write_json(staging / DONE_NAME, record)
+        _clear_old_outputs(out, pair)
+        for role, name in [*doc["files"].items(), ("log", "log.txt")]:
+            os.replace(staging / name, folder / files[role])
+            placed.append(folder / files[role])
+        os.replace(staging / DONE_NAME, record_path(out, pair, "done"))  # last: now it is done
+    except Exception as err:  # a pair half in place is no result: its files go
+        for path in placed:
+            path.unlink(missing_ok=True)
+        return write_failure(
+            spec,
+            "error",
+            type(err).__name__,
+            f"writing its outputs: {_one_line(err)}",
+            traceback.format_exc(),
+            started=started,
+            seconds=time.perf_counter() - start,
+            peak_rss_mb=_peak_rss_mb(),
+        )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return record
 
 

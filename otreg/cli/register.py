@@ -12,7 +12,7 @@ import click
 
 from .. import datasets
 from .._checks import check_progress
-from ..batch.job import JobOptions, carried_name, run_job
+from ..batch.job import JobOptions, carried_outputs, run_job
 from ..batch.manifest import Pair
 from ..io import load_shape, load_values, same_file, save_shape, save_values
 from ..registration import Registration
@@ -88,9 +88,10 @@ def register_cmd(
     except ValueError as err:
         raise click.BadParameter(str(err).removeprefix("pair register: ")) from err
     carried = [
-        f"to-{to}_{carried_name(f)}"
+        f"to-{to}_{name}"
         for to, files in (("target", source_values), ("source", target_values))
         for f in files
+        for name in carried_outputs(f)
     ]
     inputs = [source, target, *source_values, *target_values]
     with output_folder(output, inputs, tuple(carried)) as staging, warnings_as_lines():
@@ -252,7 +253,11 @@ def _demo_pair(pair: str, hemi: str, surface: str, points: int | None):
 @click.argument("result", type=click.Path(exists=True))
 @click.argument("values", type=click.Path())
 @click.option(
-    "-o", "--output", required=True, type=click.Path(dir_okay=False), help="The file to write."
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="The file to write (an earlier file of that name is replaced; never an input).",
 )
 @click.option(
     "--to",
@@ -266,8 +271,9 @@ def _demo_pair(pair: str, hemi: str, surface: str, points: int | None):
     default="auto",
     show_default=True,
     type=click.Choice(["auto", "map", "labels"]),
-    help="map: barycentric interpolation on the nearest triangle; labels: the label of the "
-    "nearest triangle's vertex with the largest weight; auto: labels for integer values.",
+    help="map: barycentric interpolation on the nearest triangle; labels: the label whose "
+    "corners of the nearest triangle hold the most barycentric weight (summed per label; "
+    "whole-number floats count as integers); auto: labels for integer values.",
 )
 @click.option(
     "--target",

@@ -97,6 +97,9 @@ def test_manifests_round_trip_and_the_helpers_pair_subjects(tmp_path):
     to = pairs_to_template(subjects, "t.vtk", "fsavg", hemisphere="L")
     assert [p.pair_id for p in to] == ["s1_to_fsavg", "s2_to_fsavg", "s3_to_fsavg"]
     assert {p.target_subject for p in to} == {"fsavg"} and to[0].hemisphere == "L"
+    # without the column, each subject's file name gives its hemisphere where it can
+    named = {"s1": "sub-01_hemi-R_pial.vtk", "s2": "lh.pial", "s3": "s3.vtk"}
+    assert [p.hemisphere for p in pairs_to_template(named, "t.vtk")] == ["R", "L", None]
     with pytest.raises(ValueError, match="at least 2"):
         all_pairs({"s1": "a.vtk"})
     with pytest.raises(ValueError, match="not allowed"):

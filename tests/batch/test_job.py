@@ -297,6 +297,16 @@ def test_a_batch_of_two_pairs_writes_the_carried_values_under_its_names(tmp_path
             "sub-01_thick.func.gii;sub-02_thick.func.gii",
             "source_values has .* which would both be written as thick.func.gii",
         ),
+        (  # labels' confidence and a map of that name
+            "dk.npy;dk_confidence.npy",
+            "source_values has .*dk.npy and .*dk_confidence.npy, which would both be "
+            "written as dk_confidence.npy",
+        ),
+        (  # two formats of one stem: their confidences would share a name
+            "dk.label.gii;dk.npy",
+            "source_values has .*dk.label.gii and .*dk.npy, which would both be written as "
+            "dk_confidence.npy .a labels file's confidence",
+        ),
     ],
 )
 def test_a_bad_values_cell_is_refused_when_the_manifest_is_read(tmp_path, cell, match):
@@ -305,6 +315,53 @@ def test_a_bad_values_cell_is_refused_when_the_manifest_is_read(tmp_path, cell, 
     )
     with pytest.raises(ValueError, match=f"line 3: pair bad: {match}"):
         read_manifest(tmp_path / "pairs.csv")
+
+
+def test_carried_files_that_would_share_an_output_are_refused_before_the_work(tmp_path):
+    """`otreg register` wrote a map over its labels' confidence file and said nothing;
+    `run_job` checks too, before the fit."""
+    src = _sphere(tmp_path / "src.vtk", 20.0, 0.0)
+    tgt = _sphere(tmp_path / "tgt.vtk", 20.0, 1.0)
+    n = load_shape(src).n_points
+    labels = save_values(torch.zeros(n, dtype=torch.long), tmp_path / "dk.npy")
+    conf = save_values(torch.zeros(n), tmp_path / "dk_confidence.npy")
+    args = ["register", src, tgt, "-o", str(tmp_path / "o"), "--model", "rigid", "--no-picture"]
+    result = CliRunner().invoke(
+        main, [*args, "--source-values", str(labels), "--source-values", str(conf)]
+    )
+    assert result.exit_code == 2 and "would both be written as dk_confidence.npy" in result.output
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="run_job: target_values has"):
+        run_job(src, tgt, tmp_path / "p", JobOptions("rigid", picture=False),
+                target_values=[labels, conf])  # fmt: skip
+
+
+def test_a_pair_whose_outputs_cannot_be_put_in_place_leaves_none_of_them(tmp_path, monkeypatch):
+    """A failure while its files were moved into place left a loadable result beside the
+    failure record."""
+    from otreg.batch import worker
+
+    src = _sphere(tmp_path / "src.vtk", 20.0, 0.0)
+    tgt = _sphere(tmp_path / "tgt.vtk", 20.0, 1.0)
+    real, moved = worker.os.replace, []
+
+    def replace(a, b):
+        if moved and Path(b).name.endswith("registration.json"):
+            raise OSError("disk full")
+        real(a, b)
+        moved.append(b)
+
+    monkeypatch.setattr(worker.os, "replace", replace)
+    from otreg.batch.engine import pair_spec
+
+    out = tmp_path / "out"
+    out.mkdir()
+    planned = plan_batch([Pair("p1", src, tgt)], out, {"model": "rigid", "picture": False})
+    record = worker.run_pair(pair_spec(out, planned[0], "b1"))
+    assert record["status"] == "failed" and "disk full" in record["error"]["reason"]
+    assert record["error"]["traceback"] and "OSError" in record["error"]["traceback"]
+    left = sorted(p.name for p in out.rglob("*") if p.is_file() and "lock" not in p.name)
+    assert left == ["error.json"], left
 
 
 def test_register_carries_values_and_refuses_bad_ones(tmp_path):

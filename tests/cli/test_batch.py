@@ -223,6 +223,7 @@ def test_interrupt_then_kill_then_rerun_does_every_pair_exactly_once(subjects, t
     after_int = records(out)
     assert all(r["status"] == "done" for r in after_int.values())
     assert f"otreg batch: {len(after_int)} done" in err  # the count is what is on disk
+    assert f"the {5 - len(after_int)} pair(s) not finished run on the next call" in err
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(records(out)) > len(after_int), 120, "one more pair")
