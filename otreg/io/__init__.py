@@ -19,6 +19,7 @@ serve the other writers (registration results, the command line).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -277,7 +278,8 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
     entry for every value (an annot's unassigned -1: ``???``). Refuses to overwrite
     ``values.source`` (the file they were read from), values that the format cannot hold
     (several columns in a morphometry file, labels beyond 32 bits) and a label format for
-    anything but one integer a vertex. Returns the path written.
+    anything but one integer a vertex; warns where labels' table cannot be kept (``.npy``,
+    ``.mgh``, morphometry files). Returns the path written.
 
     Example:
         >>> import tempfile, torch
@@ -335,5 +337,12 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
                 f"{caller}: {path.name} stores labels as 32-bit integers; these range from "
                 f"{low} to {high}: renumber them, or write .npy"
             )
+    if values.label_table and kind not in (".label.gii", ".annot"):
+        warnings.warn(
+            f"{caller}: {path.name} keeps the labels but not their table (names and colours): "
+            "write .label.gii or .annot to keep it",
+            UserWarning,
+            stacklevel=2,
+        )
     atomic_write(path, lambda tmp: _values.write_values(values, tmp, kind, path.name))
     return path
