@@ -81,7 +81,13 @@ def _clamp(value: float, bounds: tuple[int, int]) -> int:
 
 def default_sigma(scale: ShapeScale) -> tuple[float, ...]:
     """The LDDMM kernel widths, mm, widest first."""
-    return tuple(round(f * scale.size_mm, 2) for f in SIGMA_FRACTIONS)
+    return tuple(readable(f * scale.size_mm) for f in SIGMA_FRACTIONS)
+
+
+def readable(mm: float) -> float:
+    """A width in mm as the options record it: to 0.01 mm, or to two significant digits
+    below 1 mm (shapes a few mm across, or given in metres, would get widths of 0)."""
+    return round(mm, 2) if mm >= 1 else float(f"{mm:.2g}")
 
 
 def default_control_points(scale: ShapeScale, sigma: float) -> int:
@@ -95,7 +101,7 @@ def default_levels(
     """Coarse-to-fine ``(points, scale mm)`` levels."""
     out = []
     for fraction in fractions:
-        s = round(fraction * scale.size_mm, 2)
+        s = readable(fraction * scale.size_mm)
         n = _clamp(scale.area_mm2 / s**2, points)
         out.append((min(n, max(scale.vertices, 4)), s))
     return out
@@ -115,7 +121,7 @@ def default_refine_sigma(
     an LDDMM whose narrowest width is ``finest_mm``; None where the mesh is too coarse for a
     width below ``REFINE_MAX_OF_FINEST * finest_mm``."""
     sigma = max(REFINE_SIGMA_FRACTION * scale.size_mm, REFINE_EDGE_SIGMAS * source_edge_mm)
-    return None if sigma > REFINE_MAX_OF_FINEST * finest_mm else round(sigma, 2)
+    return None if sigma > REFINE_MAX_OF_FINEST * finest_mm else readable(sigma)
 
 
 def default_refine_control_points(scale: ShapeScale, sigma: float, source_vertices: int) -> int:
@@ -138,4 +144,4 @@ def default_refine_levels(scale: ShapeScale, sigma: float) -> list[tuple[int, fl
 
 def default_metric_sigma(scale: ShapeScale) -> float:
     """The varifold metric's kernel width, mm."""
-    return round(METRIC_SIGMA_FRACTION * scale.size_mm, 2)
+    return readable(METRIC_SIGMA_FRACTION * scale.size_mm)

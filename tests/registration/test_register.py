@@ -301,3 +301,14 @@ def test_currents_between_opposite_orientations_warns(pial_small):
             optimizer=LBFGSOptions(max_iter=1),
             progress=False,
         )
+
+
+def test_a_pair_given_in_metres_registers(pial_small):
+    """Both shapes a few tenths of a unit across: the default widths were rounded to 0.01
+    (mm) and came out 0, a ZeroDivisionError from inside."""
+    from otreg import register
+
+    small = pial_small.with_points(pial_small.points / 1000)
+    res = register(small, small.with_points(small.points * 1.02), progress=False)
+    assert 0 < res.metrics["mean_mm"] < 0.2 * res.metrics["before_mean_mm"]
+    assert all(level["scale"] > 0 for level in res.options["levels"])
