@@ -216,7 +216,15 @@ def test_picture_functions_refuse_bad_input(fitted, tmp_path):
     import torch
 
     from otreg import register
-    from otreg.viz import animate_flow, plot_momenta, plot_overlay, plot_plan, plot_tradeoff
+    from otreg.viz import (
+        animate_flow,
+        plot_momenta,
+        plot_overlay,
+        plot_plan,
+        plot_registration,
+        plot_shapes,
+        plot_tradeoff,
+    )
 
     res, src, tgt = fitted
     with pytest.raises(ValueError, match="view is 'top'; choose from"):
@@ -232,4 +240,18 @@ def test_picture_functions_refuse_bad_input(fitted, tmp_path):
         plot_plan(torch.rand(4, 2), torch.rand(5, 2), torch.rand(3, 3), tmp_path / "p.png")
     with pytest.raises(ValueError, match="rows is empty"):
         plot_tradeoff([], tmp_path / "t.png")
+    # a name VTK cannot write: named with the path given (it was pyvista's message about
+    # otreg's temporary file)
+    with pytest.raises(ValueError, match=r"plot_momenta: path .*m.pdf has no picture extension"):
+        plot_momenta(res, src, tmp_path / "m.pdf")
+    with pytest.raises(OSError, match=r"plot_shapes: cannot write /proc/ps.png"):
+        plot_shapes({"a": src}, "/proc/ps.png")
+    with pytest.raises(ValueError, match=r"scalars for 'a' hold 7 values; the shape has"):
+        plot_shapes({"a": src}, tmp_path / "s.png", scalars={"a": ("d", np.zeros(7))})
+    with pytest.raises(ValueError, match=r"scalars names 'b', which is not one of the shapes"):
+        plot_shapes({"a": src}, tmp_path / "s.png", scalars={"b": ("d", np.zeros(7))})
+    small = src.decimate(100)
+    swapped = register(small, tgt, model="rigid", progress=False)
+    with pytest.raises(ValueError, match="are source and target swapped"):
+        plot_registration(swapped, tgt, small, tmp_path)
     assert not list(tmp_path.iterdir())  # nothing half-written

@@ -54,26 +54,57 @@ def _check(caller: str, shapes: dict, view: str) -> None:
             raise ValueError(f"{caller}: {name} has no triangles; the picture draws surfaces")
 
 
-def _registration(caller: str, result):
+def _registration(caller: str, result, **shapes: Shape):
+    """``result``, checked: a Registration, and ``shapes`` (``source=``, ``target=``) not
+    swapped (each with the other side's vertex count and not its own: such pictures were
+    drawn without a word). Other counts pass: a batch draws decimated copies."""
     if not isinstance(result, Registration):
         raise TypeError(
             f"{caller}: result must be an otreg Registration (what otreg.register returns), "
             f"got {type(result).__name__}"
         )
+    counts = {"source": result.warped.n_points, "target": result.target.n_points}
+    for role, shape in shapes.items():
+        if not isinstance(shape, Shape):
+            raise TypeError(f"{caller}: {role} must be an otreg Shape, got {type(shape).__name__}")
+        other = "target" if role == "source" else "source"
+        if shape.n_points == counts[other] != counts[role]:
+            raise ValueError(
+                f"{caller}: {role} has {shape.n_points} vertices, the registration's "
+                f"{other}'s count ({role}: {counts[role]}): are source and target swapped?"
+            )
     return result
 
 
-def _render(path: str | Path, window_size, subplots: int, draw) -> Path:
+#: the picture formats VTK's screenshot writes
+PICTURE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+
+
+def _render(caller: str, path: str | Path, window_size, subplots: int, draw) -> Path:
     """Open an off-screen plotter with ``subplots`` views side by side, ``draw(plotter)``,
-    screenshot it to ``path`` atomically."""
+    screenshot it to ``path`` atomically (a name VTK cannot write, or a folder that cannot
+    be made, is refused first, naming ``path``)."""
     import pyvista as pv
 
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"{caller}: path must be a str or Path, got {type(path).__name__}")
+    path = Path(path).expanduser()
+    if path.suffix.lower() not in PICTURE_EXTS:
+        raise ValueError(
+            f"{caller}: path {path} has no picture extension; give one of {', '.join(PICTURE_EXTS)}"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(f"{caller}: cannot write {path}: {err.strerror or err}") from err
     with pv.vtk_verbosity("off"):  # no "bad X server connection" note on headless machines
         plotter = pv.Plotter(off_screen=True, shape=(1, subplots), window_size=window_size)
         try:
             draw(plotter)
-            path = Path(path)
-            atomic_write(path, lambda tmp: plotter.screenshot(str(tmp)))
+            try:
+                atomic_write(path, lambda tmp: plotter.screenshot(str(tmp)))
+            except OSError as err:
+                raise OSError(f"{caller}: cannot write {path}: {err.strerror or err}") from err
         finally:
             plotter.close()
     return path
@@ -121,6 +152,18 @@ def plot_shapes(
     """
     colors, scalars = colors or {}, scalars or {}
     _check("plot_shapes", shapes, view)
+    for name, given in scalars.items():
+        if name not in shapes:
+            raise ValueError(
+                f"plot_shapes: scalars names {name!r}, which is not one of the shapes "
+                f"({', '.join(map(repr, shapes))})"
+            )
+        count = len(given[1]) if hasattr(given[1], "__len__") else -1
+        if count != shapes[name].n_points:
+            raise ValueError(
+                f"plot_shapes: scalars for {name!r} hold {count} values; the shape has "
+                f"{shapes[name].n_points} vertices"
+            )
     names = list(shapes)
 
     def draw(plotter):
@@ -136,7 +179,7 @@ def plot_shapes(
             _set_view(plotter, view)
         plotter.link_views()
 
-    return _render(path, window_size, len(names), draw)
+    return _render("plot_shapes", path, window_size, len(names), draw)
 
 
 def plot_overlay(
@@ -179,7 +222,7 @@ def plot_overlay(
             _set_view(plotter, view)
         plotter.link_views()
 
-    return _render(path, window_size, 2, draw)
+    return _render("plot_overlay", path, window_size, 2, draw)
 
 
 def plot_registration(
@@ -201,7 +244,7 @@ def plot_registration(
         >>> sorted(otreg.viz.plot_registration(res, ball, egg, folder))
         ['history', 'picture']
     """
-    result = _registration("plot_registration", result)
+    result = _registration("plot_registration", result, source=source, target=target)
     folder = Path(folder)
     warped = result.warped
     dist = point_to_surface_distances(warped.points.detach().cpu().double().numpy(), target)
@@ -264,7 +307,7 @@ def plot_jacobian(
         )
         _set_view(plotter, view)
 
-    return _render(path, window_size, 1, draw)
+    return _render("plot_jacobian", path, window_size, 1, draw)
 
 
 def plot_momenta(
@@ -304,22 +347,23 @@ def plot_momenta(
         v = deformation.kernel(q - c, q - c, p)
     moved = source if result.linear is None else source.with_points(_linear(result, source))
     arrows = pv.PolyData(q.cpu().numpy())
-    arrows["velocity (mm)"] = v.cpu().numpy()
-    arrows["speed (mm)"] = v.norm(dim=1).cpu().numpy()
-    glyphs = arrows.glyph(orient="velocity (mm)", scale="speed (mm)", factor=1.0)
+    speed = "speed (mm per unit time)"
+    arrows["velocity"] = v.cpu().numpy()
+    arrows[speed] = v.norm(dim=1).cpu().numpy()
+    glyphs = arrows.glyph(orient="velocity", scale=speed, factor=1.0)
 
     def draw(plotter):
         plotter.add_text(f"initial velocity at {q.shape[0]} control points")
         plotter.add_mesh(moved.to_pyvista(), color="lightgrey", opacity=0.5, smooth_shading=True)
         plotter.add_mesh(
             glyphs,
-            scalars="speed (mm)",
+            scalars=speed,
             cmap="plasma",
-            scalar_bar_args={"title": "speed (mm)", "vertical": False, "fmt": "%.1f"},
+            scalar_bar_args={"title": speed, "vertical": False, "fmt": "%.1f"},
         )
         _set_view(plotter, view)
 
-    return _render(path, window_size, 1, draw)
+    return _render("plot_momenta", path, window_size, 1, draw)
 
 
 def _linear(result, shape: Shape) -> torch.Tensor:
