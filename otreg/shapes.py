@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from ._checks import check_device
 from .reductions.sparse import grid_labels
 
 __all__ = ["Shape"]
@@ -67,10 +68,11 @@ class Shape:
             raise ValueError(f"{caller}: points is empty; a shape needs at least one point")
         bad = ~torch.isfinite(pts.detach())
         if bool(bad.any()):
-            rows = int(bad.any(1).sum())
+            where = bad.any(1).nonzero().squeeze(1)
+            listed = ", ".join(map(str, where[:5].tolist())) + (", ..." if len(where) > 5 else "")
             raise ValueError(
-                f"{caller}: points has {rows} rows with NaN or infinite coordinates; "
-                "all coordinates must be finite"
+                f"{caller}: points has {len(where)} rows with NaN or infinite coordinates "
+                f"(rows {listed}); all coordinates must be finite"
             )
         self.points = pts
         if self.faces is not None:
@@ -132,7 +134,12 @@ class Shape:
         )
 
     def to(self, *args, **kwargs) -> Shape:
-        """A copy with points (and weights, data) moved or cast like ``Tensor.to``."""
+        """A copy with points (and weights, data) moved or cast like ``Tensor.to``: to a
+        GPU with ``shape.to("cuda")`` (then :func:`otreg.register` runs there); a device
+        this machine lacks raises ValueError saying so."""
+        for given in (*args, kwargs.get("device")):
+            if isinstance(given, (str, torch.device)) and torch.device(given).type == "cuda":
+                check_device("Shape.to", given)
         points = self.points.to(*args, **kwargs)
         weights = None if self.weights is None else self.weights.to(*args, **kwargs)
         faces = None if self.faces is None else self.faces.to(points.device)

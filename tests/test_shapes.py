@@ -58,7 +58,11 @@ def test_decimate_smooth_components():
     [
         (dict(points=torch.zeros(0, 3)), ValueError, "points is empty"),
         (dict(points=torch.zeros(3)), ValueError, "must be \\(N, D\\)"),
-        (dict(points=torch.tensor([[0.0, float("nan"), 0]])), ValueError, "1 rows with NaN"),
+        (
+            dict(points=torch.tensor([[0.0, float("nan"), 0]])),
+            ValueError,
+            r"1 rows with NaN.*\(rows 0\)",
+        ),
         (
             dict(points=torch.zeros(3, 3), faces=torch.tensor([[0, 1, 5]])),
             ValueError,
@@ -152,3 +156,14 @@ def test_decimations_are_kept_and_large_surfaces_go_through_one_step(monkeypatch
     assert torch.equal(egg.decimate(300).points, a.points * stretch) and len(passes) == 3
     ball.points.mul_(2.0)  # changed in place: decimated afresh
     assert float(ball.decimate(300).points.norm(dim=1).max()) > 15 and len(passes) == 5
+
+
+def test_a_device_this_machine_lacks_is_named():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    shape = Shape(points=torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="Shape.to: device is 'cuda' but torch .* sees no CUDA"):
+        shape.to("cuda")
+    with pytest.raises(ValueError, match="sees no CUDA"):
+        shape.to(device="cuda:0", dtype=torch.float64)
+    assert shape.to(torch.float64).points.dtype == torch.float64
