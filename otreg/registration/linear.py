@@ -99,12 +99,42 @@ class Rigid(_Linear):
     def set_from(self, A: torch.Tensor, t: torch.Tensor) -> None:
         """Set the parameters from a matrix A and a translation t (about ``center``)."""
         with torch.no_grad():
-            R = A.to(self.center)
-            angle = math.acos(max(-1.0, min(1.0, (float(torch.trace(R)) - 1) / 2)))
-            axis = torch.stack([R[2, 1] - R[1, 2], R[0, 2] - R[2, 0], R[1, 0] - R[0, 1]])
-            n = float(axis.norm())
-            self.rotation.copy_(axis / n * angle if n > 1e-12 else torch.zeros_like(axis))
+            self.rotation.copy_(rotation_vector(A.to(self.center)))
             self.translation.copy_(t.to(self.center))
+
+
+def rotation_vector(R: torch.Tensor) -> torch.Tensor:
+    """The axis-angle vector (3,) (angle in [0, pi], radians) of a rotation matrix R (3, 3),
+    through its quaternion from the largest of its trace and diagonal (Shepperd's method):
+    exact at half a turn too, where the axis read from R's antisymmetric part vanishes (a
+    rotation of 180 degrees became the identity).
+
+    Example:
+        >>> import torch
+        >>> from otreg.registration.linear import rotation_vector
+        >>> rotation_vector(torch.diag(torch.tensor([-1.0, -1.0, 1.0], dtype=torch.float64)))
+        tensor([0.0000, 0.0000, 3.1416], dtype=torch.float64)
+    """
+    t = float(torch.trace(R))
+    k = int(torch.argmax(torch.stack([R.new_tensor(t), *R.diagonal()])))
+    if k == 0:
+        w = math.sqrt(max(0.0, 1 + t)) / 2
+        v = torch.stack([R[2, 1] - R[1, 2], R[0, 2] - R[2, 0], R[1, 0] - R[0, 1]]) / (4 * w)
+    else:
+        i, j, m = k - 1, k % 3, (k + 1) % 3
+        q = [0.0] * 3
+        big = math.sqrt(max(0.0, 1 + 2 * float(R[i, i]) - t)) / 2
+        w = float(R[m, j] - R[j, m]) / (4 * big)
+        q[i], q[j], q[m] = (
+            big,
+            float(R[i, j] + R[j, i]) / (4 * big),
+            float(R[i, m] + R[m, i]) / (4 * big),
+        )
+        v = R.new_tensor(q)
+    if w < 0:
+        w, v = -w, -v
+    n = float(v.norm())
+    return v / n * (2 * math.atan2(n, w)) if n > 1e-12 else torch.zeros_like(v)
 
 
 class Similarity(Rigid):
