@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 
@@ -83,7 +84,9 @@ def prealign(
     Each round solves OT between the moved source measure and the target, sends every
     source point to its barycentric target, and refits the map by weighted least squares
     (Kabsch, Umeyama or affine), with a blur shrinking geometrically from ``blur[0]`` to
-    ``blur[1]`` mm (default: a quarter of the target's size down to 1/40 of it). Surfaces
+    ``blur[1]`` mm (default: a quarter of the target's size down to 1/40 of it). The
+    rounds start from the identity rotation, or from a rotation between the two
+    surfaces' principal axes where that fits far better (a surface upside down). Surfaces
     are compared as vertex measures (area weights) decimated to about ``max_points``
     vertices: a linear map has 12 parameters at most, which a few thousand points fix.
     Rounds of symmetric closest points then refine the map (``closest_point_iter``): OT
@@ -123,30 +126,80 @@ def prealign(
     b0, b1 = options.blur if options.blur is not None else (size / 4, size / 40)
     center = (a[:, None] * x).sum(0)
     model = LINEAR[options.kind](center).double()
+    shift = (b[:, None] * y).sum(0) - center
+    start = _best_start(model, options.kind, x, a, y, b, (b0, b1), shift)
     with torch.no_grad():
-        model.set_from(torch.eye(3, dtype=torch.float64), (b[:, None] * y).sum(0) - center)
+        model.set_from(start, shift)
     n = options.n_iter
     for k in range(n):
-        bl = b0 * (b1 / b0) ** (k / max(1, n - 1))
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", ConvergenceWarning)
-            moved = model(x)  # OT in float32 (twice as fast), the fit in float64
-            res = sinkhorn(
-                moved.float(),
-                y.float(),
-                a.float(),
-                b.float(),
-                blur=bl,
-                scaling=0.7,
-                tol=1e-3,
-                max_iter=60,
-            )
-            goal = res.plan.barycentric_map().double()
-            A, t = fit_linear(options.kind, x, goal, a, center)
-            model.set_from(A, t)
+        _ot_round(model, options.kind, x, a, y, b, b0 * (b1 / b0) ** (k / max(1, n - 1)))
     if options.closest_point_iter:
         _fit_closest_points(model, options, source, target, center)
     return model
+
+
+def _ot_round(model, kind: str, x, a, y, b, blur: float) -> float:
+    """One round: OT between the moved source and the target at ``blur``, every source
+    point sent to its barycentric target, the map refitted by weighted least squares.
+    Returns the round's mean squared move to the targets before the refit (mm^2)."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        moved = model(x)  # OT in float32 (twice as fast), the fit in float64
+        res = sinkhorn(
+            moved.float(), y.float(), a.float(), b.float(),
+            blur=blur, scaling=0.7, tol=1e-3, max_iter=60,
+        )  # fmt: skip
+        goal = res.plan.barycentric_map().double()
+        A, t = fit_linear(kind, x, goal, a, model.center)
+        model.set_from(A, t)
+    return float((a * (goal - moved).square().sum(1)).sum())
+
+
+#: Rounds at the first blur that each candidate start of the pre-alignment is given before
+#: it is scored by one round at the last blur.
+START_ROUNDS = 2
+#: A start other than the identity is taken where its score (the mean squared move of that
+#: last round) is below this fraction of the identity's.
+START_GAIN = 0.5
+
+
+def _axis_rotations(x, a, y, b) -> list[torch.Tensor]:
+    """The four rotations (3, 3) that take the source's principal axes (of its weighted
+    points x (N, 3), a (N,)) onto the target's, one for each pair of axis signs."""
+
+    def axes(p, w):
+        d = p - (w[:, None] * p).sum(0)
+        return torch.linalg.eigh((w[:, None] * d).T @ d).eigenvectors
+
+    U, V = axes(x, a), axes(y, b)
+    out = []
+    for signs in ((1, 1, 1), (1, -1, -1), (-1, 1, -1), (-1, -1, 1)):
+        s = torch.tensor(signs, dtype=x.dtype, device=x.device)
+        s[2] *= torch.sign(torch.linalg.det(V) * torch.linalg.det(U))  # a proper rotation
+        out.append(V @ torch.diag(s) @ U.T)
+    return out
+
+
+def _best_start(model, kind: str, x, a, y, b, blurs: tuple[float, float], shift) -> torch.Tensor:
+    """The rotation (3, 3) the pre-alignment's rounds start from: the identity, unless one
+    of the rotations taking the source's principal axes onto the target's scores far
+    better (:data:`START_GAIN`) after :data:`START_ROUNDS` rounds at the first blur, scored
+    by one round at the last (at the first blur every start's targets are smeared alike;
+    at the last the right orientation's moves were 20 to 300 times smaller). Measured on
+    a copy of fsaverage5's white surface turned about a horizontal axis: from the identity
+    alone, 45 and 90 degrees were recovered (0.03 mm), 150 and 180 degrees ended upside
+    down (vertices 61 mm off)."""
+    eye = torch.eye(3, dtype=x.dtype, device=x.device)
+    starts = [eye, *_axis_rotations(x, a, y, b)]
+    scores = []
+    for start in starts:
+        with torch.no_grad():
+            model.set_from(start, shift)
+        for _ in range(START_ROUNDS):
+            _ot_round(model, kind, x, a, y, b, blurs[0])
+        scores.append(_ot_round(copy.deepcopy(model), kind, x, a, y, b, blurs[1]))
+    best = min(range(len(scores)), key=scores.__getitem__)
+    return starts[best] if scores[best] < START_GAIN * scores[0] else eye
 
 
 #: Points a side in the closest-point rounds: finer than the OT rounds' (a nearest neighbour

@@ -30,6 +30,31 @@ def test_rigid_prealignment_recovers_a_known_rotation(pial_small, moved):
     assert float((fit(pial_small.points).detach() - moved.points).norm(dim=1).mean()) < 0.5  # mm
 
 
+@pytest.mark.parametrize("degrees", [150.0, 180.0])
+def test_a_surface_turned_upside_down_is_found(pial_small, degrees):
+    """From the identity alone, the rounds ended 180 degrees off (vertices 61 mm from
+    their place, and LDDMM then bent the surface onto the target without a warning); the
+    rotations between the two surfaces' principal axes are tried as starts too."""
+    axis = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64) / math.sqrt(2)
+    turn = rotation_matrix(axis * math.radians(degrees))
+    target = pial_small.with_points(
+        pial_small.points @ turn.T + torch.tensor([30.0, 0, 0]).double()
+    )
+    fit = prealign(pial_small, target, "rigid")
+    error = (fit(pial_small.points).detach() - target.points).norm(dim=1)
+    assert float(error.max()) < 0.5, float(error.max())
+
+
+def test_a_half_turn_survives_the_rotation_parameters():
+    """A rotation matrix of 180 degrees was read back as the identity (its axis taken from
+    the antisymmetric part, which vanishes there)."""
+    fit = Rigid(torch.zeros(3, dtype=torch.float64)).double()
+    for rotvec in ([math.pi, 0, 0], [0, 0, math.pi], [math.pi / math.sqrt(2)] * 2 + [0]):
+        half = rotation_matrix(torch.tensor(rotvec, dtype=torch.float64))
+        fit.set_from(half, torch.zeros(3, dtype=torch.float64))
+        torch.testing.assert_close(fit.matrix().detach(), half, atol=1e-12, rtol=0)
+
+
 def test_closest_points_fit_a_surface_that_lacks_a_part(pial_small, moved):
     """A source cut short (its front 30% of vertices gone) against the whole moved target:
     OT must match all of the target's area with the source's, which drags the fit off by
