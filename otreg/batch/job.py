@@ -193,12 +193,12 @@ def check_carried_names(files: Sequence[str | Path], what: str) -> None:
     so every file's confidence name is kept free."""
     taken: dict[str, str] = {}
     for f in files:
-        for n, out in enumerate(carried_outputs(f)):
+        for out in carried_outputs(f):
             if out in taken and taken[out] != str(f):
                 why = " (a labels file's confidence is written as <name>_confidence.npy)"
                 raise ValueError(
                     f"{what} has {taken[out]} and {f}, which would both be written as "
-                    f"{out}{why if n or out.endswith('_confidence.npy') else ''}"
+                    f"{out}{why if out.endswith('_confidence.npy') else ''}"
                 )
             taken[out] = str(f)
 

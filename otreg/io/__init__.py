@@ -341,11 +341,10 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
             f"{caller}: {path.name} holds labels but the values are {data.dtype}: "
             "give integers, or a .func.gii / .npy name for a map"
         )
-    columns = 1 if data.dim() == 1 else int(data.shape[1])
-    if (kind in (".label.gii", ".annot") or kind == "morph") and columns != 1:
-        what = "labels" if kind != "morph" else "a FreeSurfer morphometry file"
+    if kind in (".label.gii", ".annot", "morph") and data.dim() != 1:
+        what = "a FreeSurfer morphometry file holds" if kind == "morph" else "labels hold"
         raise ValueError(
-            f"{caller}: {path.name}: {what} hold one value a vertex, the values have shape "
+            f"{caller}: {path.name}: {what} one value a vertex, the values have shape "
             f"{tuple(data.shape)}; write several columns as .func.gii, .mgh or .npy"
         )
     if values.is_labels and kind != ".npy" and data.numel():

@@ -635,13 +635,15 @@ def checked_values(
                 f"(they are {data.dtype}); labels are integers"
             )
         given = dataclasses.replace(given, values=data.long())  # labels stored as floats
-    elif kind == "auto" and whole and data.dim() == 1 and len(data.unique()) <= MAX_LABELS_GUESS:
-        warnings.warn(
-            f"{caller}: the values are {data.dtype} but each is a whole number "
-            f"({len(data.unique())} distinct): they are carried as a map (interpolated); "
-            "if they are labels, give kind='labels'",
-            stacklevel=3,
-        )
+    elif kind == "auto" and whole and data.dim() == 1:
+        distinct = len(data.unique())
+        if distinct <= MAX_LABELS_GUESS:
+            warnings.warn(
+                f"{caller}: the values are {data.dtype} but each is a whole number "
+                f"({distinct} distinct): they are carried as a map (interpolated); if they "
+                "are labels, give kind='labels'",
+                stacklevel=3,
+            )
     if labels and given.values.dim() != 1:
         raise ValueError(
             f"{caller}: labels are one integer a vertex, (N,); these have shape "
