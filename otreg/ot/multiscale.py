@@ -424,7 +424,6 @@ class TruncatedKernel:
         # pot was summed at a larger eps (the annealing's last): a list made now would
         # hold pairs for potentials the next update moves far from (rows with no pair)
         stale = self._last_eps not in (None, self.p.eps)
-        self._last_eps = self.p.eps
         listed = self._list
         if listed is not None and not self._finished:
             if transpose:
