@@ -12,6 +12,17 @@ if not torch.cuda.is_available():
 
 warnings.filterwarnings("ignore", message=".*CUDA libraries not found.*")
 
+# Property tests draw the same examples on every run, so that a run's verdict never
+# depends on chance; `pytest --hypothesis-profile=explore` draws new ones, and more.
+try:
+    from hypothesis import settings
+
+    settings.register_profile("default", derandomize=True)
+    settings.register_profile("explore", derandomize=False, max_examples=500)
+    settings.load_profile("default")
+except ImportError:
+    pass
+
 
 def pytest_configure(config):
     torch.set_num_threads(max(1, torch.get_num_threads()))
