@@ -32,7 +32,8 @@ class Shape:
     """Points ``(N, 3)`` in mm, optional triangles ``(F, 3)``, weights ``(N,)`` and data.
 
     Attributes:
-        points: vertex positions, float tensor ``(N, D)`` (D = 3 for surfaces), world mm.
+        points: vertex positions, float tensor ``(N, D)`` (D = 3 for surfaces), world mm
+            (integer and half-precision input is widened to torch's default dtype).
         faces: vertex indices of triangles, int64 ``(F, 3)``, counter-clockwise seen from
             outside (normals point outwards), or None for a point cloud.
         weights: optional non-negative point masses ``(N,)``.
@@ -60,8 +61,8 @@ class Shape:
     def __post_init__(self) -> None:
         caller = "Shape"
         pts = _as_tensor(self.points)
-        if not pts.is_floating_point():
-            pts = pts.to(torch.get_default_dtype())
+        if not pts.is_floating_point() or torch.finfo(pts.dtype).bits < 32:
+            pts = pts.to(torch.get_default_dtype())  # integers and half precision widened
         if pts.dim() != 2 or pts.shape[1] < 1:
             raise ValueError(f"{caller}: points has shape {tuple(pts.shape)}; it must be (N, D)")
         if pts.shape[0] == 0:

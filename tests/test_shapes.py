@@ -167,3 +167,13 @@ def test_a_device_this_machine_lacks_is_named():
     with pytest.raises(ValueError, match="sees no CUDA"):
         shape.to(device="cuda:0", dtype=torch.float64)
     assert shape.to(torch.float64).points.dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32])
+def test_half_precision_and_integer_points_are_widened(dtype):
+    """A shape in float16 would register in float16 (coordinates of 100 mm kept to 0.06
+    mm, kernel sums overflowing): its points are taken in the default dtype, exactly."""
+    pts = (torch.arange(12).view(4, 3) * 7).to(dtype)
+    t = Shape(pts, torch.tensor([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]]))
+    assert t.points.dtype == torch.get_default_dtype()
+    assert torch.equal(t.points, pts.to(t.points.dtype))

@@ -192,7 +192,8 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
     Meshes: .vtk .vtp .ply .stl .obj (pyvista), .gii (GIFTI), ``lh.*``/``rh.*`` or
     ``.surf`` (FreeSurfer, coordinates as scanner RAS); point clouds: .csv, .npy.
     Refuses to overwrite ``shape.source`` (the file it was read from), however the path
-    is spelled (relative, through a symlink).
+    is spelled (relative, through a symlink). Only .vtk and .vtp keep ``shape.data`` and
+    ``shape.weights``; the other formats warn, naming the arrays they drop.
 
     Example:
         >>> import otreg, tempfile, pathlib
@@ -232,6 +233,15 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
         )
     if fmt in ("gifti", "freesurfer") and shape.dim != 3:
         raise ValueError(f"{caller}: {path.name} needs 3-D points, the shape's are {shape.dim}-D")
+    dropped = [*shape.data, *(["weights"] if shape.weights is not None else [])]
+    if dropped and ext not in (".vtk", ".vtp"):
+        warnings.warn(
+            f"{caller}: {path.name} cannot hold per-vertex arrays; not written: "
+            f"{', '.join(dropped)}. Save as .vtk or .vtp to keep them, or each array "
+            "with otreg.io.save_values",
+            UserWarning,
+            stacklevel=2,
+        )
     _files.write_shape(shape, path, fmt)
     return path
 

@@ -348,6 +348,28 @@ def test_integer_files_keep_their_coordinates_and_an_integer_dtype_is_refused(tm
             load_shape(tmp_path / "f.npy", dtype=dtype)
 
 
+@pytest.mark.parametrize("name", ["m.ply", "m.obj", "m.stl", "m.gii", "lh.m", "m.csv", "m.npy"])
+def test_saving_to_a_format_without_arrays_names_the_arrays_it_drops(tmp_path, name):
+    shape = mesh_with([])
+    shape.data["thickness"] = torch.rand(5, dtype=torch.float64)
+    shape.weights = torch.ones(5, dtype=torch.float64)
+    with pytest.warns(
+        UserWarning,
+        match=r"cannot hold per-vertex arrays; not written: "
+        r"thickness, weights\. Save as \.vtk or \.vtp",
+    ):
+        save_shape(shape, tmp_path / name)
+    assert (tmp_path / name).exists()
+
+
+def test_vtk_keeps_the_arrays_without_a_warning(tmp_path, recwarn):
+    shape = mesh_with([])
+    shape.data["thickness"] = torch.arange(5, dtype=torch.float64)
+    back = load_shape(save_shape(shape, tmp_path / "m.vtp"), dtype=torch.float64)
+    assert torch.equal(back.data["thickness"], shape.data["thickness"])
+    assert not [w for w in recwarn.list if "per-vertex" in str(w.message)]
+
+
 def mesh_with(extra_faces):
     pts = torch.tensor(
         [[0.0, 0, 0], [10, 0, 0], [0, 10, 0], [0, 0, 10], [5, 5, 0]], dtype=torch.float64
