@@ -15,7 +15,14 @@ from pathlib import Path
 import torch
 
 from .._checks import check_choice, check_device, check_int, check_positive
-from ..io import VertexValues, load_input, load_values, save_values, values_stem
+from ..io import (
+    VOLUME_SMOOTH,
+    VertexValues,
+    load_input,
+    load_values,
+    save_values,
+    values_stem,
+)
 from ..registration import LBFGSOptions, LDDMMOptions, PrealignOptions, register
 from ..registration.losses import LOSSES, SINKHORN_TERM
 from ..registration.options import MODELS, PREALIGNS
@@ -48,6 +55,9 @@ class JobOptions:
         points: decimate both surfaces to about this many vertices before registering
             (>= 100); None: the full surfaces. The saved warped surface is always the
             full source carried through the map.
+        smooth: Taubin smoothing iterations for both inputs as read (>= 0); None:
+            :data:`otreg.io.VOLUME_SMOOTH` for a surface made from a volume (its voxels'
+            steps), none for a mesh; 0 keeps a volume's steps.
         max_iter: L-BFGS iterations a level; None: :class:`~otreg.LBFGSOptions`' default.
         refine: after the LDDMM fit, fit the narrower refinement
             (:class:`~otreg.RefineOptions`' defaults); false: the first fit alone.
@@ -64,6 +74,7 @@ class JobOptions:
     loss: str | None = None
     sigma: float | None = None
     points: int | None = None
+    smooth: int | None = None
     max_iter: int | None = None
     refine: bool = True
     picture: bool = True
@@ -81,6 +92,8 @@ class JobOptions:
             object.__setattr__(self, "sigma", check_positive(what, "sigma", self.sigma))
         if self.points is not None:
             check_int(what, "points", self.points, 100)
+        if self.smooth is not None:
+            check_int(what, "smooth", self.smooth, 0)
         if self.max_iter is not None:
             check_int(what, "max_iter", self.max_iter, 1)
         for name in ("refine", "picture"):
@@ -133,6 +146,7 @@ class JobOptions:
             "optimizer": asdict(kw["optimizer"]),
             "prealign": asdict(PrealignOptions(self.prealign)),
             "sinkhorn": asdict(SINKHORN_TERM),
+            "volume_smooth": VOLUME_SMOOTH,
         }
         return out
 
@@ -207,18 +221,20 @@ class InputError(ValueError):
     """An input of a job cannot be registered: unreadable, not a surface, a bad label."""
 
 
-def _load(role: str, given: str | Path | Shape, label, level) -> Shape:
+def _load(role: str, given: str | Path | Shape, label, level, smooth=None) -> Shape:
     """The ``role`` input as a surface; :class:`InputError` names the file and the fault
     (FileNotFoundError when it is missing)."""
     if isinstance(given, Shape):
         shape, name = given, f"the {role} shape"
+        if smooth and shape.n_faces:
+            shape = shape.smooth(smooth)
     else:
         name = f"{role} {given}"
         if not Path(given).is_file():
             what = "is a folder, not a file" if Path(given).is_dir() else "does not exist"
             raise FileNotFoundError(f"{name} {what}")
         try:
-            shape = load_input(given, label, level)
+            shape = load_input(given, label, level, smooth=smooth)
         except (ValueError, TypeError, OSError) as err:
             raise InputError(str(err)) from err
     if shape.n_faces == 0:
@@ -276,7 +292,10 @@ def run_job(
     device = check_device("run_job", device)
     for what, files in (("source_values", source_values), ("target_values", target_values)):
         check_carried_names(files, f"run_job: {what}")
-    full, full_target = _load("source", source, label, level), _load("target", target, label, level)
+    full, full_target = (
+        _load(role, given, label, level, options.smooth)
+        for role, given in (("source", source), ("target", target))
+    )
     carried = {  # read and checked before the work: (file, values) by the side they go to
         "target": [_read_carried("source", path, full, full_target) for path in source_values],
         "source": [_read_carried("target", path, full_target, full) for path in target_values],

@@ -23,7 +23,13 @@ import torch
 from ..batch.dispatch import sigterm_as_interrupt
 from ..batch.job import JOB_FILES, JOB_LOSSES, JOB_OPTION_NAMES, JobOptions
 from ..batch.worker import STAGING_PREFIX
-from ..io import VOLUME_EXTS, check_writable_folder, remove_empty_folders, same_file
+from ..io import (
+    VOLUME_EXTS,
+    VOLUME_SMOOTH,
+    check_writable_folder,
+    remove_empty_folders,
+    same_file,
+)
 from ..registration.options import MODELS, PREALIGNS, LBFGSOptions
 
 __all__: list[str] = []
@@ -211,6 +217,16 @@ progress_option = click.option(
 )
 
 
+#: --smooth, for the commands that read surfaces (``register``, ``batch``, ``bids``,
+#: ``distance``)
+smooth_option = click.option(
+    "--smooth",
+    type=click.IntRange(min=0),
+    help=f"Taubin smoothing iterations for the inputs as read [default: {VOLUME_SMOOTH} for "
+    "a surface made from a volume, none for a mesh; 0 keeps a volume's voxel steps].",
+)
+
+
 def registration_options(f):
     """The flags of the fields of :class:`~otreg.batch.job.JobOptions`, declared once for
     ``register``, ``batch`` and ``bids``. Each defaults to None, 'not given', so that a
@@ -244,6 +260,7 @@ def registration_options(f):
             help="Decimate both surfaces to about this many vertices first (the warped "
             "surface written is still the whole source).",
         ),
+        smooth_option,
         click.option(
             "--max-iter",
             type=click.IntRange(min=1),

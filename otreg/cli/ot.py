@@ -15,7 +15,13 @@ from ..io import load_input
 from ..ot.divergence import divergence
 from ..ot.problem import SinkhornOptions
 from ..registration.prealign import check_scales
-from ._common import check_volume_options, stdout_to_stderr, volume_options, warnings_as_lines
+from ._common import (
+    check_volume_options,
+    smooth_option,
+    stdout_to_stderr,
+    volume_options,
+    warnings_as_lines,
+)
 
 __all__: list[str] = []
 
@@ -87,6 +93,7 @@ class _Relaxation(click.ParamType):
     "over-relaxation weight in [1, 2) (1: plain updates).",
 )
 @volume_options
+@smooth_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON line.")
 def distance(
     source: str,
@@ -99,6 +106,7 @@ def distance(
     relaxation: float | str,
     label: float | None,
     level: float | None,
+    smooth: int | None,
     as_json: bool,
 ) -> None:
     """Sinkhorn divergence between two shapes' measures (area-weighted, normalised).
@@ -110,7 +118,7 @@ def distance(
     check_volume_options(label, level, [source, target])
     with stdout_to_stderr(as_json), warnings_as_lines():
         try:
-            shapes = [load_input(p, label, level) for p in (source, target)]
+            shapes = [load_input(p, label, level, smooth=smooth) for p in (source, target)]
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(str(err)) from err
         check_scales("otreg distance", *shapes, names=(source, target))

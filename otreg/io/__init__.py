@@ -251,10 +251,13 @@ def load_input(
     label: float | None = None,
     level: float | None = None,
     points: int | None = None,
+    smooth: int | None = None,
 ) -> Shape:
     """An input of a registration: ``label``/``level`` apply to volumes only (the other
-    input of a pair may be a mesh) and ``points`` decimates to about that many vertices,
-    the shape keeping its file as ``source`` (so that results never overwrite it).
+    input of a pair may be a mesh), ``smooth`` is :func:`load_shape`'s (None: Taubin
+    smoothing for a surface made from a volume, none for a mesh) and ``points`` decimates
+    to about that many vertices, the shape keeping its file as ``source`` (so that results
+    never overwrite it).
 
     Example:
         >>> from otreg import datasets
@@ -263,7 +266,9 @@ def load_input(
         True
     """
     volume = Path(path).name.lower().endswith(VOLUME_EXTS)
-    shape = load_shape(path, label=label if volume else None, level=level if volume else None)
+    shape = load_shape(
+        path, label=label if volume else None, level=level if volume else None, smooth=smooth
+    )
     if points is not None:
         shape = dataclasses.replace(shape.decimate(points), source=shape.source)
     return shape

@@ -36,6 +36,8 @@ pv = pytest.importorskip("pyvista")
         ({"sigma": "wide"}, TypeError, "row: sigma must be a number"),
         ({"points": 50}, ValueError, "row: points is 50; it must be >= 100"),
         ({"max_iter": 2.5}, TypeError, "row: max_iter must be an integer"),
+        ({"smooth": -1}, ValueError, "row: smooth is -1; it must be >= 0"),
+        ({"smooth": True}, TypeError, "row: smooth must be an integer"),
         ({"picture": "yes"}, TypeError, "row: picture must be true or false"),
         ({"blur": 2}, ValueError, "row: unknown option 'blur'; allowed: model"),
         ([1, 2], TypeError, "row must be a JSON object, got list"),
@@ -92,6 +94,38 @@ def _sphere(path: Path, radius: float, shift: float) -> str:
     return str(
         save_shape(shape.with_points(shape.points * torch.tensor([1.0, 1.1, 0.9]) + shift), path)
     )
+
+
+def test_the_smooth_option_reaches_the_inputs_of_a_job(tmp_path):
+    """A label volume's surface is smoothed by default; ``smooth=0`` keeps its voxel steps
+    (vertices on the half-voxel lattice), in JobOptions (a manifest row's options) and on
+    the command line (``--smooth 0``: the target's area is the staircase's)."""
+    nib = pytest.importorskip("nibabel")
+    g = np.mgrid[:24, :24, :24]
+    data = (((g - 11.5) / np.array([7.0, 5.0, 4.0])[:, None, None, None]) ** 2).sum(0) <= 1
+    nib.save(nib.Nifti1Image(data.astype(np.int16) * 17, np.eye(4)), str(tmp_path / "a.nii.gz"))
+
+    def on_lattice(shape):  # marching cubes puts each vertex halfway along a voxel edge
+        twice = 2 * shape.points.double()
+        return bool(torch.all((twice - twice.round()).abs() < 1e-4))
+
+    vol = tmp_path / "a.nii.gz"
+    steps_only = JobOptions("rigid", prealign="none", picture=False, smooth=0)
+    assert on_lattice(run_job(vol, vol, tmp_path / "d", steps_only, label=17).full_source)
+    default = JobOptions("rigid", prealign="none", picture=False)
+    smoothed = run_job(vol, vol, tmp_path / "e", default, label=17)
+    assert not on_lattice(smoothed.full_source)
+    args = ["register", str(tmp_path / "a.nii.gz"), str(tmp_path / "a.nii.gz"), "--label", "17"]
+    args += ["--smooth", "0", "--model", "rigid", "--no-picture", "-o", str(tmp_path / "f")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    area = json.loads((tmp_path / "f" / "registration.json").read_text())["target_surface"]
+    steps = load_shape(tmp_path / "a.nii.gz", label=17, smooth=0)  # the staircase's area
+    assert area["area_mm2"] == pytest.approx(float(steps.area), rel=1e-5)
+    assert float(smoothed.full_source.area) < 0.95 * float(steps.area)
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    once = run_job(ball, ball, tmp_path / "g", JobOptions("rigid", picture=False, smooth=5))
+    assert not torch.equal(once.full_source.points, ball.points)  # a Shape is smoothed too
 
 
 def test_register_is_a_batch_of_one(tmp_path):

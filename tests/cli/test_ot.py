@@ -98,3 +98,23 @@ def test_distance_warns_when_the_sizes_suggest_metres_and_millimetres(two_meshes
     result = CliRunner().invoke(main, [*args, "--no-picture"])
     assert result.exit_code == 0, result.output
     assert re.search(r"^warning: register: source is 1000 times larger", result.stderr, re.M)
+
+
+def test_distance_smooth_sets_the_smoothing_of_a_volume(tmp_path):
+    """A label volume against its own unsmoothed surface: the same with ``--smooth 0``,
+    apart with the default smoothing; a negative count is refused."""
+    nib = pytest.importorskip("nibabel")
+    import numpy as np
+
+    from otreg import load_shape
+
+    g = np.mgrid[:20, :20, :20]
+    data = (((g - 9.5) ** 2).sum(0) <= 36).astype(np.int16) * 5
+    nib.save(nib.Nifti1Image(data, np.eye(4)), str(tmp_path / "v.nii.gz"))
+    steps = save_shape(load_shape(tmp_path / "v.nii.gz", label=5, smooth=0), tmp_path / "s.vtk")
+    args = ["distance", str(tmp_path / "v.nii.gz"), str(steps), "--label", "5", "--json"]
+    same = json.loads(run(*args, "--smooth", "0").output)["sqrt_2d_mm"]
+    apart = json.loads(run(*args).output)["sqrt_2d_mm"]
+    assert same < 0.005 < 0.01 < apart, (same, apart)  # mm: 0.002 and 0.02
+    refused = CliRunner().invoke(main, [*args, "--smooth", "-1"])
+    assert refused.exit_code == 2 and "--smooth" in refused.output
