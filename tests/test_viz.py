@@ -172,6 +172,10 @@ def test_plot_jacobian_and_momenta(fitted, tmp_path):
     assert _colourful(p).mean() > 0.05  # coolwarm colours, not only grey
     p = _pixels(plot_momenta(res, src, tmp_path / "m.png", view="iso"))
     assert p.shape == (600, 800, 3) and _colourful(p).mean() > 0.01  # the plasma arrows
+    other = src.with_points(src.points.flip(0))  # another subject, the same vertex count
+    with pytest.raises(ValueError, match="source is not the registration's source: carried"):
+        plot_jacobian(res, other, tmp_path / "wrong.png")
+    assert not (tmp_path / "wrong.png").exists()
 
 
 def test_animate_flow_writes_one_frame_a_time_step(fitted, tmp_path):

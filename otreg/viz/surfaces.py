@@ -290,9 +290,19 @@ def plot_jacobian(
     """
     result = _registration("plot_jacobian", result)
     _check("plot_jacobian", {"source": source}, view)
+    warped = source.with_points(result.transform(source.points))
+    fitted = result.warped.points.to(warped.points)
+    if warped.n_points == len(fitted):  # the registration's own source lands on its warped
+        off = float((warped.points - fitted).norm(dim=1).mean())
+        size = float((fitted.max(0).values - fitted.min(0).values).norm())
+        if off > 1e-3 * size:
+            raise ValueError(
+                f"plot_jacobian: source is not the registration's source: carried through "
+                f"the map, its vertices land {off:.3g} mm from the warped surface's on "
+                "average (a surface of another subject with the same vertex count?)"
+            )
     det = torch.linalg.det(result.jacobians(source.points))
     spread = max(float((det - 1).abs().max()), 1e-3)
-    warped = source.with_points(result.transform(source.points))
 
     def draw(plotter):
         plotter.add_text(f"Jacobian determinant: {float(det.min()):.2f} to {float(det.max()):.2f}")
