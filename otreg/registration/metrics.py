@@ -147,7 +147,8 @@ def summary(
     varifold_shapes: tuple[Shape, Shape] | None = None,
 ) -> dict[str, float]:
     """The metrics a registration reports. ``varifold`` is ``|mu_w - mu_t|^2 / |mu_t|^2`` (0: the
-    same surface, about 2: nothing in common), with kernel width ``sigma`` mm, computed on
+    same surface, about 2: nothing in common; the sums' rounding, about 1e-6 of the norm,
+    is never reported below 0), with kernel width ``sigma`` mm, computed on
     ``varifold_shapes`` if given (e.g. decimated copies of large meshes)."""
     out = surface_distances(warped, target)
     vw, vt = varifold_shapes or (warped, target)
@@ -156,7 +157,7 @@ def summary(
             v = make_loss("varifold", sigma=sigma, caller="summary")(
                 vw.to(torch.float64), vt.to(torch.float64)
             )
-        out["varifold"] = float(v)
+        out["varifold"] = max(float(v), 0.0)  # a squared norm: its rounding, not below 0
     if jac is not None:
         out.update(
             jacobian_min=float(jac.min()),

@@ -55,3 +55,17 @@ def test_jacobian_of_a_linear_map_and_vertex_error():
     assert torch.allclose(jac, torch.full((20,), 1.5, dtype=torch.float64))
     err = M.vertex_error(x + torch.tensor([3.0, 4.0, 0.0], dtype=torch.float64), x)
     assert err["vertex_error_mean_mm"] == pytest.approx(5.0)
+
+
+def test_the_varifold_metric_is_never_below_zero(monkeypatch):
+    """A squared norm: a surface against itself is 0 to the sums' float32 rounding (about
+    1e-6), and a rounding below 0 (-3e-6 was reported) comes out as 0."""
+    ball = sphere(20.0)
+    same = M.summary(ball, ball, sigma=5.0)["varifold"]
+    assert 0.0 <= same < 1e-5
+
+    def rounded_below(*args, **kwargs):
+        return lambda warped, target: torch.tensor(-3e-6)
+
+    monkeypatch.setattr(M, "make_loss", rounded_below)
+    assert M.summary(ball, ball, sigma=5.0)["varifold"] == 0.0
