@@ -362,7 +362,14 @@ def register(
     )  # fmt: skip
     start = time.perf_counter()
     src, tgt = source.to(plan.dtype), target.to(plan.dtype)
-    linear = None if plan.prealign.kind == "none" else fit_prealign(src, tgt, plan.prealign)
+    same = _same_surface(src, tgt)
+    if same:  # a sanity check, or one file given twice: a fit would chase rounding noise
+        warn(
+            f"register: source and target are the same surface ({src.n_points} vertices, "
+            "the same triangles and points): the map is the identity, and no fit runs"
+        )
+    skip = plan.prealign.kind == "none" or same
+    linear = None if skip else fit_prealign(src, tgt, plan.prealign)
     seconds = {"prealign_seconds": time.perf_counter() - start}
     moved = src
     if linear is not None:  # the linear map is fitted in float64
@@ -370,7 +377,7 @@ def register(
     if plan.signal is not None:
         signals.check_signs("register", plan.signal, moved, tgt)
     history: list[dict] = []
-    deformation = _fit_deformation(plan, linear, moved, tgt, history, start)
+    deformation = _fit_deformation(plan, linear, moved, tgt, history, start, fit=not same)
     seconds["fit_seconds"] = time.perf_counter() - start - seconds["prealign_seconds"]
     # the warped vertices and the Jacobians there: one flow of the whole source
     metrics_start = time.perf_counter()
@@ -387,14 +394,34 @@ def register(
     return Registration(warped, linear, deformation, history, found, plan.record(), inputs, target)
 
 
+def _same_surface(source: Shape, target: Shape) -> bool:
+    """Whether two shapes are one surface: the same triangles, and vertices within 1e-6
+    of its size of each other."""
+    if source.n_points != target.n_points or source.n_faces != target.n_faces:
+        return False
+    if source.faces is not None and not torch.equal(source.faces, target.faces.to(source.faces)):
+        return False
+    x, y = source.points.detach(), target.points.detach().to(source.points)
+    size = float((y.max(0).values - y.min(0).values).norm())
+    return float((x - y).abs().max()) <= 1e-6 * size
+
+
 def _fit_deformation(
-    plan: _Plan, linear, moved: Shape, target: Shape, history: list[dict], start: float
+    plan: _Plan,
+    linear,
+    moved: Shape,
+    target: Shape,
+    history: list[dict],
+    start: float,
+    fit: bool = True,
 ) -> LDDMM | ComposedLDDMM | None:
     """The LDDMM deformation of the pre-aligned source ``moved`` onto ``target``, fitted
     level by level, then its refinement (None for a linear model); every evaluation
-    appended to ``history``."""
+    appended to ``history``. ``fit=False``: the same deformations, not fitted (the
+    identity: zero momenta)."""
     if plan.lddmm is None:
         return None
+    fit_levels_of = fit_levels if fit else (lambda *args: None)
     control_points = moved.decimate(plan.lddmm.control_points).points
     deformation = LDDMM.from_options(control_points, plan.lddmm).to(plan.dtype)
     landmarks = None
@@ -415,7 +442,7 @@ def _fit_deformation(
         plan.signal,
         plan.signal_weight,
     )
-    fit_levels(fit, moved, target, plan.levels)
+    fit_levels_of(fit, moved, target, plan.levels)
     if plan.refine is None:
         return deformation
     refine = plan.refine
@@ -448,7 +475,7 @@ def _fit_deformation(
         first_level=len(plan.levels),
         name="refine ",
     )
-    fit_levels(fit, base, target, plan.refine_levels)
+    fit_levels_of(fit, base, target, plan.refine_levels)
     return ComposedLDDMM([deformation, second])
 
 

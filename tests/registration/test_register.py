@@ -312,3 +312,19 @@ def test_a_pair_given_in_metres_registers(pial_small):
     res = register(small, small.with_points(small.points * 1.02), progress=False)
     assert 0 < res.metrics["mean_mm"] < 0.2 * res.metrics["before_mean_mm"]
     assert all(level["scale"] > 0 for level in res.options["levels"])
+
+
+def test_a_surface_registered_onto_itself_is_the_identity_without_a_fit(pial_small, tmp_path):
+    """The same surface twice (a sanity check, or one file given twice in a manifest): a
+    warning, the identity (Jacobians 1, no history) and a result that saves and loads; a
+    copy moved by 1e-3 of a vertex spacing is fitted as usual."""
+    with pytest.warns(UserWarning, match="source and target are the same surface .* no fit"):
+        res = register(pial_small, pial_small, progress=False)
+    assert res.history == [] and res.metrics["mean_mm"] == 0.0
+    assert res.metrics["jacobian_min"] == res.metrics["jacobian_max"] == 1.0
+    res.save(tmp_path / "r")
+    back = Registration.load(tmp_path / "r")
+    assert torch.equal(back.transform(pial_small.points), pial_small.points)
+    nudged = pial_small.with_points(pial_small.points + 1e-3)
+    moved = register(pial_small, nudged, levels=[Level(300, 5.0)], refine=False, progress=False)
+    assert moved.history
