@@ -311,7 +311,8 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
     table). A ``.shape.gii`` map has GIFTI's shape intent; labels in GIFTI have a table
     entry for every value (an annot's unassigned -1: ``???``). Refuses to overwrite
     ``values.source`` (the file they were read from), values that the format cannot hold
-    (several columns in a morphometry file, labels beyond 32 bits) and a label format for
+    (several columns in a morphometry file, labels beyond 32 bits, map values beyond
+    float32's range but in ``.npy``: 1e-300 would be 0) and a label format for
     anything but one integer a vertex; warns where labels' table cannot be kept (``.npy``,
     ``.mgh``, morphometry files). Returns the path written.
 
@@ -369,6 +370,17 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
             raise ValueError(
                 f"{caller}: {path.name} stores labels as 32-bit integers; these range from "
                 f"{low} to {high}: renumber them, or write .npy"
+            )
+    if not values.is_labels and kind != ".npy" and data.is_floating_point():
+        finite = data.detach()[torch.isfinite(data.detach())].abs().double()
+        single = torch.finfo(torch.float32)
+        beyond = int(((finite > single.max) | ((finite > 0) & (finite < single.tiny))).sum())
+        if beyond:
+            raise ValueError(
+                f"{caller}: {path.name} stores maps as 32-bit floats, which would turn "
+                f"{beyond} of these values into 0 or infinity (they lie beyond "
+                f"{single.tiny:.3g} to {single.max:.3g} in size): rescale them (e.g. -log10 "
+                "of p-values), or write .npy"
             )
     if values.label_table and kind not in (".label.gii", ".annot"):
         warnings.warn(

@@ -337,7 +337,15 @@ def test_values_a_format_cannot_hold_are_refused_not_mangled(tmp_path):
     assert torch.equal(load_values(save_values(huge, tmp_path / "huge.npy")).values, huge)
     with pytest.raises(TypeError, match="complex64"):
         save_values(torch.zeros(3, dtype=torch.complex64), tmp_path / "c.npy")
-    assert not list(tmp_path.glob("*.gii")) and not (tmp_path / "lh.two").exists()
+    p_values = torch.tensor([1e-300, 0.5, 0.0, float("nan")], dtype=torch.float64)
+    for name in ("p.func.gii", "lh.p", "p.mgh"):  # 1e-300 would be written as 0
+        with pytest.raises(ValueError, match=r"32-bit floats, which would turn 1 of these"):
+            save_values(p_values, tmp_path / name)
+    back = load_values(save_values(p_values, tmp_path / "p.npy")).values
+    assert torch.equal(back[:3], p_values[:3])
+    save_values(torch.tensor([1e-30, 3e38, 0.0]), tmp_path / "fine.func.gii")  # in range
+    assert not (tmp_path / "lh.two").exists() and not (tmp_path / "p.mgh").exists()
+    assert {p.name for p in tmp_path.glob("*.gii")} == {"fine.func.gii"}
 
 
 def test_a_surface_given_as_values_is_named_a_surface(tmp_path):
