@@ -399,7 +399,7 @@ def _same_surface(source: Shape, target: Shape) -> bool:
     of its size of each other."""
     if source.n_points != target.n_points or source.n_faces != target.n_faces:
         return False
-    if source.faces is not None and not torch.equal(source.faces, target.faces.to(source.faces)):
+    if source.n_faces and not torch.equal(source.faces, target.faces.to(source.faces)):
         return False
     x, y = source.points.detach(), target.points.detach().to(source.points)
     size = float((y.max(0).values - y.min(0).values).norm())
