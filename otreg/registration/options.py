@@ -127,7 +127,11 @@ class RefineOptions:
             pair) in 55% of the time.
         levels: coarse to fine, as ``register``'s (``Level`` or tuples); None: derived from
             the target (:func:`~otreg.registration.defaults.default_refine_levels`).
-        regularization: weight of its deformation energy (>= 0).
+        regularization: weight of its deformation energy (>= 0). Measured against 1e-4
+            (one thread, one run each): fsaverage5 -> Conte69 left 2.104 mm from the HCP's
+            correspondence and a Desikan-Killiany Dice of 0.898 (2.138, 0.895), right 2.238
+            and 0.882 (2.26, 0.881); a real individual onto a template 0.74 / 0.78 mm (0.96 /
+            0.98), smallest Jacobian 0.20 (0.50); four donor pairs' Dice +0.007 to +0.014.
 
     Example:
         >>> import otreg
@@ -139,7 +143,7 @@ class RefineOptions:
     control_points: int | None = None
     n_steps: int = 2
     levels: Sequence[Level | tuple] | None = None
-    regularization: float = 1e-4
+    regularization: float = 3e-5
 
     def __post_init__(self) -> None:
         caller = "RefineOptions"
