@@ -49,6 +49,8 @@ class DenseKernel:
     """
 
     refresh_every = 1
+    #: how many times the kernel gained pairs (never: every pair is summed)
+    patterns_grown = 0
 
     def __init__(
         self,

@@ -279,15 +279,22 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
     over-relaxation (after Anderson) or half its weight (a weight the caller fixed is kept,
     and such an error stops the loop, 'diverged'). Every ``cells.EVERY`` updates the kernel
     may take a step on its cells' constants (:meth:`TruncatedKernel.cell_step`), until one
-    declines (the first after ``cells.FIRST_AT``). Also returns what accelerated them."""
+    declines (the first after ``cells.FIRST_AT``); after a refresh or a check that gave the
+    kernel pairs (a new map), the mixing and the best point start again. Also returns what
+    accelerated them."""
     eps, lam = p.eps, p.damping(p.eps)
     anderson = Anderson(kernel.b, eps) if p.relaxation == "anderson" else None
     relax = Relaxation("auto" if anderson else p.relaxation)
     probe = _probe(p, kernel) if rule.accuracy is not None else None
     first, best, cell_steps, stepping = n_iter, (math.inf, f, g), 0, True
+    grown = kernel.patterns_grown
     while n_iter < p.max_iter:
         if n_iter > first and (n_iter - first) % kernel.refresh_every == 0:
             kernel.refresh(f, g, eps)
+        if kernel.patterns_grown != grown:  # a new map: the mixing's history and best go
+            grown, best = kernel.patterns_grown, (math.inf, f, g)
+            if anderson is not None and not anderson.failed:
+                anderson = Anderson(kernel.b, eps)
         mixing = anderson is not None and not anderson.failed
         w = 1.0 if mixing else relax.w
         f_new = lam * kernel.softmin_xy(eps, g)
