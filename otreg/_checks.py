@@ -186,6 +186,11 @@ def check_positive(
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         if isinstance(value, torch.Tensor) and value.numel() == 1:
+            if value.requires_grad:  # float() would cut it from the graph without a word
+                raise TypeError(
+                    f"{caller}: {name} is a tensor that requires grad; no gradient flows "
+                    f"to {name}: pass a number ({name}.item()) or {name}.detach()"
+                )
             value = float(value)
         else:
             raise TypeError(f"{caller}: {name} must be a number, got {_describe(value)}")

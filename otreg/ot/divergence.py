@@ -253,6 +253,17 @@ class SinkhornLoss(nn.Module):
         (100, 3)
     """
 
+    def __new__(cls, *args, **kwargs):
+        """Refuse a loss name where the blur goes (GeomLoss's SamplesLoss("sinkhorn", p=2,
+        blur=b)) before Python's bare "got multiple values for argument 'blur'"."""
+        if args and isinstance(args[0], str):
+            raise TypeError(
+                f"SinkhornLoss: got the loss name {args[0]!r} where the blur goes; give no "
+                "loss name (GeomLoss's SamplesLoss('sinkhorn', p=2, blur=b) is "
+                "otreg.SinkhornLoss(blur=b))"
+            )
+        return super().__new__(cls)
+
     def __init__(
         self,
         blur: float | None = None,

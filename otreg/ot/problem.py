@@ -52,6 +52,15 @@ FORMS = ("log", "scaling")
 #: Half-precision dtypes (autocast's): their points are computed in float32 (8 or 11 bits of
 #: mantissa cannot resolve the scores at a useful blur), values returned in their dtype.
 HALF = (torch.float16, torch.bfloat16)
+
+#: GeomLoss's SamplesLoss options that otreg names otherwise, for the unknown-option error
+GEOMLOSS_NAMES = {
+    "p": "GeomLoss's p is the cost: p=2 is cost='sqeuclidean' (the default), p=1 cost='euclidean'",
+    "loss": "otreg's losses are Sinkhorn's: give no loss name",
+    "potentials": "the potentials are in otreg.sinkhorn(x, y).f and .g",
+    "truncate": "multiscale=otreg.Multiscale(truncate=...)",
+    "cluster_scale": "multiscale=otreg.Multiscale(cluster_scale=...)",
+}
 BACKWARDS = ("envelope", "implicit", "unroll")
 #: the named ``relaxation`` settings (a number in [1, 2) fixes the over-relaxation weight)
 RELAXATIONS = ("anderson", "auto")
@@ -303,9 +312,10 @@ def resolve_options(
         )
     unknown = sorted(set(changes) - set(_FIELDS))
     if unknown:
+        hints = "".join(f"; {GEOMLOSS_NAMES[k]}" for k in unknown if k in GEOMLOSS_NAMES)
         raise TypeError(
             f"{caller}: unknown option(s) {', '.join(unknown)}; the options are "
-            f"{', '.join(_FIELDS)}"
+            f"{', '.join(_FIELDS)}{hints}"
         )
     base = options or SinkhornOptions()
     values = {name: getattr(base, name) for name in _FIELDS}
@@ -373,13 +383,13 @@ class Problem:
                 f"dimension {y.shape[-1]}; both need the same D"
             )
         out_dtype = x.dtype
-        if x.dtype != y.dtype and (x.dtype in HALF or y.dtype in HALF):
+        dtypes = {x.dtype, y.dtype}
+        if len(dtypes) == 2 and dtypes & set(HALF) and torch.float64 not in dtypes:
             # a model's half-precision output against a float32 target (autocast): both
-            # in the wider float dtype, the value and x's gradient back in x's
-            wide = torch.promote_types(x.dtype, y.dtype)
-            wide = torch.float32 if wide in HALF else wide
-            x, y = x.to(wide), y.to(wide)
-            a, b = (w.to(wide) if isinstance(w, torch.Tensor) and w.dtype in HALF else w
+            # in float32, the value and x's gradient back in x's dtype (against float64,
+            # refused as float32 is: convert one of them)
+            x, y = x.float(), y.float()
+            a, b = (w.float() if isinstance(w, torch.Tensor) and w.dtype in HALF else w
                     for w in (a, b))  # fmt: skip
         check_same_device_dtype(caller, {"x": x, "y": y})
         if out_dtype in HALF:  # an autocast model's: computed in float32, returned as given

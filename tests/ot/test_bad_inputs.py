@@ -40,6 +40,14 @@ CASES = [
     ("blur negative", (x, y), {"blur": -1}, ValueError, "blur is -1"),
     ("blur NaN", (x, y), {"blur": float("nan")}, ValueError, "blur is nan"),
     ("blur string", (x, y), {"blur": "0.1"}, TypeError, "blur must be a number"),
+    (
+        "blur a tensor that requires grad",  # float() would cut it from the graph silently
+        (x, y),
+        {"blur": torch.tensor(0.1, requires_grad=True)},
+        TypeError,
+        "blur is a tensor that requires grad; no gradient flows to blur",
+    ),
+    ("half against float64", (x.half(), y), {}, TypeError, "y has dtype torch.float64 but x"),
     ("reach zero", (x, y), {"reach": 0}, ValueError, "reach is 0"),
     ("scaling one", (x, y), {"scaling": 1.0}, ValueError, "scaling is 1.0"),
     ("scaling zero", (x, y), {"scaling": 0.0}, ValueError, "scaling is 0.0; it must be in"),
@@ -79,6 +87,22 @@ def test_bad_input_raises_naming_the_argument(fn, case):
 def test_unknown_option_is_named():
     with pytest.raises(TypeError, match="unknown option.*blurr"):
         otreg.sinkhorn_divergence(x, y, blurr=0.1)
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda: otreg.SinkhornLoss("sinkhorn", p=2, blur=0.05), "loss name 'sinkhorn' where"),
+        (lambda: otreg.SinkhornLoss("sinkhorn"), r"SamplesLoss\('sinkhorn', p=2, blur=b\) is"),
+        (lambda: otreg.SinkhornLoss(blur=0.05, p=2), "p=2 is cost='sqeuclidean'"),
+        (lambda: otreg.SinkhornLoss(truncate=3), r"multiscale=otreg.Multiscale\(truncate"),
+    ],
+)
+def test_geomloss_style_calls_are_pointed_to_otregs_names(make, fragment):
+    """GeomLoss's SamplesLoss("sinkhorn", p=2, blur=b) raised Python's bare "got multiple
+    values for argument 'blur'"; its option names now say what otreg calls them."""
+    with pytest.raises(TypeError, match=fragment):
+        make()
 
 
 def test_inputs_are_not_modified():
