@@ -78,7 +78,7 @@ class Implicit:
     Args:
         tol: relative residual of the adjoint solve (at least 50 times the points' dtype
             rounding: 6e-6 in float32, where the residual itself is computed).
-        max_iter: most iterations of the adjoint solve.
+        max_iter: most iterations (products J^T u) of the adjoint solve.
 
     Example:
         >>> import torch, otreg

@@ -55,6 +55,32 @@ def test_implicit_reports_its_residual():
     assert report["backward_residual"] < 1e-10 and report["backward_iterations"] >= 1
 
 
+@pytest.mark.parametrize("solver", ["gmres", "fixed_point"])
+def test_the_adjoint_solve_stops_at_backward_max_iter_products(solver):
+    """An adjoint system too ill-conditioned for 60 products (I - J with eigenvalues from
+    1e-6 to 0.1): it stops within a restart cycle of them and warns. GMRES counted scipy's
+    restart cycles, 50 products each: a sinkhorn_divergence with backward='implicit' on
+    100 Gaussian points ran 51,000 products (74 s) for max_iter=1000."""
+    from otreg.loops.fixed_point import RESTART
+
+    rate = 1 - torch.logspace(-6, -1, 400, dtype=torch.float64)
+    p = torch.randn(400, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    p.requires_grad_()
+    report = {}
+    z = fixed_point(
+        lambda z, p: rate * z + p,
+        p.detach() / (1 - rate),  # the fixed point itself: no forward iterations to speak of
+        (p,),
+        tol=1e-12,
+        solver=solver,
+        backward_max_iter=60,
+        report=report,
+    )
+    with pytest.warns(otreg.ConvergenceWarning, match="the adjoint solve stopped"):
+        z.sum().backward()
+    assert 1 <= report["backward_iterations"] <= 60 + (RESTART if solver == "gmres" else 0)
+
+
 def test_non_convergence_warns():
     A, b = contraction()
     with pytest.warns(otreg.ConvergenceWarning, match="fixed_point: stopped after 3"):
