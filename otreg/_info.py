@@ -60,17 +60,10 @@ def info(check_keops: bool = True, file=None) -> dict:
     if not ok:
         backends["keops"] = f"unavailable: {reason}"
     elif check_keops:  # compiled and run in a child process (once a machine)
-
-        def announce() -> None:  # the first time on a machine: minutes, say why
-            if file is not False:
-                print(
-                    f"checking KeOps on {device.type}: compiling otreg's formulas in a child "
-                    "process, once a machine (up to a few minutes)...",
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-        ok, reason = reductions.keops_status(device, announce)
+        if file is False:
+            ok, reason = reductions.keops_status(device, announce=None)
+        else:  # the first time on a machine: minutes, said on stderr
+            ok, reason = reductions.keops_status(device)
         backends["keops"] = (
             f"ok on {device.type} (checked in a child process)" if ok else f"off: {reason}"
         )

@@ -164,12 +164,14 @@ def status() -> dict:
     }
 
 
-def keops_status(device: torch.device | str | None = None, announce=None) -> tuple[bool, str]:
+def keops_status(
+    device: torch.device | str | None = None, announce=_keops.say_checking
+) -> tuple[bool, str]:
     """Whether KeOps can be used: without ``device``, whether pykeops is installed (nothing
     is imported); with it, the verdict of the check that compiles and runs otreg's formulas
     on that device in a child process (once a machine; cached on disk), so that a crash in
-    pykeops never takes this process down. ``announce()``, if given, is called before such
-    a check starts (it may take minutes).
+    pykeops never takes this process down. ``announce(device)`` is called before such a
+    check starts (it may take minutes; by default a line on stderr; None: silently).
 
     Example:
         >>> from otreg.reductions import keops_status

@@ -118,11 +118,22 @@ def environment(device: torch.device) -> dict[str, str]:
     return env
 
 
-def verdict(device: torch.device, announce=None) -> tuple[bool, str]:
+def say_checking(device: torch.device) -> None:
+    """One line on stderr before the check's child process: minutes of silence otherwise
+    (134 s on two cores with a cold cache, for a call with ``backend="keops"``)."""
+    print(
+        f"otreg: checking KeOps on {device.type}: compiling otreg's formulas in a child "
+        "process, once a machine and version (up to a few minutes)...",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def verdict(device: torch.device, announce=say_checking) -> tuple[bool, str]:
     """Whether pykeops compiles and runs otreg's formulas on ``device``: ``(ok, reason)``,
     from this process's memory, the cache file, or a child process that tries them (the
     first time on a machine, or after an upgrade; minutes when its cache is cold), after
-    calling ``announce()`` if given."""
+    calling ``announce(device)`` (None: silently)."""
     ok, reason = status()
     if not ok:
         return ok, reason
@@ -141,7 +152,7 @@ def verdict(device: torch.device, announce=None) -> tuple[bool, str]:
         _verdicts[key] = (bool(saved[key][0]), str(saved[key][1]))
         return _verdicts[key]
     if announce is not None:
-        announce()
+        announce(device)
     _verdicts[key] = _check_in_a_child(device)
     saved[key] = list(_verdicts[key])
     try:  # atomically: two processes checking at once write whole files

@@ -140,3 +140,25 @@ def test_otreg_info_says_before_a_check_that_may_take_minutes(tmp_path, monkeypa
     err.truncate(0)
     otreg.info(file=io.StringIO())
     assert "checking KeOps" not in err.getvalue()
+
+
+def test_a_call_with_backend_keops_says_before_its_check(tmp_path, monkeypatch):
+    """``backend="keops"`` on a machine without a verdict waited 134 s in silence while the
+    child process compiled: the same line as ``otreg info``'s comes first."""
+    import io
+
+    import torch
+
+    import otreg
+    from otreg.reductions import _keops
+
+    monkeypatch.setenv("OTREG_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_keops, "_verdicts", {})
+    monkeypatch.setattr(_keops, "status", lambda: (True, "ok"))
+    monkeypatch.setattr(_keops, "_check_in_a_child", lambda device: (False, "a stand-in"))
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    x, y = torch.rand(30, 3), torch.rand(40, 3)
+    with pytest.raises(otreg.KeOpsUnavailable, match="a stand-in"):
+        otreg.sinkhorn(x, y, backend="keops", multiscale=False)
+    assert "otreg: checking KeOps on cpu: compiling otreg's formulas" in err.getvalue()
