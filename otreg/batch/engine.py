@@ -345,7 +345,7 @@ def run_batch(
             _sweep_leftovers(out, [p.pair for p in planned])
     _collect_finished(out, todo, records)  # pairs that ended while an interrupt came
     selected = [p.pair for p in planned]
-    n_flagged = write_tables(out, selected, records) if tables else 0
+    n_flagged = _write_batch_tables(out, pairs, options, only, records) if tables else 0
     if report:
         build_report(out)
     n_failed = sum(1 for p in selected if records.get(p.pair_id, {}).get("status") == "failed")
@@ -375,6 +375,18 @@ def run_batch(
     else:
         code = EXIT_FAILED
     return BatchResult(planned, records, code, seconds)
+
+
+def _write_batch_tables(out: Path, pairs, options, only, records: dict) -> int:
+    """``summary.csv`` and ``failed.csv`` of the whole batch: with ``only``, the other
+    pairs' rows come from their records on disk (those of their current inputs and
+    options; a row each, 'not run' without one), so that a partial run does not drop them.
+    Returns the number of flagged pairs."""
+    if only is None:
+        return write_tables(out, list(pairs), records)
+    everyone = plan_batch(pairs, out, options)
+    kept = {p.pair.pair_id: p.record for p in everyone if p.state in ("done", "failed")}
+    return write_tables(out, [p.pair for p in everyone], {**kept, **records})
 
 
 def _collect_finished(out: Path, todo: list[Planned], records: dict) -> None:

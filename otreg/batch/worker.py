@@ -82,10 +82,10 @@ def _write_json(path: Path, doc: dict) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
-def _clear_old_outputs(out: Path, pair: Pair) -> None:
-    """Remove the pair's previous record first (so that nothing half-replaced looks done),
-    then the files it listed."""
-    for status in ("done", "failed"):
+def _clear_old_outputs(out: Path, pair: Pair, statuses=("done", "failed")) -> None:
+    """Remove the pair's previous records of ``statuses`` first (so that nothing
+    half-replaced looks done), then the files they listed."""
+    for status in statuses:
         path = record_path(out, pair, status)
         old = read_record(path)
         path.unlink(missing_ok=True)
@@ -94,7 +94,11 @@ def _clear_old_outputs(out: Path, pair: Pair) -> None:
 
 
 def write_failure(spec: dict, cls: str, err_type: str, reason: str, tb: str | None, **extra):
-    """Write a failure record into the pair's folder (replacing its old outputs)."""
+    """Write a failure record into the pair's folder, replacing an older failure's. An
+    earlier result of the pair (of other inputs or options) stays, its record and files
+    beside the failure: a rerun that failed on a changed values file had deleted a
+    registration that took minutes. The tables and the group page show the failure (the
+    record finished last); the next run that succeeds replaces both."""
     pair = Pair(**spec["pair"])
     out = Path(spec["out"])
     doc = _base_record(spec, pair)
@@ -105,7 +109,9 @@ def write_failure(spec: dict, cls: str, err_type: str, reason: str, tb: str | No
         finished=now_iso(),
     )
     doc.setdefault("files", {})
-    _clear_old_outputs(out, pair)
+    _clear_old_outputs(out, pair, statuses=("failed",))
+    if read_record(record_path(out, pair, "done")) is not None:
+        doc["earlier_result_kept"] = record_path(out, pair, "done").name
     (out / pair.folder).mkdir(parents=True, exist_ok=True)
     _write_json(record_path(out, pair, "failed"), doc)
     return doc

@@ -3,6 +3,7 @@ before it starts), and ``otreg register`` as a batch of one (the same files and 
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
@@ -320,6 +321,40 @@ def test_a_batch_of_two_pairs_writes_the_carried_values_under_its_names(tmp_path
     again = plan_batch(changed, tmp_path / "out", {"model": "rigid", "picture": False})
     assert [p.state for p in again] == ["rerun", "rerun"]
     assert "the values to carry changed" in again[0].why
+
+
+def test_a_partial_rerun_keeps_the_other_pairs_rows_and_a_failed_rerun_the_earlier_result(
+    tmp_path,
+):
+    """``only`` one pair, whose carried map now holds a NaN: it fails before registering.
+    Its earlier result stays (a rerun failing on a values file had deleted it), and
+    summary.csv and failed.csv still hold the other pair (they held the selected one only,
+    while index.html said otherwise)."""
+    pytest.importorskip("distributed")
+    tgt = _sphere(tmp_path / "tpl.vtk", 21.0, 0.5)
+    pairs = []
+    for sub, shift in (("01", 0.0), ("02", 1.0)):
+        src = _sphere(tmp_path / f"sub-{sub}.vtk", 20.0, shift)
+        height, _ = _values(tmp_path, src, f"sub-{sub}")
+        pairs.append(Pair(f"sub-{sub}", src, tgt, folder=f"sub-{sub}", source_values=(height,)))
+    options = {"model": "rigid", "picture": False}
+    run = dict(workers=1, threads=torch.get_num_threads(), report=False, echo=lambda line: None)
+    assert run_batch(pairs, tmp_path / "out", options, **run).exit_code == 0
+    folder = tmp_path / "out" / "sub-02"
+    before = sorted(p.name for p in folder.iterdir())
+    z = load_values(pairs[1].source_values[0]).values.clone()
+    z[3] = float("nan")
+    save_values(z, pairs[1].source_values[0])
+    batch = run_batch(pairs, tmp_path / "out", options, only=["sub-02"], **run)
+    assert batch.records["sub-02"]["status"] == "failed"
+    assert "NaN" in batch.records["sub-02"]["error"]["reason"]
+    assert batch.records["sub-02"]["earlier_result_kept"] == "metrics.json"
+    after = sorted(p.name for p in folder.iterdir())
+    assert set(before) <= set(after) and "error.json" in after
+    rows = list(csv.DictReader((tmp_path / "out" / "summary.csv").open()))
+    assert [(r["pair_id"], r["status"]) for r in rows] == [("sub-01", "done"), ("sub-02", "failed")]
+    failed = list(csv.DictReader((tmp_path / "out" / "failed.csv").open()))
+    assert [r["pair_id"] for r in failed] == ["sub-02"]
 
 
 @pytest.mark.parametrize(
