@@ -308,7 +308,9 @@ def load_values(path: str | Path) -> VertexValues:
 def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Path) -> Path:
     """Write per-vertex values atomically, in the format of ``path``'s name (see
     :func:`load_values`); a tensor or array is a map (floats) or labels (integers, no
-    table). A ``.shape.gii`` map has GIFTI's shape intent; labels in GIFTI have a table
+    table). ``.func.gii`` and ``.shape.gii`` are maps whatever the dtype (integers are
+    written as float32, with a warning; ``.shape.gii`` has GIFTI's shape intent), ``.gii``
+    follows the dtype; labels in GIFTI have a table
     entry for every value (an annot's unassigned -1: ``???``). Refuses to overwrite
     ``values.source`` (the file they were read from), values that the format cannot hold
     (several columns in a morphometry file, labels beyond 32 bits, map values beyond
@@ -382,7 +384,33 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
                 f"{single.tiny:.3g} to {single.max:.3g} in size): rescale them (e.g. -log10 "
                 "of p-values), or write .npy"
             )
-    if values.label_table and kind not in (".label.gii", ".annot"):
+    if values.is_labels and _values.map_name(path.name):
+        if data.numel() and int(data.abs().max()) > 2**24:
+            raise ValueError(
+                f"{caller}: {path.name} is a GIFTI map, of 32-bit floats, which hold integers "
+                f"up to 2^24 exactly; these labels reach {int(data.abs().max())}: write "
+                ".label.gii or .npy"
+            )
+        warnings.warn(
+            f"{caller}: {path.name} is a GIFTI map (its name): these integer labels are "
+            "written as float32 values and read back as a map"
+            + (", without their table (names and colours)" if values.label_table else "")
+            + ": write .label.gii to keep them labels",
+            UserWarning,
+            stacklevel=2,
+        )
+    elif kind == ".annot" and values.is_labels:
+        keys = sorted(values.label_table or set(data.unique().tolist()) - {-1})
+        if keys != list(range(len(keys))):
+            shown = ", ".join(str(k) for k in keys[:4]) + (", ..." if len(keys) > 4 else "")
+            warnings.warn(
+                f"{caller}: {path.name}: an .annot numbers its labels by their table's order, "
+                f"so the ids {shown} are read back as 0 to {len(keys) - 1} (names and colours "
+                "kept): write .label.gii to keep the ids",
+                UserWarning,
+                stacklevel=2,
+            )
+    elif values.label_table and kind not in (".label.gii", ".gii", ".annot"):
         warnings.warn(
             f"{caller}: {path.name} keeps the labels but not their table (names and colours): "
             "write .label.gii or .annot to keep it",

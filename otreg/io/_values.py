@@ -238,7 +238,14 @@ def read_values(path: Path, caller: str) -> VertexValues:
 
 
 #: The GIFTI intent of a map by its file's name (a label file's is NIFTI_INTENT_LABEL).
-MAP_INTENTS = {".shape.gii": "NIFTI_INTENT_SHAPE"}
+MAP_INTENTS = {".shape.gii": "NIFTI_INTENT_SHAPE", ".func.gii": "NIFTI_INTENT_NONE"}
+
+
+def map_name(name: str) -> bool:
+    """Whether a file name asks for a GIFTI map (``.func.gii``, ``.shape.gii``, gzipped
+    or not), whatever its values' dtype."""
+    plain = name.lower().removesuffix(".gz")
+    return any(plain.endswith(e) for e in MAP_INTENTS)
 
 
 def _annot_colour(rgba) -> list[int]:
@@ -298,7 +305,7 @@ def write_values(values: VertexValues, path: Path, kind: str, name: str = "") ->
         dtype = np.int32 if values.is_labels else np.float32
         nib.save(nib.MGHImage(np.ascontiguousarray(volume.astype(dtype)), np.eye(4)), str(path))
     else:
-        labels = values.is_labels
+        labels = values.is_labels and not map_name(name)  # the name says which
         columns = data[:, None] if data.ndim == 1 else data
         plain = name.lower().removesuffix(".gz")
         ends = next((e for e in MAP_INTENTS if plain.endswith(e)), None)

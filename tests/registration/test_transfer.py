@@ -4,6 +4,7 @@ values come in."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -252,6 +253,36 @@ def test_label_files_keep_their_table(tmp_path, name):
     for v in back.values.unique().tolist():
         key = next(k for k in table if table[k][0] == back.label_table[v][0])
         assert np.allclose(back.label_table[v][1][:3], table[key][1][:3], atol=1 / 255)
+
+
+@pytest.mark.parametrize("name", ["ids.func.gii", "ids.shape.gii.gz"])
+def test_a_map_name_writes_a_map_whatever_the_dtype(tmp_path, name):
+    """Integer values named .func.gii / .shape.gii: a GIFTI map of float32 values (they were
+    written as a label file, with a warning that called it one without its table)."""
+    table = {1: ("V1", (1.0, 0.0, 0.0, 1.0))}
+    with pytest.warns(UserWarning, match="is a GIFTI map .* read back as a map, without"):
+        path = save_values(VertexValues(torch.tensor([1, 2, 3]), table), tmp_path / name)
+    back = load_values(path)
+    assert not back.is_labels and back.values.tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match=r"integers up to 2\^24 exactly"):
+        save_values(torch.tensor([1, 2**24 + 1]), tmp_path / name)
+    with warnings.catch_warnings():  # a plain .gii follows the dtype: labels, table kept
+        warnings.simplefilter("error")
+        written = save_values(VertexValues(torch.tensor([1, 2]), table), tmp_path / "p.gii")
+    plain = load_values(written)
+    assert plain.is_labels and plain.label_table[1][0] == "V1"
+
+
+def test_an_annot_says_that_it_renumbers_ids_with_gaps(tmp_path):
+    """An .annot stores indices into its table: ids -1, 3, 7 came back as -1, 0, 1 without a
+    word; contiguous ids from 0 (Desikan-Killiany's, Schaefer's) say nothing."""
+    table = {3: ("a", (1.0, 0.0, 0.0, 1.0)), 7: ("b", (0.0, 1.0, 0.0, 1.0))}
+    with pytest.warns(UserWarning, match="the ids 3, 7 are read back as 0 to 1"):
+        path = save_values(VertexValues(torch.tensor([-1, 3, 7]), table), tmp_path / "gap.annot")
+    assert load_values(path).values.tolist() == [-1, 0, 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_values(VertexValues(torch.tensor([0, 1, 1]), None), tmp_path / "ok.annot")
 
 
 def test_an_annot_keeps_a_black_label_and_labels_of_one_colour(tmp_path):
