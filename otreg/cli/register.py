@@ -14,7 +14,9 @@ from .. import datasets
 from .._checks import check_progress
 from ..batch.job import JobOptions, carried_outputs, run_job
 from ..batch.manifest import Pair
-from ..io import load_shape, load_values, same_file, save_shape, save_values
+from ..batch.records import DONE_NAME, FAILED_NAME, read_record
+from ..io import load_shape, load_values, same_file, save_shape, save_values, values_stem
+from ..io._values import map_name, suffix
 from ..registration import Registration
 from ._common import (
     check_volume_options,
@@ -273,7 +275,9 @@ def _demo_pair(pair: str, hemi: str, surface: str, points: int | None):
     type=click.Choice(["auto", "map", "labels"]),
     help="map: barycentric interpolation on the nearest triangle; labels: the label whose "
     "corners of the nearest triangle hold the most barycentric weight (summed per label; "
-    "whole-number floats count as integers); auto: labels for integer values.",
+    "whole-number floats count as integers); auto: what OUTPUT's name asks for (labels for "
+    ".label.gii and .annot, a map for .func.gii and .shape.gii), else labels for integer "
+    "values.",
 )
 @click.option(
     "--target",
@@ -287,34 +291,62 @@ def transfer(
 ) -> None:
     """Carry per-vertex VALUES (.func.gii, .label.gii, .annot, lh.curv, .mgh, .npy) through the
     registration in RESULT (its folder, or one of its files) onto the other surface, and
-    write them as OUTPUT (the format of its name; labels keep their table)."""
+    write them as OUTPUT (the format of its name; labels keep their table), with labels'
+    confidence (0 to 1 a vertex) beside it as OUTPUT's stem + _confidence.npy."""
+    if kind == "auto" and suffix(Path(output)) in (".label.gii", ".annot"):
+        kind = "labels"
+    elif kind == "auto" and map_name(Path(output).name):
+        kind = "map"
+    confidence_file = Path(output).with_name(f"{values_stem(Path(output).name)}_confidence.npy")
     with warnings_as_lines():
         try:
             res = Registration.load(result)
             given = load_values(values)
             target = None if target_file is None else load_shape(target_file)
         except (ValueError, TypeError, FileNotFoundError) as err:
-            raise click.ClickException(str(err)) from err
+            raise click.ClickException(_failed_pair(result) or str(err)) from err
         try:
             out = res.transfer(given, to=to, kind=kind, target=target)
-            if same_file(output, values) or any(
-                same_file(output, p) for p in res.inputs.values() if p
-            ):
-                raise ValueError(f"{output} is an input; otreg never overwrites one")
+            for written in (output, confidence_file if out.confidence is not None else None):
+                if written is not None and (
+                    same_file(written, values)
+                    or any(same_file(written, p) for p in res.inputs.values() if p)
+                ):
+                    raise ValueError(f"{written} is an input; otreg never overwrites one")
             save_values(out, output)
+            if out.confidence is not None:
+                save_values(out.confidence, confidence_file)
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(_in_cli_words(str(err), res, given, to)) from err
     what = "labels" if out.is_labels else "a map"
     conf = ""
     if out.confidence is not None:
-        conf = f"; confidence below 0.5 at {int((out.confidence < 0.5).sum()):,} vertices"
+        low = int((out.confidence < 0.5).sum())
+        conf = f"; confidence below 0.5 at {low:,} vertices, in {confidence_file.name}"
     click.echo(f"wrote {output}: {what} at {out.n_vertices:,} {to} vertices{conf}")
+
+
+def _failed_pair(result: str) -> str | None:
+    """Why RESULT holds no registration where it is a failed batch pair's folder (its
+    error.json), or None."""
+    folder = Path(result) if Path(result).is_dir() else Path(result).parent
+    failures = sorted(folder.glob(f"*{FAILED_NAME}"))
+    if not failures or any(folder.glob(f"*{DONE_NAME}")):
+        return None
+    record = read_record(failures[0]) or {}
+    reason = (record.get("error") or {}).get("reason", "see the record")
+    return (
+        f"{result} holds no registration: its pair failed ({failures[0].name}: {reason}); "
+        "fix the cause and run the batch again"
+    )
 
 
 def _in_cli_words(message: str, res: Registration, given, to: str) -> str:
     """A transfer's error in the command's words: its options, not the API's arguments,
     and the other direction where the values have the other surface's vertex count."""
     message = message.replace("give target= (", "give --target (")
+    message = message.replace("give to='source'", "give --to source")
+    message = message.replace("give to='target'", "give --to target")
     message = message.removeprefix("Registration.transfer: ")
     if "values have shape" in message:
         counts = {"source": res.warped.n_points}
@@ -322,6 +354,6 @@ def _in_cli_words(message: str, res: Registration, given, to: str) -> str:
             counts["target"] = (res.target_summary or {}).get("vertices") or res.target.n_points
         # values for --to target belong on the source; these look like the target's
         belong, look = ("source", "target") if to == "target" else ("target", "source")
-        if counts.get(look) == given.n_vertices != counts.get(belong):
+        if counts.get(look) == given.n_vertices != counts.get(belong) and "--to" not in message:
             message += f" (they have the {look}'s vertex count: --to {belong}?)"
     return message

@@ -250,6 +250,47 @@ def test_transfer_carries_a_label_file_through_a_saved_registration(tmp_path):
     assert r.exit_code == 1 and "nope.func.gii does not exist" in r.output
 
 
+def test_transfer_writes_the_confidence_and_follows_the_output_name(tmp_path):
+    """Labels' confidence goes beside the output (register and batch wrote it, transfer
+    only counted it); labels stored as floats, asked for as a .label.gii, are carried as
+    labels (they were carried as a map, then refused as 'holds labels but the values are
+    float32'); a failed batch pair's folder is named as such (not 'parameters.npz is
+    missing')."""
+    import numpy as np
+    import pyvista as pv
+
+    from otreg import Shape, save_shape
+    from otreg.io import load_values, save_values
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    src = save_shape(ball, tmp_path / "src.vtk")
+    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
+    assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
+               "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    halves = ((ball.points[:, 2] > 0).float() + 1).numpy()
+    np.save(tmp_path / "halves.npy", halves)  # whole-number floats
+    out = tmp_path / "on-target.label.gii"
+    r = run("transfer", str(tmp_path / "r"), str(tmp_path / "halves.npy"), "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert "labels at" in r.output and "on-target_confidence.npy" in r.output
+    confidence = np.load(tmp_path / "on-target_confidence.npy")
+    assert confidence.shape == (ball.n_points,) and 0 <= confidence.min() <= 1
+    assert load_values(out).is_labels
+    as_map = tmp_path / "z.func.gii"
+    save_values(ball.points[:, 2].clone(), tmp_path / "z_src.func.gii")
+    assert run("transfer", str(tmp_path / "r"), str(tmp_path / "z_src.func.gii"), "-o",
+               str(as_map)).exit_code == 0  # fmt: skip
+    assert not (tmp_path / "z_confidence.npy").exists()  # a map has none
+    failed = tmp_path / "failed-pair"
+    failed.mkdir()
+    (failed / "sub-01_error.json").write_text(json.dumps({
+        "format": 1, "pair_id": "sub-01", "status": "failed",
+        "error": {"class": "bad input", "reason": "values hold 1 NaN"}}))  # fmt: skip
+    r = run("transfer", str(failed), str(tmp_path / "z_src.func.gii"), "-o", str(as_map))
+    assert r.exit_code == 1 and "holds no registration: its pair failed" in r.output, r.output
+    assert "values hold 1 NaN" in r.output
+
+
 def test_device_is_checked_before_any_work(two_meshes, tmp_path, no_work):
     """--device: a name that is no device is a usage error; CUDA where torch sees none says
     so (the same for a batch run locally); cpu runs as without it."""
@@ -451,12 +492,13 @@ def test_transfer_of_values_of_the_other_side_says_which_way(tmp_path):
     on_source = save_values(fine.points[:, 2].clone(), tmp_path / "s.func.gii")
     on_target = save_values(coarse.points[:, 2].clone(), tmp_path / "t.func.gii")
     for values, to, says in [
-        (on_source, "source", "they have the source's vertex count: --to target?"),
-        (on_target, "target", "they have the target's vertex count: --to source?"),
+        (on_source, "source", "give --to target"),
+        (on_target, "target", "give --to source"),
     ]:
         r = run("transfer", str(tmp_path / "r"), str(values), "-o", str(tmp_path / "o.func.gii"),
                 "--to", to)  # fmt: skip
         assert r.exit_code == 1 and says in r.output, r.output
+        assert r.output.count("--to") == 1 and "to='" not in r.output  # said once, as options
         assert not (tmp_path / "o.func.gii").exists()
     gone = tmp_path / "moved.vtk"
     tgt.rename(gone)
