@@ -89,7 +89,12 @@ def runner_options(f):
             help="Memory of a local worker ('4GB', or auto: the machine's / workers); a "
             "worker above 95% of it is restarted and its pair fails 'out of memory'.",
         ),
-        click.option("--dry-run", is_flag=True, help="Print what would run, and why; run nothing."),
+        click.option(
+            "--dry-run",
+            is_flag=True,
+            help="Print what would run, and why; run nothing (exit code 3 where a pair "
+            "failed before or will fail, as the run's would be).",
+        ),
         click.option("--rerun-failed", is_flag=True, help="Run again the pairs that failed."),
         click.option(
             "--only",
@@ -128,7 +133,8 @@ def run_engine(pairs, output: str | Path, kw: dict, tables: bool = True) -> None
                 for p in planned:
                     counts[p.state] = counts.get(p.state, 0) + 1
                 click.echo(", ".join(f"{n} {state}" for state, n in counts.items()), err=True)
-                sys.exit(0)
+                # as a run would end: 3 where a pair failed before or will fail
+                sys.exit(3 if counts.keys() & {"failed", "missing input"} else 0)
             result = run_batch(
                 pairs,
                 out,

@@ -333,8 +333,8 @@ class Registration:
                 f"{caller}: source has {source.n_points} vertices; the warped source has "
                 f"{self.warped.n_points}: give the surface that was registered"
             )
-        given = _vertex_values(caller, source_labels, self.warped, "source")
-        own = _vertex_values(caller, target_labels, goal, "target")
+        given = _vertex_values(caller, source_labels, self.warped, "source", name="source_labels")
+        own = _vertex_values(caller, target_labels, goal, "target", name="target_labels")
         for name, v in (("source_labels", given), ("target_labels", own)):
             if not v.is_labels or v.values.dim() != 1:
                 raise ValueError(
@@ -561,10 +561,16 @@ def _locate(caller: str, path: Path) -> tuple[Path, str]:
 
 
 def _vertex_values(
-    caller: str, values, surface: Shape, role: str, other: Shape | None = None
+    caller: str,
+    values,
+    surface: Shape,
+    role: str,
+    other: Shape | None = None,
+    name: str = "values",
 ) -> VertexValues:
-    """``values`` checked against the surface they come from (its vertex count); ``other``,
-    the surface they would go to, for the hint where they have its vertex count."""
+    """``values`` (the argument ``name``) checked against the surface they come from (its
+    vertex count); ``other``, the surface they would go to, for the hint where they have
+    its vertex count."""
     if isinstance(values, str):
         if values not in surface.data:
             have = ", ".join(sorted(surface.data)) or "none"
@@ -583,12 +589,17 @@ def _vertex_values(
             )
         values = surface.data[values]
     if isinstance(values, np.ndarray):
+        if values.dtype.kind not in "biuf":  # strings, objects: torch's own words name none
+            raise TypeError(
+                f"{caller}: {name} is an array of {values.dtype}; give numbers (labels as "
+                "integers with a table: otreg.io.VertexValues(ids, {id: (name, rgba)}))"
+            )
         values = torch.as_tensor(values)
     if isinstance(values, torch.Tensor):
         values = VertexValues(values.detach().cpu())
     if not isinstance(values, VertexValues):
         raise TypeError(
-            f"{caller}: values must be a tensor, an array, a VertexValues or the name of a "
+            f"{caller}: {name} must be a tensor, an array, a VertexValues or the name of a "
             f"per-vertex array; got {type(values).__name__}"
         )
     shape = tuple(values.values.shape)
@@ -603,7 +614,7 @@ def _vertex_values(
                 f"the {role}, give to={role!r})"
             )
         raise ValueError(
-            f"{caller}: values have shape {shape}; the {role} has {surface.n_points} "
+            f"{caller}: {name} have shape {shape}; the {role} has {surface.n_points} "
             f"vertices: give (N,) or (N, C) with N = {surface.n_points}{hint}"
         )
     return values

@@ -81,6 +81,8 @@ def test_label_overlap_before_and_after(ball):
     labels = (torch.atan2(ball.points[:, 1], ball.points[:, 0]) * 2).floor().long() + 10
     overlap = res.label_overlap(labels, labels)
     assert overlap["dice"] > 0.97
+    with pytest.raises(ValueError, match=r"target_labels have shape \(5,\); the target"):
+        res.label_overlap(labels, labels[:5])  # the argument named, not 'values'
     nearest = torch.cdist(target.points, ball.points).argmin(1)  # before: the nearest vertex
     carried = labels[nearest]
     a, b = [(carried == k) for k in labels.unique()], [(labels == k) for k in labels.unique()]
@@ -189,6 +191,7 @@ def test_a_saved_result_finds_its_target_or_asks_for_it(ball, tmp_path):
         ("thickness", "the source carries no per-vertex array 'thickness'", ValueError),
         ("/data/lh.thickness", r"give otreg.io.load_values\('/data/lh.thickness'\)", ValueError),
         ([1, 2], "values must be a tensor", TypeError),
+        (np.array(["a"] * 8), "values is an array of <U1; give numbers", TypeError),
     ],
 )
 def test_bad_values_are_named(ball, values, match, error):
