@@ -297,8 +297,12 @@ def run_job(
         for role, given in (("source", source), ("target", target))
     )
     carried = {  # read and checked before the work: (file, values) by the side they go to
-        "target": [_read_carried("source", path, full, full_target) for path in source_values],
-        "source": [_read_carried("target", path, full_target, full) for path in target_values],
+        "target": [
+            _read_carried("source", path, full, full_target, source) for path in source_values
+        ],
+        "source": [
+            _read_carried("target", path, full_target, full, target) for path in target_values
+        ],
     }
     src, tgt = (
         s
@@ -350,10 +354,11 @@ def _overlaps(res, source: Shape, target: Shape, carried: dict) -> dict:
     return out
 
 
-def _read_carried(side: str, path: str | Path, surface: Shape, other: Shape) -> tuple:
+def _read_carried(side: str, path: str | Path, surface: Shape, other: Shape, surface_file) -> tuple:
     """``(path, values)``: the values of file ``path`` at the vertices of ``surface`` (the
-    ``side``; ``other`` the other side), checked as the transfer will carry them (one a
-    vertex, a map finite); errors name the file."""
+    ``side``, given as ``surface_file``; ``other`` the other side), checked as the transfer
+    will carry them (one a vertex, a map finite, the surface's structure); errors name the
+    file."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{side} values {path} does not exist")
     try:
@@ -361,7 +366,7 @@ def _read_carried(side: str, path: str | Path, surface: Shape, other: Shape) -> 
     except (ValueError, TypeError, OSError) as err:
         raise InputError(f"{side} values {path}: {err}") from err
     try:
-        checked_values(f"{side} values {path}", values, surface, side)
+        checked_values(f"{side} values {path}", values, surface, side, surface_file=surface_file)
     except (ValueError, TypeError) as err:
         name = "target" if side == "source" else "source"
         hint = ""

@@ -15,8 +15,15 @@ from .._checks import check_progress
 from ..batch.job import JobOptions, carried_outputs, run_job
 from ..batch.manifest import Pair
 from ..batch.records import DONE_NAME, FAILED_NAME, read_record
-from ..io import load_shape, load_values, same_file, save_shape, save_values, values_stem
-from ..io._values import map_name, suffix
+from ..io import (
+    kind_of_name,
+    load_shape,
+    load_values,
+    same_file,
+    save_shape,
+    save_values,
+    values_stem,
+)
 from ..registration import Registration
 from ._common import (
     check_volume_options,
@@ -293,10 +300,8 @@ def transfer(
     registration in RESULT (its folder, or one of its files) onto the other surface, and
     write them as OUTPUT (the format of its name; labels keep their table), with labels'
     confidence (0 to 1 a vertex) beside it as OUTPUT's stem + _confidence.npy."""
-    if kind == "auto" and suffix(Path(output)) in (".label.gii", ".annot"):
-        kind = "labels"
-    elif kind == "auto" and map_name(Path(output).name):
-        kind = "map"
+    if kind == "auto":  # the name asks for labels or a map, or the values' dtype decides
+        kind = kind_of_name(output) or "auto"
     confidence_file = Path(output).with_name(f"{values_stem(Path(output).name)}_confidence.npy")
     with warnings_as_lines():
         try:

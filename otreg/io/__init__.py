@@ -42,6 +42,8 @@ __all__ = [
     "VertexValues",
     "unlabelled",
     "values_stem",
+    "gifti_structure",
+    "kind_of_name",
     "load_values",
     "save_values",
     "load_shape",
@@ -62,6 +64,8 @@ VOLUME_EXTS = (".nii", ".nii.gz", ".mgz")
 VertexValues = _values.VertexValues
 unlabelled = _values.unlabelled
 values_stem = _values.values_stem
+gifti_structure = _values.gifti_structure
+kind_of_name = _values.kind_of_name
 MESH_EXTS = (*_files.PYVISTA_EXTS, ".gii", ".gii.gz", ".csv", ".npy")
 
 

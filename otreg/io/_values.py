@@ -17,6 +17,7 @@ one of its channels moved by a unit or a few (of 255)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["VertexValues", "unlabelled", "values_stem"]
+__all__ = ["VertexValues", "gifti_structure", "kind_of_name", "unlabelled", "values_stem"]
 
 #: A label table: label value -> (name, RGBA colour in [0, 1]).
 LabelTable = dict[int, tuple[str, tuple[float, float, float, float]]]
@@ -53,6 +54,9 @@ class VertexValues:
     #: the file they were read from (:func:`~otreg.io.load_values`), which
     #: :func:`~otreg.io.save_values` never overwrites
     source: Path | None = field(default=None, repr=False, compare=False)
+    #: the structure a GIFTI file says they belong to (its AnatomicalStructurePrimary,
+    #: e.g. ``"CortexLeft"``), checked against the surface they are carried from
+    structure: str | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         dtype = str(self.values.dtype).removeprefix("torch.")
@@ -203,29 +207,8 @@ def read_values(path: Path, caller: str) -> VertexValues:
                 return VertexValues(torch.as_tensor(data.astype(np.int64)))
             return VertexValues(torch.as_tensor(np.asarray(data, dtype=np.float32)))
         img = nib.load(str(path))
-        intents = {nib.nifti1.intent_codes.label[d.intent] for d in img.darrays}
-        if intents & {"pointset", "triangle"}:
-            raise _NotValues(
-                f"{caller}: {path} is a surface (points and triangles), not values at its "
-                "vertices: read it with otreg.load_shape"
-            )
-        arrays = [d.data for d in img.darrays]
-        data = arrays[0] if len(arrays) == 1 else np.stack(arrays, axis=1)
-        if kind == ".label.gii" and not np.issubdtype(data.dtype, np.integer):
-            fractional = np.asarray(data) != np.round(np.asarray(data))
-            if fractional.any():
-                raise _NotLabels(
-                    f"{caller}: {path} is a label file but {int(fractional.sum())} of its "
-                    f"values are not whole numbers (e.g. {float(data[fractional][0])}); labels "
-                    "are integers: name a map .func.gii or .shape.gii"
-                )
-        if kind == ".label.gii" or np.issubdtype(data.dtype, np.integer):
-            table = {
-                int(lab.key): (str(lab.label), tuple(float(c) for c in lab.rgba))
-                for lab in img.labeltable.labels
-            }
-            return VertexValues(torch.as_tensor(data.astype(np.int64)), table or None)
-        return VertexValues(torch.as_tensor(np.asarray(data)))
+        values = _gifti_values(img, path, kind, caller)
+        return dataclasses.replace(values, structure=_structure(img))
     except _NotValues:
         raise
     except Exception as err:  # nibabel's readers raise many kinds (XML, zip, struct...)
@@ -237,6 +220,63 @@ def read_values(path: Path, caller: str) -> VertexValues:
         ) from err
 
 
+def _structure(img) -> str | None:
+    """A GIFTI image's AnatomicalStructurePrimary (the file's or its first array's)."""
+    for meta in (img.meta, *(d.meta for d in img.darrays[:1])):
+        found = dict(meta or {}).get("AnatomicalStructurePrimary")
+        if found:
+            return str(found)
+    return None
+
+
+def gifti_structure(path: str | Path | None) -> str | None:
+    """The AnatomicalStructurePrimary of a GIFTI file (a surface or values), or None (no
+    such file, not GIFTI, none said, unreadable).
+
+    Example:
+        >>> from otreg.io import gifti_structure
+        >>> gifti_structure("lh.thickness") is None      # not a GIFTI file
+        True
+    """
+    import nibabel as nib
+
+    if path is None or not str(path).lower().removesuffix(".gz").endswith(".gii"):
+        return None
+    try:
+        return _structure(nib.load(str(path)))
+    except Exception:  # a moved or unreadable file: nothing to compare with
+        return None
+
+
+def _gifti_values(img, path: Path, kind: str, caller: str) -> VertexValues:
+    """The values of a GIFTI image (read from ``path``, of the values ``kind``)."""
+    import nibabel as nib
+
+    intents = {nib.nifti1.intent_codes.label[d.intent] for d in img.darrays}
+    if intents & {"pointset", "triangle"}:
+        raise _NotValues(
+            f"{caller}: {path} is a surface (points and triangles), not values at its "
+            "vertices: read it with otreg.load_shape"
+        )
+    arrays = [d.data for d in img.darrays]
+    data = arrays[0] if len(arrays) == 1 else np.stack(arrays, axis=1)
+    if kind == ".label.gii" and not np.issubdtype(data.dtype, np.integer):
+        fractional = np.asarray(data) != np.round(np.asarray(data))
+        if fractional.any():
+            raise _NotLabels(
+                f"{caller}: {path} is a label file but {int(fractional.sum())} of its "
+                f"values are not whole numbers (e.g. {float(data[fractional][0])}); labels "
+                "are integers: name a map .func.gii or .shape.gii"
+            )
+    if kind == ".label.gii" or np.issubdtype(data.dtype, np.integer):
+        table = {
+            int(lab.key): (str(lab.label), tuple(float(c) for c in lab.rgba))
+            for lab in img.labeltable.labels
+        }
+        return VertexValues(torch.as_tensor(data.astype(np.int64)), table or None)
+    return VertexValues(torch.as_tensor(np.asarray(data)))
+
+
 #: The GIFTI intent of a map by its file's name (a label file's is NIFTI_INTENT_LABEL).
 MAP_INTENTS = {".shape.gii": "NIFTI_INTENT_SHAPE", ".func.gii": "NIFTI_INTENT_NONE"}
 
@@ -246,6 +286,22 @@ def map_name(name: str) -> bool:
     or not), whatever its values' dtype."""
     plain = name.lower().removesuffix(".gz")
     return any(plain.endswith(e) for e in MAP_INTENTS)
+
+
+def kind_of_name(name: str | Path) -> str | None:
+    """What a values file's name asks for: ``"labels"`` (``.label.gii``, ``.annot``),
+    ``"map"`` (``.func.gii``, ``.shape.gii``; gzipped or not) or None (``.gii``, ``.npy``,
+    ``.mgh``, morphometry files: the values' dtype decides).
+
+    Example:
+        >>> from otreg.io import kind_of_name
+        >>> kind_of_name("lh.aparc.annot"), kind_of_name("thick.func.gii"), kind_of_name("x.npy")
+        ('labels', 'map', None)
+    """
+    path = Path(name)
+    if suffix(path) in (".label.gii", ".annot"):
+        return "labels"
+    return "map" if map_name(path.name) else None
 
 
 def _annot_colour(rgba) -> list[int]:

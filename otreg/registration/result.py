@@ -20,6 +20,7 @@ from ..io import (
     VertexValues,
     atomic_write_all,
     check_writable_folder,
+    gifti_structure,
     load_shape,
     read_pyvista_mesh,
     remove_stale_temps,
@@ -208,7 +209,9 @@ class Registration:
         goal = self._target(caller, target)
         origin, onto = (self.warped, goal) if to == "target" else (goal, self.warped)
         role = "source" if to == "target" else "target"
-        given, labels = checked_values(caller, values, origin, role, kind, onto)
+        given, labels = checked_values(
+            caller, values, origin, role, kind, onto, surface_file=self.inputs.get(role)
+        )
         return _carry(given, origin, onto.points, labels)
 
     def label_probabilities(
@@ -626,13 +629,28 @@ MAX_LABELS_GUESS = 1000
 
 
 def checked_values(
-    caller: str, values, surface: Shape, role: str, kind: str = "auto", other: Shape | None = None
+    caller: str,
+    values,
+    surface: Shape,
+    role: str,
+    kind: str = "auto",
+    other: Shape | None = None,
+    surface_file: str | Path | None = None,
 ) -> tuple[VertexValues, bool]:
     """``values`` checked as :meth:`Registration.transfer` would carry them from
-    ``surface`` (the ``role``) to ``other``: one a vertex, labels integers (floats that are
-    whole numbers become integers), a map finite; with whether they are carried as labels.
-    :func:`~otreg.batch.run_job` checks its files with it before the fit."""
+    ``surface`` (the ``role``, read from ``surface_file`` if known) to ``other``: one a
+    vertex, labels integers (floats that are whole numbers become integers), a map finite,
+    of the surface's structure where both GIFTI files say theirs; with whether they are
+    carried as labels. :func:`~otreg.batch.run_job` checks its files with it before the
+    fit."""
     given = _vertex_values(caller, values, surface, role, other)
+    theirs = gifti_structure(surface_file) if given.structure else None
+    if theirs is not None and theirs != given.structure:
+        raise ValueError(
+            f"{caller}: the values' file says they belong to {given.structure} (its "
+            f"AnatomicalStructurePrimary), the {role} surface's ({Path(surface_file).name}) "
+            f"to {theirs}: carry them through a registration of {given.structure}"
+        )
     labels = given.is_labels if kind == "auto" else kind == "labels"
     data = given.values
     if data.is_complex():

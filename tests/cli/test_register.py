@@ -291,6 +291,39 @@ def test_transfer_writes_the_confidence_and_follows_the_output_name(tmp_path):
     assert "values hold 1 NaN" in r.output
 
 
+def test_values_of_another_hemisphere_are_refused(tmp_path):
+    """A values file whose GIFTI says CortexRight, carried from a surface whose GIFTI says
+    CortexLeft (same vertex count): refused naming both (it was carried silently)."""
+    import nibabel as nib
+    import pyvista as pv
+
+    from otreg import Shape, save_shape
+    from otreg.io import gifti_structure, load_values, save_values
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    src = save_shape(ball, tmp_path / "src.surf.gii")
+    img = nib.load(src)
+    img.meta["AnatomicalStructurePrimary"] = "CortexLeft"
+    nib.save(img, src)
+    assert gifti_structure(src) == "CortexLeft"
+    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
+    assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
+               "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    for side, ok in (("CortexRight", False), ("CortexLeft", True)):
+        values = save_values(ball.points[:, 2].clone(), tmp_path / f"{side}.func.gii")
+        img = nib.load(values)
+        img.meta["AnatomicalStructurePrimary"] = side
+        nib.save(img, values)
+        assert load_values(values).structure == side
+        out = tmp_path / f"{side}_on_target.func.gii"
+        r = run("transfer", str(tmp_path / "r"), str(values), "-o", str(out))
+        if ok:
+            assert r.exit_code == 0, r.output
+        else:
+            assert r.exit_code == 1 and "belong to CortexRight" in r.output, r.output
+            assert "src.surf.gii) to CortexLeft" in r.output and not out.exists()
+
+
 def test_device_is_checked_before_any_work(two_meshes, tmp_path, no_work):
     """--device: a name that is no device is a usage error; CUDA where torch sees none says
     so (the same for a batch run locally); cpu runs as without it."""
