@@ -7,6 +7,8 @@ over 2 as cost, the divergence and its gradient in the first cloud):
 - ``spheres, shift S``: two noisy unit spheres (noise 0.02), centres S diameters apart;
 - ``spheres, radii 1 and 0.5``: a unit sphere and one of radius 0.5, centres 0.1 apart;
 - ``clusters vs ball``: eight tight clusters (std 0.02) against a uniform unit ball;
+- ``gaussians``: two Gaussian clouds (std 0.3, centres 0.25 apart), whose outliers, alone
+  in their cells, move their potentials far at the final blur;
 - ``brains, blur B mm``: fsaverage5's left pial surface's vertices (10,242, nilearn's
   wheel) against Conte69's left midthickness (32,492, brainspace's), in mm.
 
@@ -52,6 +54,7 @@ PROBLEMS = {
     "spheres, shift 1": ("spheres", {"shift": 1.0, "radius": 1.0}),
     "spheres, radii 1 and 0.5": ("spheres", {"shift": 0.05, "radius": 0.5}),
     "clusters vs ball": ("clusters", {}),
+    "gaussians": ("gaussians", {}),
     "brains, blur 3 mm": ("brains", {"blur": 3.0}),
     "brains, blur 1 mm": ("brains", {"blur": 1.0}),
 }
@@ -86,6 +89,11 @@ def data(problem: str, n: int, dtype):
         ball = torch.randn(n, 3, generator=g, dtype=torch.float64)
         radii = torch.rand(n, 1, generator=g, dtype=torch.float64) ** (1 / 3)
         y = ball / ball.norm(dim=1, keepdim=True) * radii
+    elif kind == "gaussians":
+        g = torch.Generator().manual_seed(4)
+        x = 0.3 * torch.randn(n, 3, generator=g, dtype=torch.float64)
+        y = 0.3 * torch.randn(n, 3, generator=g, dtype=torch.float64)
+        y[:, 0] += 0.25
     else:
         x = datasets.fsaverage5("pial", dtype=torch.float64).points
         y = datasets.conte69(surface="midthickness", dtype=torch.float64).points
