@@ -55,7 +55,9 @@ class VertexValues:
     #: :func:`~otreg.io.save_values` never overwrites
     source: Path | None = field(default=None, repr=False, compare=False)
     #: the structure a GIFTI file says they belong to (its AnatomicalStructurePrimary,
-    #: e.g. ``"CortexLeft"``), checked against the surface they are carried from
+    #: e.g. ``"CortexLeft"``), checked against the surface they are carried from; values
+    #: carried onto a surface whose GIFTI file says one get it, and GIFTI files written
+    #: keep it
     structure: str | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
@@ -373,6 +375,8 @@ def write_values(values: VertexValues, path: Path, kind: str, name: str = "") ->
                 for c in columns.T
             ]
         )
+        if values.structure:  # the structure they belong to, as Workbench and FreeSurfer say it
+            img.meta["AnatomicalStructurePrimary"] = values.structure
         if labels:  # every key written has an entry (-1, an annot's unassigned: ???)
             table = dict(values.label_table or {})
             for key in sorted(set(np.unique(data).tolist()) - set(table)):

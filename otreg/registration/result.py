@@ -212,7 +212,8 @@ class Registration:
         given, labels = checked_values(
             caller, values, origin, role, kind, onto, surface_file=self.inputs.get(role)
         )
-        return _carry(given, origin, onto.points, labels)
+        out = _carry(given, origin, onto.points, labels)
+        return dataclasses.replace(out, structure=gifti_structure(self.inputs.get(to)))
 
     def label_probabilities(
         self,

@@ -322,6 +322,12 @@ def test_values_of_another_hemisphere_are_refused(tmp_path):
         else:
             assert r.exit_code == 1 and "belong to CortexRight" in r.output, r.output
             assert "src.surf.gii) to CortexLeft" in r.output and not out.exists()
+    # values carried onto the source say its structure in the GIFTI file written
+    on_target = save_values(ball.points[:, 0].clone(), tmp_path / "x.func.gii")
+    back = tmp_path / "x_on_source.func.gii"
+    r = run("transfer", str(tmp_path / "r"), str(on_target), "-o", str(back), "--to", "source")
+    assert r.exit_code == 0, r.output
+    assert gifti_structure(back) == "CortexLeft" and gifti_structure(on_target) is None
 
 
 def test_device_is_checked_before_any_work(two_meshes, tmp_path, no_work):
