@@ -345,7 +345,7 @@ def run_batch(
             _sweep_leftovers(out, [p.pair for p in planned])
     _collect_finished(out, todo, records)  # pairs that ended while an interrupt came
     selected = [p.pair for p in planned]
-    n_flagged = _write_batch_tables(out, pairs, options, only, records) if tables else 0
+    n_flagged = _write_batch_tables(out, pairs, only, records) if tables else 0
     if report:
         build_report(out)
     n_failed = sum(1 for p in selected if records.get(p.pair_id, {}).get("status") == "failed")
@@ -377,16 +377,23 @@ def run_batch(
     return BatchResult(planned, records, code, seconds)
 
 
-def _write_batch_tables(out: Path, pairs, options, only, records: dict) -> int:
+def _write_batch_tables(out: Path, pairs, only, records: dict) -> int:
     """``summary.csv`` and ``failed.csv`` of the whole batch: with ``only``, the other
-    pairs' rows come from their records on disk (those of their current inputs and
-    options; a row each, 'not run' without one), so that a partial run does not drop them.
-    Returns the number of flagged pairs."""
+    pairs' rows come from their records on disk of the key the batch's plan holds for them
+    (a row each, 'not run' without one; their inputs are not hashed again), so that a
+    partial run does not drop them. Returns the number of flagged pairs."""
+    pairs = list(pairs)
     if only is None:
-        return write_tables(out, list(pairs), records)
-    everyone = plan_batch(pairs, out, options)
-    kept = {p.pair.pair_id: p.record for p in everyone if p.state in ("done", "failed")}
-    return write_tables(out, [p.pair for p in everyone], {**kept, **records})
+        return write_tables(out, pairs, records)
+    keys = read_plan(out) or {}
+    kept = {}
+    for pair in pairs:
+        for status in ("done", "failed"):
+            rec = read_record(record_path(out, pair, status))
+            if rec is not None and keys.get(pair.pair_id) == rec.get("key"):
+                kept[pair.pair_id] = rec
+                break
+    return write_tables(out, pairs, {**kept, **records})
 
 
 def _collect_finished(out: Path, todo: list[Planned], records: dict) -> None:

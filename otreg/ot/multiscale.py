@@ -698,9 +698,9 @@ class TruncatedKernel:
         potentials f (1, N), g (1, M) (sorted) is within ``truncate + VERIFY_MARGIN`` eps:
         every pair of each cell pair, in float64, a chunk of cell pairs at a time."""
         threshold = (self.truncate + VERIFY_MARGIN) * self.p.eps
-        x, y = self.cx.points.double(), self.cy.points.double()
-        f, g = f[0].double(), g[0].double()
         cx, cy = self.cx, self.cy
+        x, y = cx.points, cy.points  # gathered, then widened: no float64 copy of the clouds
+        f, g = f[0].double(), g[0].double()
         wx, wy = int(cx.sizes[I].max()), int(cy.sizes[J].max())
         ax, ay = torch.arange(wx, device=x.device), torch.arange(wy, device=y.device)
         step = max(1, (1 << 22) // (wx * wy))
@@ -710,7 +710,7 @@ class TruncatedKernel:
             j = cy.starts[cJ, None] + ay
             i_in, j_in = ax < cx.sizes[cI, None], ay < cy.sizes[cJ, None]
             i, j = i.clamp_max(len(f) - 1), j.clamp_max(len(g) - 1)
-            sq = torch.cdist(x[i], y[j]).square() / 2  # (P, wx, wy)
+            sq = torch.cdist(x[i].double(), y[j].double()).square() / 2  # (P, wx, wy)
             slack = sq - f[i][:, :, None] - g[j][:, None, :]
             slack = slack.masked_fill(~(i_in[:, :, None] & j_in[:, None, :]), math.inf)
             if bool((slack <= threshold).any()):
