@@ -592,6 +592,7 @@ def close_pairs(
     threshold: float,
     limit: int,
     estimate: list | None = None,
+    dropped: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The point pairs (i, j) of ``kernel``'s pattern whose slack |x_i - y_j|^2 / 2 - f_i -
     g_j is at most ``threshold`` (cost units), for its own sorted clouds x (N, D), y (M, D)
@@ -599,7 +600,10 @@ def close_pairs(
     grouped by row (each row's pairs in a run, the rows in the pattern's chunk order) and
     within a row by column; None as soon as more than ``limit`` are found (then
     ``estimate``, a list, receives how many the whole pattern would hold at the rate found
-    so far).
+    so far). ``dropped``, a list, receives the smallest slack of the pattern's pairs left
+    out, per row and per column: ``(N,)`` and ``(M,)``, float64, inf where none (so that a
+    caller can tell how far the potentials may move before one of them comes within
+    reach).
 
     The slack is summed in the points' dtype as the per-point terms ``|x_i - c|^2 / 2 - f_i``
     and ``|y_j - c|^2 / 2 - g_j`` (c the row cluster's centre) added first, then
@@ -613,6 +617,9 @@ def close_pairs(
     # padding: potentials -inf, so an infinite slack, never kept
     pf, pg = (torch.cat([p.to(wide), p.new_full((1,), -torch.inf, dtype=wide)]) for p in (f, g))
     found, count, searched = [], 0, 0
+    if dropped is not None:  # (a slot for the padding, dropped at the end)
+        row_min = px.new_full((x.shape[0] + 1,), torch.inf, dtype=x.dtype)
+        col_min = py.new_full((y.shape[0] + 1,), torch.inf, dtype=x.dtype)
     for k, (clusters, row_idx, _) in enumerate(kernel.chunks):
         col_idx = kernel._column_indices(k).long()
         c = kernel.rows.centres[clusters].to(wide).unsqueeze(1)  # (C, 1, D)
@@ -625,7 +632,8 @@ def close_pairs(
         rows_low, cols_low = rows.to(x.dtype), cols.to(x.dtype)
         s = rows_low.unsqueeze(2) + cols_low.unsqueeze(1)  # (C, R, L)
         s.baddbmm_(X, Y.transpose(1, 2), alpha=-1.0)
-        keep = (s.view(-1) <= threshold).nonzero().squeeze(1)
+        within = s <= threshold
+        keep = within.view(-1).nonzero().squeeze(1)
         count += len(keep)
         searched += s.numel()
         if count > limit:
@@ -636,12 +644,18 @@ def close_pairs(
         row_slot = keep // width  # c * R + r
         col_slot = row_slot // s.shape[1] * width + keep % width  # c * L + l
         slack = s.view(-1).index_select(0, keep).double()
+        if dropped is not None:  # (s is not needed after this)
+            s.view(-1).index_fill_(0, keep, torch.inf)  # (the kept pairs: few)
+            row_min.scatter_reduce_(0, row_idx.reshape(-1).long(), s.amin(2).view(-1), "amin")
+            col_min.scatter_reduce_(0, col_idx.reshape(-1), s.amin(1).view(-1), "amin")
         slack += (rows - rows_low).view(-1).index_select(0, row_slot)
         slack += (cols - cols_low).view(-1).index_select(0, col_slot)
         i = row_idx.view(-1).index_select(0, row_slot)
         j = col_idx.view(-1).index_select(0, col_slot)
         found.append((i, j, slack))
     i, j, slack = (torch.cat(t) for t in zip(*found))
+    if dropped is not None:
+        dropped.extend((row_min[:-1].double(), col_min[:-1].double()))
     return i, j, slack
 
 
@@ -674,13 +688,28 @@ class PairList:
         eps: the temperature the scores are divided by.
         slack: ``(P,)`` the pairs' slacks ``|x_i - y_j|^2 / 2 - f0_i - g0_j`` in float64,
             where known (:func:`close_pairs`); else computed here from the points.
+        dropped: the smallest slack (float64) of the pairs left out of the list, per row
+            (N,) and per column (M,), among those a caller searched (:func:`close_pairs`),
+            kept as ``self.dropped`` for the caller's test of when to make the list again.
     """
 
     def __init__(
-        self, x, y, i, j, log_a, log_b, f0, g0, eps: float, slack: torch.Tensor | None = None
+        self,
+        x,
+        y,
+        i,
+        j,
+        log_a,
+        log_b,
+        f0,
+        g0,
+        eps: float,
+        slack: torch.Tensor | None = None,
+        dropped: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.eps = eps
         self.f0, self.g0 = f0, g0
+        self.dropped = dropped
         if slack is None:
             xd, yd = x.double(), y.double()
             slack = x.new_zeros(i.shape, dtype=torch.float64)
@@ -728,6 +757,13 @@ class PairList:
 #: point's sum gets its own
 SHARED_SHIFT_RANGE = 60.0
 
+#: a :class:`PairList`'s softmin scales the other side's moves ``exp(dh - max(dh))`` up by
+#: this many e-folds, so that one point that moved far (an outlier whose potential rose by
+#: 50 eps) does not push every other point's terms below float32's smallest number (their
+#: sums 0, their softmins infinite); a term then is at most exp(60), a sum of 10^7 of them
+#: 1e33, within float32's 3e38
+SHIFT_HEADROOM = 60.0
+
 
 class _Side:
     """One direction of a :class:`PairList`: for the ``points`` (G,) of this side that
@@ -757,7 +793,7 @@ class _Side:
     def lse(self, dh: torch.Tensor) -> torch.Tensor:
         """Log sum exp(log w - r + dh[other]) per point, (n,) (-inf for a point with no
         pair)."""
-        shift = float(dh.max())
+        shift = float(dh.max()) - SHIFT_HEADROOM
         u = (dh - shift).exp_().to(self.factors.dtype)
         sums = torch.mv(self.factors, u).double().log_().add_(self.top).add_(shift)
         out = sums.new_full((self.n,), -torch.inf)
@@ -767,7 +803,7 @@ class _Side:
         """The terms exp(log w - r + dh[other]) of each point's sum scaled to sum to its
         ``weights`` (n,): ``(points, others, values)``, float64."""
         other = self.factors.col_indices()
-        u = (dh - float(dh.max())).exp()
+        u = (dh - (float(dh.max()) - SHIFT_HEADROOM)).exp()
         totals = torch.mv(self.factors, u.to(self.factors.dtype)).double()
         point = torch.repeat_interleave(self.points, self.counts)
         values = self.factors.values().double() * u.double().index_select(0, other)

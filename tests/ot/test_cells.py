@@ -109,7 +109,8 @@ def test_the_diagonal_and_its_gain_are_the_hessians(side):
 
 def _kernel_with_a_list():
     """1,000 clustered points against a ball at blur 0.01 (multiscale) after the annealing
-    and 20 updates, its pair list made: ``(problem, kernel, f, g)``, g the softmin of f."""
+    and 20 updates, its pair list made at the last potentials: ``(problem, kernel, f, g)``,
+    g the softmin of f."""
     x, y = clusters(1000)
     p = Problem.build("t", x, y, None, None, SinkhornOptions(blur=0.01, multiscale=True))
     kernel = make_kernel(p, p.x, p.a, p.y, p.b)
@@ -118,7 +119,9 @@ def _kernel_with_a_list():
         f = kernel.softmin_xy(p.eps, g)
         g = kernel.softmin_yx(p.eps, f)
     assert isinstance(kernel._list, PairList)
-    return p, kernel, f[0].double(), g[0].double()
+    f, g = f[0].double(), g[0].double()
+    kernel._build_list(f, g)  # (a list made earlier may hold while f moved since)
+    return p, kernel, f, g
 
 
 def dense_g(p, kernel, f):

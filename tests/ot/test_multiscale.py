@@ -335,7 +335,9 @@ def test_close_pairs_finds_exactly_the_pattern_pairs_within_the_threshold(offset
     in_pattern = torch.zeros(cx.n_clusters, cy.n_clusters, dtype=torch.bool)
     in_pattern[I[half], J[half]] = True
     expected = (slack <= 0.05) & in_pattern[cx.labels][:, cy.labels]
-    i, j, found_slack = close_pairs(kernel, cx.points, cy.points, f, g, 0.05, limit=10**6)
+    dropped = []
+    found = close_pairs(kernel, cx.points, cy.points, f, g, 0.05, 10**6, dropped=dropped)
+    i, j, found_slack = found
     order = torch.argsort(i * len(g) + j)
     assert torch.equal(
         torch.stack([i[order], j[order]]), torch.stack(expected.nonzero(as_tuple=True))
@@ -347,6 +349,14 @@ def test_close_pairs_finds_exactly_the_pattern_pairs_within_the_threshold(offset
     torch.testing.assert_close(found_slack, slack[i, j], rtol=0, atol=1e-6)
     assert 0 < len(i) < 0.5 * expected.numel()
     assert close_pairs(kernel, cx.points, cy.points, f, g, 0.05, limit=len(i) - 1) is None
+    # each row's and column's smallest slack among the pattern's pairs left out (inf where
+    # none), to float32's rounding of the potentials' size
+    left_out = slack.masked_fill(~in_pattern[cx.labels][:, cy.labels] | expected, torch.inf)
+    rows, cols = dropped
+    assert rows.dtype == cols.dtype == torch.float64
+    tol = 1e-6 + 1e-7 * offset
+    torch.testing.assert_close(rows, left_out.amin(1), rtol=0, atol=tol)
+    torch.testing.assert_close(cols, left_out.amin(0), rtol=0, atol=tol)
 
 
 def test_solve_on_the_pair_list_equals_the_dense_solve_where_points_are_sparser_than_the_blur():
@@ -474,6 +484,59 @@ def test_a_move_the_list_accepts_leaves_every_dropped_pair_below_the_truncation(
     # a rise in cells the pattern joins, by more than the margin: rebuilt
     near = int(J[I == apart[0]][0])
     assert not kernel._within(df, 0.75 * margin * (cy.labels == near).double())
+
+
+def test_a_point_that_rises_past_the_margin_keeps_the_list_while_its_dropped_pairs_are_far():
+    """One point of x whose potential rises by more than the list's margin (an outlier):
+    the list stays while each pair it dropped keeps a slack above ``truncate`` eps (its
+    own smallest dropped slack, brute force), and is made again once one comes within."""
+    p, kernel, g = _annealed_kernel()
+    kernel.softmin_xy(p.eps, g.double())  # on the cells; the list is built
+    listed, eps, truncate = kernel._list, p.eps, kernel.truncate
+    xs, ys = kernel.cx.points.double(), kernel.cy.points.double()
+    cost = ((xs[:, None] - ys[None]) ** 2).sum(-1) / 2
+    kept = torch.zeros_like(cost, dtype=torch.bool)
+    kept[_pair_indices(listed)] = True
+    cells = kernel.cx.labels[:, None] * kernel.cy.n_clusters + kernel.cy.labels[None]
+    I, J = kernel.kernels.pairs
+    in_pattern = torch.isin(cells, I * kernel.cy.n_clusters + J)
+    slack0 = cost - listed.f0[:, None] - listed.g0[None]
+    dropped = slack0.masked_fill(kept | ~in_pattern, torch.inf).amin(1)
+    assert bool((dropped >= (truncate + kernel.list_margin) * eps - 1e-6).all())
+    far = int(dropped.masked_fill(torch.isinf(dropped), 0).argmax())
+    room = float(dropped[far]) - truncate * eps  # how far the point may rise
+    assert room > 2 * kernel.list_margin * eps
+    for rise, keeps in ((room - eps, True), (room + eps, False)):
+        df = torch.zeros_like(listed.f0)
+        df[far] = rise
+        assert kernel._within(df, torch.zeros_like(listed.g0)) is keeps
+        worst = (slack0[far] - rise).masked_fill(kept[far] | ~in_pattern[far], torch.inf)
+        assert (float(worst.min()) > truncate * eps) is keeps  # brute force agrees
+
+
+def test_a_pair_list_softmin_stays_finite_when_one_point_rises_far():
+    """One column's potential up by 110 eps: the rows without it keep finite sums equal to
+    brute force (a shift by the largest rise alone pushed their float32 terms to 0)."""
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.rand(50, 3, generator=gen), torch.rand(60, 3, generator=gen)
+    keep = torch.rand(50, 60, generator=gen) < 0.2
+    keep[torch.arange(50), torch.arange(50)] = True
+    keep[:, 0] = False
+    keep[0, 0] = True  # column 0 in row 0 only
+    i, j = keep.nonzero(as_tuple=True)
+    eps = 0.01
+    log_a, log_b = torch.full((50,), -math.log(50)), torch.full((60,), -math.log(60))
+    xd, yd = x.double(), y.double()
+    g0 = torch.zeros(60, dtype=torch.float64)
+    # f0 the rows' softmin: every row's top term near 1
+    f0 = _brute_softmin(xd, yd, log_b.double(), g0, eps, keep)
+    pairs = PairList(x, y, i, j, log_a, log_b, f0, g0, eps)
+    g = g0.clone()
+    g[0] += 110 * eps
+    rows = _brute_softmin(xd, yd, log_b.double(), g, eps, keep)
+    got = pairs.softmin_rows(g)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got, rows, rtol=0, atol=1e-5 * eps)
 
 
 def _pair_indices(listed):
