@@ -474,6 +474,8 @@ class TruncatedKernel:
         eps = self.p.eps
         if float(rises.max()) <= self.list_margin * eps:
             return True
+        if self._list.dropped is None:  # (a list made without its dropped slacks)
+            return False
         dropped_f, dropped_g = self._list.dropped
         by_rows = self.cx.per_cluster_max(df - dropped_f)[I] + rise_g[J]
         by_cols = rise_f[I] + self.cy.per_cluster_max(dg - dropped_g)[J]
