@@ -632,8 +632,7 @@ def close_pairs(
         rows_low, cols_low = rows.to(x.dtype), cols.to(x.dtype)
         s = rows_low.unsqueeze(2) + cols_low.unsqueeze(1)  # (C, R, L)
         s.baddbmm_(X, Y.transpose(1, 2), alpha=-1.0)
-        within = s <= threshold
-        keep = within.view(-1).nonzero().squeeze(1)
+        keep = (s.view(-1) <= threshold).nonzero().squeeze(1)
         count += len(keep)
         searched += s.numel()
         if count > limit:
