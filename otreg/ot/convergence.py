@@ -216,7 +216,10 @@ class Relaxation:
 class StoppingRule:
     """When the alternating updates at the final eps stop.
 
-    ``"tol"``: converged: the marginal error is below ``tol`` (a number), or, with
+    ``"tol"``: converged: the marginal error is below ``tol`` (a number) and, where the loop
+    passes ``tails``, the marginal error weighed in the gradient is below ``TAIL_FACTOR``
+    times ``tol`` (:func:`otreg.ot.loop.gradient_weighted_error`, checked at most every
+    ``TAIL_EVERY`` updates once the marginal error is below ``tol``); or, with
     ``tol=Accuracy(...)``, the value's and the gradient's estimated errors are below its
     tolerances (:class:`Accuracy`; the loop passes a ``probe`` that
     evaluates them). ``"stalled"``: the error is
@@ -237,6 +240,15 @@ class StoppingRule:
 
     PATIENCE = 100
     PROGRESS = 0.99
+    #: the L1 marginal error weighs each point by its mass, so a few far points that carry
+    #: the gradient (heavy tails) can be far from their marginal when it is below tol: the
+    #: same error weighed by each point's share of the gradient must be below TAIL_FACTOR
+    #: times tol too. Measured (every pair, float64, N = 3,000, ``tol`` 1e-3): on spheres,
+    #: Gaussian clouds and clusters it was 1.0 to 1.4 times the marginal error (never
+    #: binding); on Student-t clouds (3 degrees of freedom) 17 times, with the gradient 1.4e-2
+    #: off; stopping at 2e-3 there gave 1.4e-3
+    TAIL_FACTOR = 2.0
+    TAIL_EVERY = 5
     FLOOR = 10.0
     #: an Accuracy's estimate uses the ratios of the last WINDOW changes (WINDOW + 1 checks)
     WINDOW = 4
@@ -260,6 +272,8 @@ class StoppingRule:
         #: at the last check (infinite until ``WINDOW + 1`` checks have been made)
         self.estimates: dict[str, float] | None = None
         self._best, self._since, self._count = math.inf, 0, 0
+        #: the last gradient-weighted error measured (NaN: none) and when
+        self.tail_error, self._tail_at = math.nan, -self.TAIL_EVERY
         self._value_floor = value_floor
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self._changes: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -270,6 +284,7 @@ class StoppingRule:
         self.reason = "max_iter"
         self._best, self._since = math.inf, 0
         self._last, self._changes = None, []
+        self._tail_at = self._count - self.TAIL_EVERY
 
     @property
     def converged(self) -> bool:
@@ -281,21 +296,23 @@ class StoppingRule:
         err: float,
         floor: Callable[[], float] = lambda: 0.0,
         probe: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        tails: Callable[[], float] | None = None,
     ) -> bool:
         """Take the marginal error after an update; True to stop. ``floor()`` gives the
         error's rounding floor (computed only when the error has stalled); ``probe()`` the
         value (B,) and gradient (B, K) at the current potentials (called every
-        ``Accuracy.every`` iterations, with an :class:`Accuracy` only)."""
+        ``Accuracy.every`` iterations, with an :class:`Accuracy` only); ``tails()`` the
+        gradient-weighted marginal error there (called once the error is below ``tol``)."""
         self.error = err
         if self.accuracy is None and self.tol <= 0:
             return False
         if not math.isfinite(err):
             self.reason = "diverged"
             return True
-        if self.accuracy is None and err < self.tol:
+        self._count += 1
+        if self.accuracy is None and err < self.tol and self._tails_within(tails):
             self.reason = "tol"
             return True
-        self._count += 1
         if (
             self.accuracy is not None
             and probe is not None
@@ -312,6 +329,16 @@ class StoppingRule:
             self.reason = "stalled"
             return True
         return False
+
+    def _tails_within(self, tails: Callable[[], float] | None) -> bool:
+        """Whether the gradient-weighted error is within ``TAIL_FACTOR`` times tol (True
+        without ``tails``; False between checks, ``TAIL_EVERY`` updates apart)."""
+        if tails is None:
+            return True
+        if self._count - self._tail_at < self.TAIL_EVERY:
+            return False
+        self._tail_at, self.tail_error = self._count, tails()
+        return self.tail_error <= self.TAIL_FACTOR * self.tol
 
     def _accurate(
         self, value: torch.Tensor, gradient: torch.Tensor, at_floor: Callable[[], bool]

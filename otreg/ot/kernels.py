@@ -44,7 +44,8 @@ class DenseKernel:
     (sum in float64 from here); ``remake_list`` (a new pair list after a stall);
     ``finish``;
     ``differentiable_softmin`` for the gradient's one reduction, ``softmin_gradient``
-    for the accuracy checks and ``rounding_floor`` for the stall rule. ``symmetric``: x
+    for the accuracy checks, ``displacement`` for the stopping rule's weights and
+    ``rounding_floor`` for the stall rule. ``symmetric``: x
     against itself (y and b are x and a).
     """
 
@@ -132,6 +133,13 @@ class DenseKernel:
     def differentiable_softmin(self, x, y, b, g, eps: float) -> torch.Tensor:
         """lambda-free softmin of log b + g / eps, differentiable in x, y and b, (B, N)."""
         return form_softmin(self.p, eps, x, y, b.log(), g)
+
+    def displacement(self, eps: float, g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """|x_i - T_i| (B, N), T_i the barycentre of row i of the plan at g (``s`` its
+        softmin, unused here: one reduction), for the stopping rule's weights."""
+        h = self._b_log + g.to(self.x.dtype) / eps
+        t = reductions.softmax_average(self.x, self.y, h, self.y, eps, self.p.cost, self.p.backend)
+        return (self.x - t).norm(dim=-1)
 
     def softmin_gradient(self, eps: float, g: torch.Tensor, s: torch.Tensor, w: torch.Tensor):
         """The gradient of ``sum_i w_i s_i`` with s = ``softmin_xy(eps, g)`` with respect to

@@ -564,6 +564,22 @@ class TruncatedKernel:
         )
         return (gx + gy,) if self.symmetric else (gx, gy)
 
+    def displacement(self, eps: float, g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """|x_i - T_i| (1, N), T_i the barycentre of row i of the plan at g (``s`` its
+        softmin, (1, N)), on the current pattern: the gradient of s_i with respect to x_i."""
+        dtype = self.cx.points.dtype
+        h = self._b_log + g[0].to(dtype) / eps
+        gx = self.kernels.xy.gradients(
+            self.cx.points,
+            self.cy.points,
+            h,
+            eps,
+            s[0].to(dtype),
+            torch.ones_like(s[0], dtype=dtype),
+            (True, False, False),
+        )[0]
+        return gx.norm(dim=-1)[None]
+
     def to_kernel_order(self, f, g):
         return f[:, self.cx.order], g[:, self.cy.order]
 

@@ -496,7 +496,32 @@ def _resolve_multiscale(
     pairs = x.shape[1] * y.shape[1]
     if setting.auto and (unfit or not worthwhile(pairs, dim, o.blur, scale, fast)):
         return None
+    if setting.auto and diam > FAR_POINTS_SPAN * bulk_diameter(x, y):
+        return None
     return dataclasses.replace(setting, cluster_scale=scale)
+
+
+#: ``multiscale="auto"`` sums every pair where the clouds' bounding box is more than this
+#: many times as wide as their bulk's (:func:`bulk_diameter`): a few far points then set
+#: the cells' side, the bulk falls in a few cells, and the far points' costs over eps reach
+#: float32's rounding in the truncated softmins. Measured on Student-t clouds (3 degrees of
+#: freedom, N = 5,000, blur 0.1 at a scale 0.2, divergence with its gradient, two cores):
+#: the multiscale solver stalled above tol after 353 iterations (28 s, gradient 10% off),
+#: every pair converged in 6.0 s (gradient 1.7e-3 off). The ratio was 5.6 there; 1.0 to 1.4
+#: on spheres, Gaussian clouds, clusters and brain surfaces.
+FAR_POINTS_SPAN = 3.0
+#: the bulk's box: between these quantiles of each coordinate
+BULK_QUANTILE = 0.005
+
+
+def bulk_diameter(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Diagonal of the box between the ``BULK_QUANTILE`` and ``1 - BULK_QUANTILE`` quantiles
+    of each coordinate over both clouds (B, N, D) (on at most 2^16 evenly spaced points)."""
+    both = torch.cat([x.detach().reshape(-1, x.shape[-1]), y.detach().reshape(-1, y.shape[-1])])
+    both = both[:: max(1, both.shape[0] >> 16)].double()
+    q = torch.tensor([BULK_QUANTILE, 1 - BULK_QUANTILE], dtype=both.dtype, device=both.device)
+    low, high = torch.quantile(both, q, dim=0)
+    return float((high - low).norm())
 
 
 #: A default blur is flagged when the data span more than this many times it.

@@ -31,6 +31,25 @@ def test_stopping_rule():
     assert rule.reason == "max_iter"
 
 
+def test_stopping_rule_waits_for_the_gradient_weighted_error():
+    """Below tol, the rule stops only once ``tails()`` is within TAIL_FACTOR times tol, and
+    asks for it at most every TAIL_EVERY updates."""
+    rule, calls = StoppingRule(tol=1e-3), []
+    tails = iter([1.0, 5e-3, 1.5e-3])
+
+    def measure():
+        calls.append(rule._count)
+        return next(tails)
+
+    assert not rule.stop(2e-3, tails=measure)  # above tol: not asked
+    assert calls == []
+    stops = [rule.stop(5e-4, tails=measure) for _ in range(3 * StoppingRule.TAIL_EVERY)]
+    first = calls[0]
+    assert calls == [first + k * StoppingRule.TAIL_EVERY for k in range(3)]
+    assert stops.index(True) == calls[-1] - first and rule.reason == "tol"
+    assert rule.tail_error == 1.5e-3 <= StoppingRule.TAIL_FACTOR * 1e-3
+
+
 def test_adaptive_relaxation_finds_the_optimal_weight_of_a_linear_iteration():
     # errors theta^k at w = 1: the estimate is theta, the weight 2 / (1 + sqrt(1 - theta))
     theta = 0.99

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import otreg
-from otreg.costs import get_cost
+from otreg.costs import diameter, get_cost
 from otreg.datasets import noisy_sphere
-from otreg.ot import multiscale
+from otreg.ot import multiscale, problem
 from otreg.ot.kernels import make_kernel
 from otreg.ot.loop import _anneal, solve
 from otreg.ot.problem import Multiscale, Problem, SinkhornOptions
@@ -224,6 +224,29 @@ def test_auto_turns_multiscale_on_for_large_problems_only(monkeypatch):
         ).backend
         != "multiscale"
     )
+
+
+def test_auto_sums_every_pair_where_a_few_far_points_set_the_span(monkeypatch):
+    """A cloud whose bounding box is many times its bulk's: multiscale="auto" sums every
+    pair (the far points would set the cells); the same bulk without them is truncated."""
+    monkeypatch.setattr(multiscale, "MIN_PAIRS", 10_000)
+    x, y = spheres(600, torch.float32)
+    far = x.clone()
+    far[:3] = torch.tensor([[30.0, 0, 0], [0, -25.0, 0], [0, 0, 40.0]])
+    assert problem.bulk_diameter(far[None], y[None]) < 4 < 20 < diameter(far[None], y[None])
+    assert otreg.sinkhorn(x, y, blur=0.02, max_iter=30).backend == "multiscale"
+    assert otreg.sinkhorn(far, y, blur=0.02, max_iter=30).backend != "multiscale"
+    # asked for by name, it still runs
+    assert otreg.sinkhorn(far, y, blur=0.02, max_iter=30, multiscale=True).backend == "multiscale"
+
+
+def test_bulk_diameter_is_the_quantile_box_diagonal():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(1, 3000, 3, generator=g), torch.rand(1, 1000, 3, generator=g) * 2
+    both = torch.cat([x[0], y[0]]).double()
+    q = problem.BULK_QUANTILE
+    low, high = both.quantile(q, dim=0), both.quantile(1 - q, dim=0)
+    assert problem.bulk_diameter(x, y) == pytest.approx(float((high - low).norm()), rel=1e-9)
 
 
 @pytest.mark.parametrize(
