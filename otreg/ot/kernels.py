@@ -134,12 +134,14 @@ class DenseKernel:
         """lambda-free softmin of log b + g / eps, differentiable in x, y and b, (B, N)."""
         return form_softmin(self.p, eps, x, y, b.log(), g)
 
-    def displacement(self, eps: float, g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """|x_i - T_i| (B, N), T_i the barycentre of row i of the plan at g (``s`` its
-        softmin, unused here: one reduction), for the stopping rule's weights."""
-        h = self._b_log + g.to(self.x.dtype) / eps
-        t = reductions.softmax_average(self.x, self.y, h, self.y, eps, self.p.cost, self.p.backend)
-        return (self.x - t).norm(dim=-1)
+    def displacement(self, eps: float, pot: torch.Tensor, s: torch.Tensor, transpose: bool):
+        """|x_i - T_i| (B, N), T_i the barycentre of row i of the plan at the potential
+        ``pot`` of y (``s`` its softmin, unused here: one reduction); with ``transpose``,
+        |y_j - S_j| (B, M) at the potential of x. For the stopping rule's weights."""
+        x, y, w_log = (self.y, self.x, self._a_log) if transpose else (self.x, self.y, self._b_log)
+        h = w_log + pot.to(x.dtype) / eps
+        t = reductions.softmax_average(x, y, h, y, eps, self.p.cost, self.p.backend)
+        return (x - t).norm(dim=-1)
 
     def softmin_gradient(self, eps: float, g: torch.Tensor, s: torch.Tensor, w: torch.Tensor):
         """The gradient of ``sum_i w_i s_i`` with s = ``softmin_xy(eps, g)`` with respect to

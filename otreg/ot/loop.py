@@ -76,20 +76,26 @@ def _probe(p: Problem, kernel):
     return probe
 
 
-def gradient_weighted_error(p: Problem, kernel):
-    """(f, g) -> the marginals' violation at (f, g) weighed by how far each point's mass
-    travels: || delta_i a_i d_i ||_2 / || a_i d_i ||_2, with delta_i the relative violation
-    of point i's marginal (as :func:`residual`'s), d_i = |x_i - T_i| and T_i the barycentre
-    of its row of the plan (a_i (x_i - T_i) is its gradient for the squared distance); the
-    largest over the batch. One softmin and one barycentre reduction. Far points with little
-    mass count here, not in the L1 marginal error."""
+def gradient_weighted_error(p: Problem, kernel, transpose: bool):
+    """(pot, s, other) -> the violation of the marginals on one side weighed by how far
+    each point's mass travels: || delta_i w_i d_i ||_2 / || w_i d_i ||_2, with delta_i the
+    relative violation of point i's marginal (as :func:`residual`'s: ``pot`` its potential,
+    ``s`` the softmin of the ``other`` potential over the other cloud), w its weights,
+    d_i = |x_i - T_i| and T_i the barycentre of its row of the plan (w_i (x_i - T_i) is its
+    gradient for the squared distance); the largest over the batch. On the side of y with
+    ``transpose``. Far points with little mass count here, not in the L1 marginal error.
+    The displacements d (one barycentre reduction) are measured at the first call and
+    kept: once the marginal error is below tol, they barely move."""
+    w = kernel.b if transpose else kernel.a
+    weights: list[torch.Tensor] = []
 
-    def error(f: torch.Tensor, g: torch.Tensor) -> float:
+    def error(pot: torch.Tensor, s: torch.Tensor, other: torch.Tensor) -> float:
         eps = p.eps
-        s = kernel.softmin_xy(eps, g)
-        target = 1.0 if p.rho is None else torch.exp(-f / p.rho)
-        delta = torch.exp((f - s) / eps) - target  # (B, N)
-        size = kernel.a * kernel.displacement(eps, g, s).to(delta.dtype)
+        target = 1.0 if p.rho is None else torch.exp(-pot / p.rho)
+        delta = torch.exp((pot - s) / eps) - target  # (B, N)
+        if not weights:
+            weights.append(w * kernel.displacement(eps, other, s, transpose).to(delta.dtype))
+        size = weights[0]
         tiny = torch.finfo(size.dtype).tiny
         out = (delta * size).norm(dim=1) / size.norm(dim=1).clamp_min(tiny)
         return float(torch.nan_to_num(out, nan=math.inf).max())
@@ -307,7 +313,7 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
     anderson = Anderson(kernel.b, eps) if p.relaxation == "anderson" else None
     relax = Relaxation("auto" if anderson else p.relaxation)
     probe = _probe(p, kernel) if rule.accuracy is not None else None
-    tails = gradient_weighted_error(p, kernel)
+    tails = gradient_weighted_error(p, kernel, transpose=True)
     first, best, cell_steps, stepping = n_iter, (math.inf, f, g), 0, True
     grown = kernel.patterns_grown
     while n_iter < p.max_iter:
@@ -338,7 +344,7 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
             err,
             lambda f=f, g=update: kernel.rounding_floor(eps, f, g),
             probe and (lambda g=update: probe(g)),
-            lambda f=f, g=update: tails(f, g),
+            lambda g=g, sg=sg, f=f: tails(g, sg, f),
         )
         if not _go_on(rule, kernel, f, update, stop):
             g = update
@@ -396,20 +402,20 @@ def _symmetric_updates(p: Problem, kernel, f, n_iter: int, rule: StoppingRule):
     """Averaged updates f <- (f + softmin(f)) / 2 until ``rule`` stops."""
     eps, lam = p.eps, p.damping(p.eps)
     probe = _probe(p, kernel) if rule.accuracy is not None else None
-    tails = gradient_weighted_error(p, kernel)
+    tails = gradient_weighted_error(p, kernel, transpose=False)
     first = n_iter
     while n_iter < p.max_iter:
         if n_iter > first and (n_iter - first) % kernel.refresh_every == 0:
             kernel.refresh(f, f, eps)
         sf = kernel.softmin_xy(eps, f)
         err = float(residual(p, eps, kernel.a, f, sf).max())
-        f = (f + lam * sf) / 2
+        before, f = f, (f + lam * sf) / 2
         n_iter += 1
         stop = rule.stop(
             err,
             lambda f=f: kernel.rounding_floor(eps, f),
             probe and (lambda f=f: probe(f)),
-            lambda f=f: tails(f, f),
+            lambda f=before, sf=sf: tails(f, sf, f),
         )
         if not _go_on(rule, kernel, f, f, stop):
             break

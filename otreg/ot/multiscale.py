@@ -564,21 +564,25 @@ class TruncatedKernel:
         )
         return (gx + gy,) if self.symmetric else (gx, gy)
 
-    def displacement(self, eps: float, g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """|x_i - T_i| (1, N), T_i the barycentre of row i of the plan at g (``s`` its
-        softmin, (1, N)), on the current pattern: the gradient of s_i with respect to x_i."""
+    def displacement(self, eps: float, pot: torch.Tensor, s: torch.Tensor, transpose: bool):
+        """|x_i - T_i| (1, N), T_i the barycentre of row i of the plan at the potential
+        ``pot`` of y (``s`` its softmin, (1, N)), on the current pattern: the gradient of s_i
+        with respect to x_i; with ``transpose``, |y_j - S_j| (1, M) at the potential of x."""
         dtype = self.cx.points.dtype
-        h = self._b_log + g[0].to(dtype) / eps
-        gx = self.kernels.xy.gradients(
-            self.cx.points,
-            self.cy.points,
-            h,
-            eps,
-            s[0].to(dtype),
-            torch.ones_like(s[0], dtype=dtype),
-            (True, False, False),
-        )[0]
-        return gx.norm(dim=-1)[None]
+        if transpose:
+            kernel = self.kernels.xy if self.symmetric else self.kernels.yx
+            points, others, w_log = self.cy.points, self.cx.points, self._a_log
+        else:
+            kernel, points, others, w_log = (
+                self.kernels.xy,
+                self.cx.points,
+                self.cy.points,
+                self._b_log,
+            )
+        h = w_log + pot[0].to(dtype) / eps
+        ones = torch.ones_like(s[0], dtype=dtype)
+        grad = kernel.gradients(points, others, h, eps, s[0].to(dtype), ones, (True, False, False))
+        return grad[0].norm(dim=-1)[None]
 
     def to_kernel_order(self, f, g):
         return f[:, self.cx.order], g[:, self.cy.order]

@@ -140,9 +140,10 @@ def sinkhorn(
             :mod:`otreg.reductions`).
         tol: stop when the relative L1 marginal error at the final eps is < tol and the
             same error weighed by how far each point's mass travels is < 2 tol (far points
-            with little mass: docs/guide/ot.md); tol=0 runs exactly max_iter iterations; or :class:`~otreg.ot.convergence.Accuracy`
-            ``(value, gradient)``: when the value's and the gradient's estimated relative
-            errors are below these (``result.estimated_error`` gives them).
+            with little mass: docs/guide/ot.md); tol=0 runs exactly max_iter iterations;
+            or :class:`~otreg.ot.convergence.Accuracy` ``(value, gradient)``: when the
+            value's and the gradient's estimated relative errors are below these
+            (``result.estimated_error`` gives them).
         max_iter: the most iterations in all, the eps-scaling ones included.
         relaxation: how the updates at the final eps are accelerated: the same fixed
             point, reached in far fewer iterations when plain updates crawl (balanced OT at

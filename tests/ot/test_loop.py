@@ -24,22 +24,27 @@ def _spheres(dtype=torch.float64):
     return x, noisy_sphere(700, radius=0.8, center=(0.3, 0.0, 0.0), seed=2, dtype=dtype)
 
 
+@pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_gradient_weighted_error_equals_brute_force(symmetric):
-    """|| delta_i a_i |x_i - T_i| ||_2 / || a_i |x_i - T_i| ||_2 at potentials off their fixed
-    point, from the dense plan: delta_i the rows' relative violation, T_i their barycentres."""
+def test_gradient_weighted_error_equals_brute_force(symmetric, transpose):
+    """|| delta_i w_i |x_i - T_i| ||_2 / || w_i |x_i - T_i| ||_2 at potentials off their fixed
+    point, from the dense plan: delta_i the violation of one side's marginals (relative),
+    T_i the barycentres of that side's rows."""
     x, y, a, b = clouds(n=40, m=50, d=3)
     if symmetric:
         y, b = x, a
     g = torch.Generator().manual_seed(3)
     f0 = 0.02 * torch.randn(1, 40, generator=g, dtype=x.dtype)
-    g0 = f0 if symmetric else 0.02 * torch.randn(1, 50, generator=g, dtype=x.dtype)
+    g0 = f0 if symmetric else 0.02 * torch.randn(1, y.shape[0], generator=g, dtype=x.dtype)
     p = Problem.build("t", x, y, a, b, SinkhornOptions(blur=0.1))
     kernel = make_kernel(p, x[None], a[None], *((None, None) if symmetric else (y[None], b[None])))
-    got = gradient_weighted_error(p, kernel)(f0, g0)
+    if transpose:  # the marginals of y, at f0 (and g0)
+        x, y, a, b, f0, g0 = y, x, b, a, g0, f0
     eps = p.eps
     logits = (g0[0] - torch.cdist(x, y).square() / 2) / eps + b.log()
-    delta = torch.exp((f0[0] + eps * torch.logsumexp(logits, 1)) / eps) - 1
+    s = -eps * torch.logsumexp(logits, 1)
+    got = gradient_weighted_error(p, kernel, transpose)(f0, s[None], g0)
+    delta = torch.exp((f0[0] - s) / eps) - 1
     size = a * (x - torch.softmax(logits, 1) @ y).norm(dim=1)
     want = float((delta * size).norm() / size.norm())
     assert got == pytest.approx(want, rel=1e-9)
