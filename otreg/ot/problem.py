@@ -507,8 +507,8 @@ def _resolve_multiscale(
 #: float32's rounding in the truncated softmins. Measured on Student-t clouds (3 degrees of
 #: freedom, N = 5,000, blur 0.1 at a scale 0.2, divergence with its gradient, two cores):
 #: the multiscale solver stalled above tol after 353 iterations (28 s, gradient 10% off),
-#: every pair converged in 6.0 s (gradient 1.7e-3 off). The ratio was 5.6 there; 1.0 to 1.4
-#: on spheres, Gaussian clouds, clusters and brain surfaces.
+#: every pair converged in 4.3 s (gradient 1.7e-3 off). The ratio was 5.8 there; 1.04 to
+#: 1.50 on spheres, Gaussian clouds, clusters and brain surfaces.
 FAR_POINTS_SPAN = 3.0
 #: the bulk's box: between these quantiles of each coordinate
 BULK_QUANTILE = 0.005
