@@ -569,16 +569,11 @@ class TruncatedKernel:
         ``pot`` of y (``s`` its softmin, (1, N)), on the current pattern: the gradient of s_i
         with respect to x_i; with ``transpose``, |y_j - S_j| (1, M) at the potential of x."""
         dtype = self.cx.points.dtype
+        kernel, points, others, w_log = self.kernels.xy, self.cx.points, self.cy.points, self._b_log
         if transpose:
-            kernel = self.kernels.xy if self.symmetric else self.kernels.yx
-            points, others, w_log = self.cy.points, self.cx.points, self._a_log
-        else:
-            kernel, points, others, w_log = (
-                self.kernels.xy,
-                self.cx.points,
-                self.cy.points,
-                self._b_log,
-            )
+            points, others, w_log = others, points, self._a_log
+            if not self.symmetric:
+                kernel = self.kernels.yx
         h = w_log + pot[0].to(dtype) / eps
         ones = torch.ones_like(s[0], dtype=dtype)
         grad = kernel.gradients(points, others, h, eps, s[0].to(dtype), ones, (True, False, False))
