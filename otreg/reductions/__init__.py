@@ -160,6 +160,7 @@ def status() -> dict:
         "fused min pairs": _compiled.MIN_PAIRS,
         "fused tier-up seconds": _compiled.TIER_UP_SECONDS,
         "fused cache folder": _compiled.cache_folder(),
+        "fused verdicts file": _compiled.verdict_file(),
         "kept uncompiled by a memory budget": _compiled.held(),
     }
 

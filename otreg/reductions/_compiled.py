@@ -27,7 +27,12 @@ The fused loops are not faster on every CPU: on a 2-core Intel Xeon (AVX-512) th
 path ran 1.9 times as fast forward (1.54 against 0.81 G pairs/s at N = 10,000). So the
 switch is measured: the first calls after the compile are timed, and a reduction whose
 fused call is not faster than the blocked path's mean goes back to it for good, in this
-process (:func:`judged`).
+process (:func:`judged`), and in later processes on the same machine: that verdict is
+kept on disk (:func:`verdict_file`, by processor, torch version, threads, reduction,
+dtype and size class), so a later process never compiles it again; without it each new
+process paid the compile and the timed calls once the blocked path had taken 5 s: on a
+2-core Xeon, the call that tiered up took 10 to 15 s against 5 s for the others (a
+divergence and its gradient between two 5,000-point clouds, every pair).
 
 Used for the squared Euclidean cost in float32 and float64 on the CPU, from ``MIN_PAIRS``
 pairs a call (:func:`otreg.reductions._run` decides). If compiling fails (no C++ compiler,
@@ -40,8 +45,12 @@ A second derivative (``create_graph=True``) goes through the blocked path.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
+import platform
 import sys
+import tempfile
 import time
 import warnings
 
@@ -79,6 +88,11 @@ _slower: set = set()  # reductions whose fused calls were not faster: blocked fr
 _now = 0  # > 0 inside compile_now(): reductions go fused without waiting
 _hold = 0  # > 0 inside fit_to_budget() for a budget too small for the compiler
 _held: set = set()  # reductions kept uncompiled in this process by such a budget
+_verdicts: dict | None = None  # read from verdict_file() at the first tier-up
+
+#: where the fused-or-blocked verdicts are kept between processes; None: in
+#: :func:`cache_folder`, beside the compiled code
+VERDICT_PATH: str | None = None
 
 #: what a process keeps once torch's compiler has loaded and compiled a first reduction:
 #: 158 to 159 MB measured (10,000 float64 and 4,000 float32 points, warm disk cache)
@@ -350,8 +364,9 @@ def signature(
 
 def ready(key: tuple) -> bool:
     """Whether the reduction ``key`` (:func:`signature`) runs fused now: the blocked path
-    has spent TIER_UP_SECONDS on it, fewer than MAX_SHAPES others went fused before, and no
-    small memory budget holds it (:func:`fit_to_budget`)."""
+    has spent TIER_UP_SECONDS on it, fewer than MAX_SHAPES others went fused before, no
+    small memory budget holds it (:func:`fit_to_budget`), and no process before found its
+    fused loop slower on this machine (:func:`verdict_file`)."""
     if key in _slower:
         return False
     if key in _fused:
@@ -366,6 +381,9 @@ def ready(key: tuple) -> bool:
         or len(_fused) >= MAX_SHAPES
     ):
         return False
+    if _known_slower(key):  # measured by an earlier process on this machine
+        _slower.add(key)
+        return False
     _fused.add(key)
     return True
 
@@ -376,18 +394,97 @@ def spent(key: tuple, seconds: float) -> None:
     _calls[key] = _calls.get(key, 0) + 1
 
 
+def verdict_file() -> str:
+    """The JSON file of verdicts on fused loops measured on this machine (:func:`judged`):
+    ``VERDICT_PATH``, or ``fused-verdicts.json`` in :func:`cache_folder`. Deleting it makes
+    the next process measure again."""
+    return VERDICT_PATH or os.path.join(cache_folder(), "fused-verdicts.json")
+
+
+def _processor() -> str:
+    try:  # the model name: platform.processor() is only the architecture on Linux
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def verdict_key(key: tuple) -> str:
+    """What a verdict on the reduction ``key`` (:func:`signature`) holds for: this processor,
+    torch version and thread count, the reduction, direction and dtype, the dimension and
+    channels, and the pairs B N M to the nearest power of two."""
+    kind, direction, dtype, xs, ys, ws = key
+    pairs = xs[0] * xs[1] * ys[1]
+    return "|".join(
+        str(part)
+        for part in (
+            _processor(),
+            torch.__version__,
+            torch.get_num_threads(),
+            kind,
+            direction,
+            str(dtype).removeprefix("torch."),
+            xs[-1],
+            ws[2:],
+            round(math.log2(max(1, pairs))),
+        )
+    )
+
+
+def _read_verdicts() -> dict:
+    try:
+        with open(verdict_file()) as f:
+            got = json.load(f)
+        return {k: v for k, v in got.items() if v in ("fused", "blocked")}
+    except (OSError, ValueError, AttributeError):
+        return {}  # none yet, unreadable or not ours: measure again
+
+
+def _known_slower(key: tuple) -> bool:
+    """Whether an earlier process on this machine found ``key``'s fused loop slower."""
+    global _verdicts
+    if _verdicts is None:
+        _verdicts = _read_verdicts()
+    return _verdicts.get(verdict_key(key)) == "blocked"
+
+
+def _keep(key: tuple, verdict: str) -> None:
+    """Add a verdict to :func:`verdict_file` (written whole, atomically; a folder that
+    cannot be written only loses the verdict)."""
+    global _verdicts
+    path = verdict_file()
+    _verdicts = {**_read_verdicts(), verdict_key(key): verdict}
+    folder, tmp = os.path.dirname(path) or ".", None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(_verdicts, f, indent=0)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
 def judged(key: tuple, seconds: float) -> None:
     """Time a fused call of the reduction ``key``: after the compiling call and
     ``TIMED_CALLS`` more, the reduction goes back to the blocked path for good if the
-    fastest of those was not faster than the blocked path's mean call."""
+    fastest of those was not faster than the blocked path's mean call; the verdict is kept
+    in :func:`verdict_file` for later processes."""
     times = _fused_times.setdefault(key, [])
     if len(times) > TIMED_CALLS:  # judged: nothing more to keep on this hot path
         return
     times.append(seconds)
     if len(times) == TIMED_CALLS + 1 and key in _calls:
-        if min(times[1:]) >= _seconds[key] / _calls[key]:
+        slower = min(times[1:]) >= _seconds[key] / _calls[key]
+        if slower:
             _slower.add(key)
             _fused.discard(key)
+        _keep(key, "blocked" if slower else "fused")
 
 
 def tiered(key: tuple | None, fused_call, blocked_call):

@@ -1,5 +1,6 @@
 """Every backend of every reduction against a naive broadcast reference, with gradients."""
 
+import json
 import math
 import re
 import warnings
@@ -316,27 +317,82 @@ def test_fused_loops_wait_until_the_blocked_path_has_taken_long_enough(monkeypat
     assert _compiled.ready(key) and not _compiled.ready(back)
 
 
+def _fresh_process(monkeypatch, verdicts=None):
+    """The tier-up's state as in a new process (the verdicts file kept)."""
+    fresh = {"_seconds": {}, "_calls": {}, "_fused": set(), "_fused_times": {}, "_slower": set()}
+    for name, value in {**fresh, "_verdicts": None, "TIER_UP_SECONDS": 1.0}.items():
+        monkeypatch.setattr(_compiled, name, value)
+    if verdicts is not None:
+        monkeypatch.setattr(_compiled, "VERDICT_PATH", str(verdicts))
+
+
+def _key(n, direction="forward"):
+    x, w = torch.zeros(1, n, 3), torch.zeros(1, n)
+    return _compiled.signature("softmin", direction, x, x, w)
+
+
+def _measure(key, fused_seconds):
+    """Blocked calls of 0.5 s past the tier-up, the compiling call, then the timed calls."""
+    for _ in range(4):
+        _compiled.spent(key, 0.5)
+    assert _compiled.ready(key)
+    _compiled.judged(key, 9.0)  # the compiling call: not judged
+    for _ in range(_compiled.TIMED_CALLS):
+        assert _compiled.ready(key)
+        _compiled.judged(key, fused_seconds)
+
+
 def test_a_fused_loop_not_faster_than_the_blocked_path_goes_back_to_it(monkeypatch):
     """The switch is measured: after its compiling call and TIMED_CALLS more, a reduction
     whose fastest fused call is not faster than the blocked path's mean call runs blocked
     for good (on a 2-core Intel Xeon the fused loops ran at half the blocked path's
     speed); a faster one stays fused."""
-    fresh = {"_seconds": {}, "_calls": {}, "_fused": set(), "_fused_times": {}, "_slower": set()}
-    for name, value in {**fresh, "TIER_UP_SECONDS": 1.0}.items():
-        monkeypatch.setattr(_compiled, name, value)
-    slow, fast = ("softmin", "forward", 1), ("softmin", "forward", 2)
-    for key, fused_seconds in ((slow, 0.6), (fast, 0.2)):
-        for _ in range(4):  # blocked calls of 0.5 s: 2 s, past the tier-up
-            _compiled.spent(key, 0.5)
-        assert _compiled.ready(key)
-        _compiled.judged(key, 9.0)  # the compiling call: not judged
-        for _ in range(_compiled.TIMED_CALLS):
-            assert _compiled.ready(key)
-            _compiled.judged(key, fused_seconds)
+    _fresh_process(monkeypatch)
+    slow, fast = _key(1000), _key(4000)
+    _measure(slow, 0.6)
+    _measure(fast, 0.2)
     assert not _compiled.ready(slow) and _compiled.ready(fast)
     calls = []
     out = _compiled.tiered(slow, lambda: calls.append("fused"), lambda: calls.append("blocked"))
     assert calls == ["blocked"] and out is None
+
+
+def test_a_slower_fused_loop_is_not_compiled_again_in_a_later_process(monkeypatch, tmp_path):
+    """The verdict is kept on disk: a later process on the same machine keeps that reduction
+    on the blocked path without compiling it; the faster one and other machines measure."""
+    verdicts = tmp_path / "cache" / "verdicts.json"
+    _fresh_process(monkeypatch, verdicts)
+    slow, fast = _key(1000), _key(4000)
+    _measure(slow, 0.6)
+    _measure(fast, 0.2)
+    kept = json.loads(verdicts.read_text())
+    assert kept == {_compiled.verdict_key(slow): "blocked", _compiled.verdict_key(fast): "fused"}
+    assert "|softmin|forward|float32|3|()|20" in _compiled.verdict_key(slow)  # 1000^2 ~ 2^20
+
+    _fresh_process(monkeypatch, verdicts)  # a new process
+    for key in (slow, _key(1100)):  # 1100^2: the same size class
+        for _ in range(4):
+            _compiled.spent(key, 0.5)
+        assert not _compiled.ready(key) and key not in _compiled._fused
+    _measure(fast, 0.2)  # measured again, still fused
+    _measure(_key(1000, "backward"), 0.2)  # another reduction: measured
+    monkeypatch.setattr(_compiled, "_processor", lambda: "another CPU")
+    _fresh_process(monkeypatch, verdicts)
+    _measure(slow, 0.2)  # another machine measures for itself
+
+
+def test_fused_verdicts_survive_a_damaged_or_unwritable_file(monkeypatch, tmp_path):
+    verdicts = tmp_path / "verdicts.json"
+    verdicts.write_text("{not json")
+    _fresh_process(monkeypatch, verdicts)
+    _measure(_key(1000), 0.6)  # the damaged file is read as no verdicts, then replaced
+    assert json.loads(verdicts.read_text()) == {_compiled.verdict_key(_key(1000)): "blocked"}
+    blocked_folder = tmp_path / "a file"
+    blocked_folder.write_text("")
+    _fresh_process(monkeypatch, blocked_folder / "verdicts.json")
+    _measure(_key(1000), 0.6)  # cannot be written: this process still goes back
+    assert not _compiled.ready(_key(1000))
+    assert sorted(tmp_path.iterdir()) == sorted([verdicts, blocked_folder])  # no temporary left
 
 
 def test_fused_loops_fall_back_to_the_blocked_path_with_one_warning(fused_now, monkeypatch):
