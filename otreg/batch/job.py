@@ -170,14 +170,24 @@ class JobOutput:
 def carried_name(path: str | Path) -> str:
     """The name of a carried values file in a job's folder, without the ``to-<side>_`` that
     :func:`run_job` puts first: the file's name, less its BIDS entities (``sub-01_hemi-L_
-    thickness.shape.gii`` -> ``thickness.shape.gii``; a FreeSurfer ``lh.thickness`` stays).
+    thickness.shape.gii`` -> ``thickness.shape.gii``). FreeSurfer's files become GIFTI, the
+    format that both FreeSurfer and Workbench read, less the source's hemisphere (the values
+    now lie on the other surface; a BIDS name takes no ``lh.``): ``lh.sulc`` ->
+    ``sulc.shape.gii``, ``lh.aparc.annot`` -> ``aparc.label.gii``.
 
     Example:
         >>> from otreg.batch.job import carried_name
         >>> carried_name("/d/sub-01_hemi-L_thickness.shape.gii"), carried_name("/d/lh.sulc")
-        ('thickness.shape.gii', 'lh.sulc')
+        ('thickness.shape.gii', 'sulc.shape.gii')
     """
     name = Path(path).name
+    hemisphere = re.match(r"^[lr]h\.(.+)$", name)
+    if hemisphere:  # FreeSurfer's surf/lh.NAME or label/lh.NAME.annot
+        rest = hemisphere.group(1)
+        if rest.endswith(".annot") and len(rest) > len(".annot"):
+            return rest.removesuffix(".annot") + ".label.gii"
+        if values_stem(name) == name:  # no extension: a morphometry file
+            return rest + ".shape.gii"
     parts = name.split("_")
     suffix = parts[-1].split(".")[0]
     if len(parts) > 1 and "-" not in suffix and all("-" in part for part in parts[:-1]):
@@ -268,7 +278,8 @@ def run_job(
 
     ``source_values`` (files of :func:`~otreg.io.load_values` at the source's vertices) are
     carried onto the target's vertices (:meth:`~otreg.Registration.transfer`) and written as
-    ``to-target_<name>`` in the same format, ``<name>`` from :func:`carried_name`;
+    ``to-target_<name>`` in the same format (FreeSurfer's as GIFTI), ``<name>`` from
+    :func:`carried_name`;
     ``target_values`` onto the source's as ``to-source_<name>``. Labels keep their table; their
     confidence goes beside them as ``to-<side>_<name>_confidence.npy``.
 
@@ -336,7 +347,7 @@ def _overlaps(res, source: Shape, target: Shape, carried: dict) -> dict:
     mean Dice of the source's labels carried onto the target with the target's own, after
     and before the registration (:meth:`~otreg.Registration.label_overlap`), as
     ``<name>_dice`` and ``before_<name>_dice``, ``<name>`` the file's name less its
-    extension (``dseg.label.gii`` -> ``dseg``, ``lh.aparc.annot`` -> ``lh_aparc``); the
+    extension (``dseg.label.gii`` -> ``dseg``, ``lh.aparc.annot`` -> ``aparc``); the
     tables' "no label" entries (:func:`otreg.io.unlabelled`) are left out of the mean."""
     theirs = {carried_name(path): (path, values) for path, values in carried["source"]}
     out = {}

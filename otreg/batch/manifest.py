@@ -199,10 +199,17 @@ def read_manifest(path: str | Path) -> list[Pair]:
     base = path.resolve().parent
     pairs, seen = [], {}
     for line, row in enumerate(reader, start=2):
+        where = f"manifest {path}, line {line}"
+        fields = len(header) + len(row.get(None) or ()) - sum(v is None for v in row.values())
+        if fields != len(header) and any(v for k, v in row.items() if k is not None):
+            raise ValueError(
+                f"{where}: {fields} fields where the header has {len(header)}; a field that "
+                "holds commas (options' JSON) must be in double quotes, its own quotes "
+                'doubled: "{""model"": ""rigid"", ""points"": 2000}"'
+            )
         row = {(k or "").strip(): (v or "").strip() for k, v in row.items() if k is not None}
         if not any(row.values()):
             continue
-        where = f"manifest {path}, line {line}"
         try:
             for col in COLUMNS[:3]:
                 if not row.get(col):
@@ -228,7 +235,10 @@ def read_manifest(path: str | Path) -> list[Pair]:
                 )
             )
         except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: options is not JSON ({err})") from err
+            raise ValueError(
+                f"{where}: options is not JSON ({err}); in a CSV file it goes in double "
+                'quotes, its own quotes doubled: "{""model"": ""rigid""}"'
+            ) from err
         except (ValueError, TypeError) as err:
             raise ValueError(f"{where}: {err}") from err
     if not pairs:

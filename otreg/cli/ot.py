@@ -72,7 +72,7 @@ class _Relaxation(click.ParamType):
 )
 @click.option(
     "--max-iter",
-    default=1000,
+    default=2000,
     show_default=True,
     type=click.IntRange(min=1),
     help="Most Sinkhorn iterations (the annealing ones included).",

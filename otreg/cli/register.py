@@ -299,7 +299,8 @@ def transfer(
     """Carry per-vertex VALUES (.func.gii, .label.gii, .annot, lh.curv, .mgh, .npy) through the
     registration in RESULT (its folder, or one of its files) onto the other surface, and
     write them as OUTPUT (the format of its name; labels keep their table), with labels'
-    confidence (0 to 1 a vertex) beside it as OUTPUT's stem + _confidence.npy."""
+    confidence (1/3 to 1 a vertex: the winning label's share of its nearest triangle's
+    weights) beside it as OUTPUT's stem + _confidence.npy."""
     if kind == "auto":  # the name asks for labels or a map, or the values' dtype decides
         kind = kind_of_name(output) or "auto"
     confidence_file = Path(output).with_name(f"{values_stem(Path(output).name)}_confidence.npy")

@@ -213,6 +213,22 @@ class Relaxation:
             self._set(best)
 
 
+#: a relative marginal error above this stops the loop as a non-finite one does
+#: ("diverged"): the plan's mass is then a million times the data's, no step towards a
+#: solution. The alternating updates keep the error below 2 (balanced) from any start;
+#: errors of 1e34 to 1e83 came from float32 costs at an eps far below their rounding
+#: (2,000 Gaussian points, blur 1e-4: eps 1e-8, costs up to 20 rounded by about 1e-6),
+#: where the multiscale kernel's marginals, summed in float64, stayed finite and the loop
+#: ran all 2,000 iterations (93 s) to warn "raise max_iter" (in float64 its error starts
+#: at 0.6)
+DIVERGED = 1e6
+
+
+def diverged(err: float) -> bool:
+    """Whether a marginal error says the updates diverged (:data:`DIVERGED`)."""
+    return not math.isfinite(err) or err > DIVERGED
+
+
 class StoppingRule:
     """When the alternating updates at the final eps stop.
 
@@ -233,8 +249,9 @@ class StoppingRule:
     where float64 converges to 1e-4 in 284 iterations. The estimate is rough, hence the
     factor and the patience: an error that oscillates while it converges
     (over-relaxed, or with the multiscale solver's changing truncation) sets a new low
-    every few dozen iterations. ``"diverged"``: the error is not finite (a fixed
-    relaxation weight too large far from the solution). ``"max_iter"``: the budget ran out.
+    every few dozen iterations. ``"diverged"``: the error is not finite or above
+    :data:`DIVERGED` (a fixed relaxation weight too large far from the solution; float32
+    at an eps far below the costs' rounding). ``"max_iter"``: the budget ran out.
     With ``tol = 0`` only ``max_iter`` stops the loop (a fixed iteration count).
     """
 
@@ -306,7 +323,7 @@ class StoppingRule:
         self.error = err
         if self.accuracy is None and self.tol <= 0:
             return False
-        if not math.isfinite(err):
+        if diverged(err):
             self.reason = "diverged"
             return True
         self._count += 1
@@ -325,7 +342,8 @@ class StoppingRule:
             self._best, self._since = err, 0
         else:
             self._since += 1
-        if self._since >= self.patience and err < self.FLOOR * floor():
+        # the floor is in the exponent: rounding by d moves a marginal by up to e^d - 1
+        if self._since >= self.patience and err < self.FLOOR * math.expm1(min(floor(), 700.0)):
             self.reason = "stalled"
             return True
         return False

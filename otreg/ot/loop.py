@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import cells
-from .convergence import Accuracy, Anderson, Relaxation, StoppingRule
+from .convergence import Accuracy, Anderson, Relaxation, StoppingRule, diverged
 from .kernels import DenseKernel, form_softmin, make_kernel
 from .large_blur import closed_form
 from .multiscale import TruncatedKernel
@@ -300,11 +300,12 @@ def _go_on(rule: StoppingRule, kernel, f, g, stop: bool) -> bool:
 def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
     """Alternating updates at the final eps until ``rule`` stops: extrapolated by Anderson
     mixing (``relaxation="anderson"``; over-relaxed adaptively if the mixing fails) or
-    over-relaxed when w > 1. An automatic acceleration's update whose marginal error is NaN
-    or infinite (an overflow in float32 far from the optimum: one far outlier at a small
-    blur) is undone: the loop goes back to the best potentials so far and goes on with the
-    over-relaxation (after Anderson) or half its weight (a weight the caller fixed is kept,
-    and such an error stops the loop, 'diverged'). Every ``cells.EVERY`` updates the kernel
+    over-relaxed when w > 1. An automatic acceleration's update whose marginal error is NaN,
+    infinite or above ``convergence.DIVERGED`` (an overflow in float32 far from the
+    optimum: one far outlier at a small blur) is undone: the loop goes back to the best
+    potentials so far and goes on with the over-relaxation (after Anderson) or half its
+    weight (a weight the caller fixed is kept, and such an error stops the loop,
+    'diverged'). Every ``cells.EVERY`` updates the kernel
     may take a step on its cells' constants (:meth:`TruncatedKernel.cell_step`), until one
     declines (the first after ``cells.FIRST_AT``); after a refresh or a check that gave the
     kernel pairs (a new map), the mixing and the best point start again. Also returns what
@@ -331,7 +332,7 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
         err = float(residual(p, eps, kernel.b, g, sg).max())
         update = lam * sg if w == 1 else torch.lerp(g, lam * sg, w)
         n_iter += 1
-        if not math.isfinite(err) and (mixing or (relax.auto and w != 1)):  # undo it
+        if diverged(err) and (mixing or (relax.auto and w != 1)):  # undo it
             if mixing:
                 anderson.failed = True  # over-relaxation from here
             else:

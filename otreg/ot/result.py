@@ -132,7 +132,7 @@ def report_convergence(caller: str, what: str, p: Problem, n_iter: int, rule: St
         if p.x.dtype != torch.float64:
             remedies.insert(0, "float64 points")
         hint = (
-            f"the marginal error became NaN or infinite at eps={p.eps:.3g} in "
+            f"the marginal error became NaN, infinite or absurd at eps={p.eps:.3g} in "
             f"{p.x.dtype}: use {_either(remedies)}"
         )
     else:

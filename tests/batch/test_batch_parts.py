@@ -56,6 +56,15 @@ def test_a_manifest_resolves_relative_paths_from_its_folder(tmp_path):
         ("pair_id,source,target,label\na,x,y,seventeen\n", "label must be a number"),
         ("pair_id,source,target,hemisphere\na,x,y,up\n", "hemisphere must be L or R"),
         ("pair_id,source,target,options\na,x,y,{bad\n", "options is not JSON"),
+        (
+            'pair_id,source,target,options\na,x,y,{"model": "rigid", "points": 500}\n',
+            "5 fields where the header has 4; a field that holds commas (options' JSON) must",
+        ),
+        ("pair_id,source,target\na,x,y,extra\n", "line 2: 4 fields where the header has 3"),
+        (  # one comma short: its last value would land in the wrong column
+            "pair_id,source,target,source_values,target_values\na,x,y,m.gii\n",
+            "line 2: 4 fields where the header has 5",
+        ),
         ('pair_id,source,target,options\na,x,y,"{""speed"": 1}"\n', "unknown option 'speed'"),
         ('pair_id,source,target,options\na,x,y,"{""sigma"": ""big""}"\n', "sigma must be"),
         ("pair_id,source,target\n", "has no pairs"),

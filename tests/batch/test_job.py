@@ -229,6 +229,29 @@ def test_a_job_carries_values_both_ways(tmp_path):
     assert confidence.min() >= 1 / 3 - 1e-6 and confidence.max() <= 1 + 1e-6
 
 
+def test_freesurfer_files_are_carried_as_gifti_under_their_bids_names(tmp_path):
+    """surf/lh.thickness and label/lh.aparc.annot landed as to-target_lh.thickness (no
+    extension, the source's hemisphere on the target: no BIDS name); now as GIFTI, the
+    labels with their table."""
+    src = _sphere(tmp_path / "src.vtk", 20.0, 0.0)
+    tgt = _sphere(tmp_path / "tgt.vtk", 20.0, 1.0)
+    z = load_shape(src).points[:, 2]
+    table = {0: ("lower", (0.0, 0.0, 1.0, 1.0)), 1: ("upper", (1.0, 0.0, 0.0, 1.0))}
+    thickness = save_values(z + 30.0, tmp_path / "lh.thickness")
+    aparc = save_values(VertexValues((z > 0).long(), table), tmp_path / "lh.aparc.annot")
+    options = JobOptions("rigid", picture=False)
+    out = run_job(src, tgt, tmp_path / "out", options, source_values=[thickness, aparc])
+    assert out.files["to-target:thickness.shape.gii"] == "to-target_thickness.shape.gii"
+    assert out.files["to-target:aparc.label.gii"] == "to-target_aparc.label.gii"
+    moved = load_values(tmp_path / "out" / "to-target_thickness.shape.gii")
+    target_z = load_shape(tgt).points[:, 2]
+    assert float((moved.values - (target_z + 29.0)).abs().max()) < 1.0
+    labels = load_values(tmp_path / "out" / "to-target_aparc.label.gii")
+    assert labels.label_table[1][0] == "upper" and labels.n_vertices == target_z.numel()
+    assert float((labels.values == (target_z - 1.0 > 0).long()).float().mean()) > 0.97
+    assert (tmp_path / "out" / "to-target_aparc_confidence.npy").is_file()
+
+
 def test_a_confidence_file_is_named_after_its_values_less_their_extension():
     """Gzipped GIFTI too: to-target_atlas.label.gii.gz's confidence was
     to-target_atlas.label.gii.gz_confidence.npy."""

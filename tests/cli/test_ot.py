@@ -118,3 +118,13 @@ def test_distance_smooth_sets_the_smoothing_of_a_volume(tmp_path):
     assert same < 0.005 < 0.01 < apart, (same, apart)  # mm: 0.002 and 0.02
     refused = CliRunner().invoke(main, [*args, "--smooth", "-1"])
     assert refused.exit_code == 2 and "--smooth" in refused.output
+
+
+def test_distance_defaults_are_the_library_defaults():
+    """--max-iter's default was 1,000 where the library's is 2,000."""
+    import otreg
+
+    command = main.get_command(None, "distance")
+    defaults = {p.name: p.default for p in command.params}
+    options = otreg.SinkhornOptions(blur=1.0)
+    assert defaults["max_iter"] == options.max_iter and defaults["tol"] == options.tol

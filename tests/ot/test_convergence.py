@@ -26,6 +26,13 @@ def test_stopping_rule():
     assert stops.index(True) == StoppingRule.PATIENCE and rule.reason == "stalled"
     rule = StoppingRule(tol=1e-4)
     assert rule.stop(float("nan")) and rule.reason == "diverged"
+    rule = StoppingRule(tol=1e-4)  # finite, but the plan's mass a million times the data's
+    assert rule.stop(1.5e6) and rule.reason == "diverged"
+    # a floor of 3 (in the exponent) moves the marginals by up to e^3 - 1 = 19: an error of
+    # 50 that makes no progress there is a stall (against 10 x 3 it would run on)
+    rule = StoppingRule(tol=1e-4)
+    stops = [rule.stop(50.0, floor=lambda: 3.0) for _ in range(3 * StoppingRule.PATIENCE)]
+    assert stops.index(True) == StoppingRule.PATIENCE and rule.reason == "stalled"
     rule = StoppingRule(tol=0.0)  # a fixed iteration count: nothing stops it
     assert not any(rule.stop(e, floor=lambda: 1.0) for e in (1.0, 0.0, float("inf"), 1.0))
     assert rule.reason == "max_iter"

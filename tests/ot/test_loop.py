@@ -71,7 +71,7 @@ def test_a_non_finite_error_under_auto_relaxation_does_not_advise_auto(monkeypat
         res = otreg.sinkhorn(x, y, blur=0.1)
     assert res.stopped == "diverged"
     (message,) = [str(w.message) for w in caught]
-    assert "relaxation='auto'" not in message and "NaN or infinite" in message
+    assert "relaxation='auto'" not in message and "NaN, infinite" in message
 
 
 def test_warm_start_reaches_the_same_solution_in_fewer_iterations():

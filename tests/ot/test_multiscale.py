@@ -829,3 +829,15 @@ def test_a_coarse_problem_in_one_cell_is_not_clustered_again():
     x, y = torch.rand(20, 5, generator=g), torch.rand(25, 5, generator=g)
     value = otreg.sinkhorn_divergence(x, y, multiscale=True)
     assert float(value) == pytest.approx(float(otreg.sinkhorn_divergence(x, y)), rel=1e-4)
+
+
+def test_float32_at_a_blur_below_its_costs_rounding_stops_diverged_at_once():
+    """2,000 Gaussian points at blur 1e-4 (eps 1e-8, costs up to about 20 rounded by about
+    1e-6 in float32): the truncated kernel's marginal errors (1e34 to 1e83, finite in
+    float64) used to run all 2,000 iterations (93 s) and advise raising max_iter."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2000, 3, generator=g)
+    y = torch.randn(2000, 3, generator=g) * 0.5 + 1
+    with pytest.warns(otreg.ConvergenceWarning, match="use float64 points or a larger blur"):
+        res = otreg.sinkhorn(x, y, blur=1e-4, multiscale=True)
+    assert res.backend == "multiscale" and res.stopped == "diverged" and res.n_iter < 100
