@@ -81,6 +81,13 @@ def _mask(data: np.ndarray, label, level, path: Path, caller: str) -> np.ndarray
     if label is not None:
         return _label_mask(data, label, path, caller)
     if level is not None:
+        top = float(np.nanmax(data))
+        if 0 < level < 1 and top >= 2:  # a probability given for a map stored as 0-255
+            raise ValueError(
+                f"{caller}: level={level} is a probability but {path} holds values up to "
+                f"{top:g} (a map stored as 0 to {top:g}?); give level in the map's own "
+                f"units, e.g. level={level * top:g}"
+            )
         mask = data >= level
         if not mask.any():
             raise ValueError(

@@ -85,6 +85,14 @@ def test_probability_map_with_level_and_binary_mask(tmp_path):
     assert torch.allclose(m.points, p.points, atol=1e-5) and not torch.equal(
         m.points, p.points.round()
     )
+    # a probability stored as 0-255 (nilearn's MNI152 maps): level=0.5 took every non-zero
+    # voxel, silently; the map's own units work
+    nib.save(nib.Nifti1Image((data * 230).astype(np.uint8), A), str(tmp_path / "p255.nii"))
+    with pytest.raises(ValueError, match=r"level=0.5 is a probability but .*p255.nii holds "
+                       r"values up to 230 .* e.g. level=115"):  # fmt: skip
+        load_shape(tmp_path / "p255.nii", level=0.5)
+    mask = load_shape(tmp_path / "mask.nii", smooth=0)
+    assert torch.allclose(load_shape(tmp_path / "p255.nii", level=115, smooth=0).points, mask.points)
 
 
 def test_mgz_is_read_through_its_affine(tmp_path):
