@@ -91,8 +91,9 @@ def test_probability_map_with_level_and_binary_mask(tmp_path):
     with pytest.raises(ValueError, match=r"level=0.5 is a probability but .*p255.nii holds "
                        r"values up to 230 .* e.g. level=115"):  # fmt: skip
         load_shape(tmp_path / "p255.nii", level=0.5)
-    mask = load_shape(tmp_path / "mask.nii", smooth=0)
-    assert torch.allclose(load_shape(tmp_path / "p255.nii", level=115, smooth=0).points, mask.points)
+    mask, p255 = (load_shape(tmp_path / "mask.nii", smooth=0),
+                  load_shape(tmp_path / "p255.nii", level=115, smooth=0))  # fmt: skip
+    assert torch.allclose(p255.points, mask.points)
 
 
 def test_mgz_is_read_through_its_affine(tmp_path):
