@@ -45,19 +45,17 @@ A second derivative (``create_graph=True``) goes through the blocked path.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import platform
 import sys
-import tempfile
 import time
 import warnings
 
 import torch
 
 from .._checks import warn
-from . import _dense
+from . import _dense, _kept
 
 __all__: list[str] = []
 
@@ -435,12 +433,8 @@ def verdict_key(key: tuple) -> str:
 
 
 def _read_verdicts() -> dict:
-    try:
-        with open(verdict_file()) as f:
-            got = json.load(f)
-        return {k: v for k, v in got.items() if v in ("fused", "blocked")}
-    except (OSError, ValueError, AttributeError):
-        return {}  # none yet, unreadable or not ours: measure again
+    got = _kept.read(verdict_file())
+    return {k: v for k, v in got.items() if v in ("fused", "blocked")}
 
 
 def _known_slower(key: tuple) -> bool:
@@ -452,22 +446,10 @@ def _known_slower(key: tuple) -> bool:
 
 
 def _keep(key: tuple, verdict: str) -> None:
-    """Add a verdict to :func:`verdict_file` (written whole, atomically; a folder that
-    cannot be written only loses the verdict)."""
+    """Add a verdict to :func:`verdict_file`."""
     global _verdicts
-    path = verdict_file()
     _verdicts = {**_read_verdicts(), verdict_key(key): verdict}
-    folder, tmp = os.path.dirname(path) or ".", None
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(_verdicts, f, indent=0)
-        os.replace(tmp, path)
-    except OSError:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    _kept.write(verdict_file(), _verdicts)
 
 
 def judged(key: tuple, seconds: float) -> None:

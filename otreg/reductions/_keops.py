@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..costs import Cost, get_cost
-from . import _dense
+from . import _dense, _kept
 
 __all__ = ["KeOpsUnavailable"]
 
@@ -142,12 +142,7 @@ def verdict(device: torch.device, announce=say_checking) -> tuple[bool, str]:
     if key in _verdicts:
         return _verdicts[key]
     path = cache_file()
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        saved = {}
-    if not isinstance(saved, dict):
-        saved = {}
+    saved = _kept.read(path)
     if key in saved and isinstance(saved[key], list) and len(saved[key]) == 2:
         _verdicts[key] = (bool(saved[key][0]), str(saved[key][1]))
         return _verdicts[key]
@@ -155,13 +150,7 @@ def verdict(device: torch.device, announce=say_checking) -> tuple[bool, str]:
         announce(device)
     _verdicts[key] = _check_in_a_child(device)
     saved[key] = list(_verdicts[key])
-    try:  # atomically: two processes checking at once write whole files
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(saved, indent=1))
-        os.replace(tmp, path)
-    except OSError:  # a read-only home: the verdict holds for this process only
-        pass
+    _kept.write(path, saved)  # a read-only home: the verdict holds for this process only
     return _verdicts[key]
 
 
