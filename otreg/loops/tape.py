@@ -62,7 +62,7 @@ def uncounted_tensors(step: Callable, params: tuple) -> list[str]:
             look(fn.func)
             return
         if isinstance(fn, torch.nn.Module):
-            found.setdefault("step", fn)
+            found.setdefault("the parameters of the module given as step", fn)
             return
         owner = getattr(fn, "__self__", None)
         fn = getattr(fn, "__func__", fn)

@@ -261,7 +261,7 @@ def test_a_tensor_the_step_captures_instead_of_receiving_is_refused(strategy):
         (lambda x, M=W: x @ M, "M"),  # a default argument
         (keyword, "M"),
         (functools.partial(lambda x, M: x @ M, M=W), "M"),
-        (net, "step"),  # a module as the step, its parameters not in params
+        (net, "the parameters of the module given as step"),  # (it said "uses step")
         (Holder(), "self.M"),
         (lambda x: x @ Ws[0], "Ws"),
     ]:
