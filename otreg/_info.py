@@ -55,6 +55,7 @@ def info(check_keops: bool = True, file=None) -> dict:
     ok, reason = status["keops"]
     report["keops check file"] = status["keops check file"]
     report["compiled loops cache"] = status["fused cache folder"]
+    report["compiled loops verdicts"] = status["fused verdicts file"]
     backends = {"tensorized": "ok", "blocked": "ok"}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not ok:

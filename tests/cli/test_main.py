@@ -9,8 +9,12 @@ from tests.cli.conftest import run
 
 
 def test_info():
+    from otreg.reductions import _compiled
+
     result = run("info", "--no-keops")
     assert result.exit_code == 0 and "backends:" in result.output and "tensorized" in result.output
+    # where the fused loops' verdicts are kept (delete the file to measure again)
+    assert f"compiled loops verdicts:           {_compiled.verdict_file()}" in result.output
 
 
 def test_cli_errors_name_the_file_or_option(two_meshes, tmp_path):
