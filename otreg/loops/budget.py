@@ -104,9 +104,9 @@ def kept_since_call(device: torch.device) -> int:
 
 #: what a call may keep before its loop, for messages
 ONE_OFFS = (
-    "(a process's first call: torch's compiler and the compiled reductions, code and "
-    "allocator pools; a later call does not pay them again; otreg.reductions.COMPILED = False "
-    "keeps the reductions uncompiled)"
+    "(what a process's first call keeps: allocator pools and loaded code, and torch's "
+    "compiler where otreg's reductions compile, which otreg.reductions.COMPILED = False "
+    "prevents; a later call does not pay them again)"
 )
 
 
@@ -205,7 +205,8 @@ def check_budget(
             f"{caller}: memory budget {_size(budget)} is below what "
             f"strategy={strategy!r} needs for this loop: {_size(need)} ({detail}, "
             f"measured{one_off_note(report)}); raise memory to at least "
-            f"{_size(least_budget(need, report))} ({fits})"
+            f"{_size(least_budget(need, report))} (with {BUDGET_MARGIN:.0%} for the "
+            f"measurement's spread; {fits})"
         )
     check_first_run(caller, budget, report)
 

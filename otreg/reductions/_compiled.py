@@ -16,7 +16,7 @@ times with the gradient; float64 2.2 to 2.9 times forward, 2.1 to 2.6 with the g
 (docs/performance.md).
 
 Compiling takes about 5 to 10 s a formula the first time (inductor caches its code on disk,
-in :func:`cache_folder`, so a later process takes about 1 s), once per dtype and sizes (a
+in :func:`cache_folder`, so a later process takes 1 to 3.4 s), once per dtype and sizes (a
 dynamic column count ran 1.7 times slower). So a reduction goes fused only once the blocked
 path has spent ``TIER_UP_SECONDS`` on it (that kind, direction, dtype and sizes) in this
 process, as a JIT compiler tiers up hot code: a one-off gradient never pays a compile, a
