@@ -259,3 +259,34 @@ def test_picture_functions_refuse_bad_input(fitted, tmp_path):
     with pytest.raises(ValueError, match="are source and target swapped"):
         plot_registration(swapped, tgt, small, tmp_path)
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+TRITON_AFTER_A_PICTURE = """
+import sys
+import pyvista as pv
+import otreg
+from otreg import viz
+ball = otreg.Shape.from_pyvista(pv.Sphere(radius=20))
+viz.plot_shapes({"ball": ball}, sys.argv[1])
+import triton  # what torch's optimisers import at their first step
+print("alive")
+"""
+
+
+def test_a_picture_then_triton_does_not_kill_the_process(tmp_path):
+    """On a headless machine VTK renders through Mesa's llvmpipe, and Triton's library
+    loaded after it segfaulted (a picture, then otreg.register's first L-BFGS step, killed
+    a notebook's kernel): otreg's pictures load Triton first."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    pytest.importorskip("pyvista")
+    done = subprocess.run(
+        [sys.executable, "-c", TRITON_AFTER_A_PICTURE, str(tmp_path / "ball.png")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and "alive" in done.stdout, done.stderr[-2000:]
+    assert (tmp_path / "ball.png").stat().st_size > 0

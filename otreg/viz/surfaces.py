@@ -36,6 +36,19 @@ VIEWS = ("x", "-x", "y", "-y", "z", "-z", "iso")
 COLOURS = {"moving": "#e8743b", "target": "#4c9be8"}
 
 
+def _triton_before_vtk_renders() -> None:
+    """Load Triton, if it is installed, before VTK first renders. On a headless machine VTK
+    renders through Mesa's llvmpipe, and Triton's library loaded after that killed the
+    process (a segmentation fault in ``import triton``, which torch's optimisers run at
+    their first step: a picture, then ``otreg.register``, and a notebook's kernel died;
+    VTK 9.6, Triton 3.9). Loaded first, both work. Costs 0.2 s and 71 MB once, which
+    a registration's first L-BFGS step pays anyway."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # not installed, or broken: nothing to protect
+        pass
+
+
 def _set_view(plotter, view: str) -> None:
     if view == "iso":
         plotter.view_isometric()
@@ -97,6 +110,7 @@ def _render(caller: str, path: str | Path, window_size, subplots: int, draw) -> 
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise OSError(f"{caller}: cannot write {path}: {err.strerror or err}") from err
+    _triton_before_vtk_renders()
     with pv.vtk_verbosity("off"):  # no "bad X server connection" note on headless machines
         plotter = pv.Plotter(off_screen=True, shape=(1, subplots), window_size=window_size)
         try:
@@ -426,6 +440,7 @@ def animate_flow(
     frames_points = result.deformation.trajectory(start)
     mesh = source.to_pyvista()
     frames = []
+    _triton_before_vtk_renders()
     with pv.vtk_verbosity("off"):
         plotter = pv.Plotter(off_screen=True, window_size=window_size)
         try:
