@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,6 +304,7 @@ def run_job(
     device = check_device("run_job", device)
     for what, files in (("source_values", source_values), ("target_values", target_values)):
         check_carried_names(files, f"run_job: {what}")
+    start = time.perf_counter()  # reading (meshing a volume) is no part of register's time
     full, full_target = (
         _load(role, given, label, level, options.smooth)
         for role, given in (("source", source), ("target", target))
@@ -321,6 +323,7 @@ def run_job(
         else dataclasses.replace(s.decimate(options.points), source=s.source)
         for s in (full, full_target)
     )
+    read_seconds = time.perf_counter() - start
     if device is not None:
         src, tgt = src.to(device), tgt.to(device)
         truth = None if truth is None else truth.to(device)
@@ -330,7 +333,7 @@ def run_job(
     folder = Path(folder)
     for name in PICTURES.values():  # an earlier run's, which this one's would not replace
         (folder / name).unlink(missing_ok=True)
-    res.metrics.update(_overlaps(res, full, full_target, carried))
+    res.metrics.update(_overlaps(res, full, full_target, carried), read_seconds=read_seconds)
     res.save(folder)
     files = dict(OUTPUTS)
     for to, given in carried.items():

@@ -56,6 +56,7 @@ _NAMES = {
     "vertex_error_median_mm": "vertex error, median (mm)",
     "vertex_error_max_mm": "vertex error, max (mm)",
     "seconds": "time (s)",
+    "read_seconds": "reading the inputs (s)",
     "peak_rss_mb": "peak memory (MB)",
 }
 #: The strip plots on show; the other metrics' are one click away.
@@ -69,6 +70,7 @@ _BOOKKEEPING = {
     "fit_seconds",
     "metrics_seconds",
     "seconds",
+    "read_seconds",
     "sinkhorn_unconverged_evaluations",
 }
 #: The table's columns of metrics: (header, before key, after key); one key: no before.

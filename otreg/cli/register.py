@@ -154,10 +154,11 @@ def _print_outputs(m: dict, output: str, written: list[str]) -> None:
             f"  Jacobian determinant   {m['jacobian_min']:.3f} to {m['jacobian_max']:.3f}"
             f" ({100 * m['jacobian_negative_fraction']:.1f}% negative)"
         )
+    read = f"; reading the inputs {m['read_seconds']:.1f} s" if "read_seconds" in m else ""
     click.echo(
         f"  time                   {m['seconds']:.1f} s (pre-alignment "
         f"{m['prealign_seconds']:.1f}, fit {m['fit_seconds']:.1f}, metrics "
-        f"{m['metrics_seconds']:.1f}), peak RSS "
+        f"{m['metrics_seconds']:.1f}){read}, peak RSS "
         f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
     )
 

@@ -42,6 +42,9 @@ def test_demo_registers_two_brain_surfaces_and_writes_everything(pair, tmp_path)
     both = next(t for t in result.output.splitlines() if "both ways" in t)
     assert f"{m['mean_ab_mm']:.3f} mm source to target" in both
     assert f"{m['mean_ba_mm']:.3f} mm target to source" in both
+    # reading (and meshing) the inputs is reported beside the registration's own time
+    timing = next(t for t in result.output.splitlines() if t.strip().startswith("time"))
+    assert m["read_seconds"] > 0 and f"reading the inputs {m['read_seconds']:.1f} s" in timing
     if pair == "synthetic":
         assert "vertex error" in result.output and m["vertex_error_mean_mm"] < 2.0
 
