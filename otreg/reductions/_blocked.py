@@ -41,6 +41,12 @@ __all__: list[str] = []
 #: ran 1.2 to 1.4 times slower with such blocks
 CACHE_PAIRS = 2**18
 
+#: the kernel product's backward meets its blocks with E (1 + D) columns of values and
+#: coordinates (:func:`_backward_products`) up to this many channels E; beyond, through the
+#: weights W. N = M = 5,000, forward + gradient in x and v: 38 ms against 55 at E = 3,
+#: 49 against 53 at E = 16, but 69 against 60 at E = 32
+MAX_CHANNELS_WITHOUT_W = 16
+
 _DENSE = {
     "softmin": _dense.softmin,
     "kernel_product": _dense.kernel_product,
@@ -142,7 +148,10 @@ def _forward(kind: str, blocks: _Blocks, v) -> torch.Tensor:
 
 def _backward(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> list:
     """Gradients with respect to (x, y, h, v), None where not needed."""
-    if blocks.p == 2 and (kind == "softmin" or (kind == "kernel_product" and v.shape[-1] <= 16)):
+    without_w = kind == "softmin" or (
+        kind == "kernel_product" and v.shape[-1] <= MAX_CHANNELS_WITHOUT_W
+    )
+    if blocks.p == 2 and without_w:
         return _backward_products(kind, blocks, v, grad_out, needs)
     eps = blocks.eps
     gx = torch.zeros_like(blocks.x) if needs[0] else None
@@ -205,22 +214,19 @@ def _backward_products(kind: str, blocks: _Blocks, v, grad_out, needs) -> list:
 
     The weights that meet the exponentials are scaled to at most 1 with negligible entries
     zeroed (:func:`_dense.scaled`), so that no product is a denormal number. The kernel
-    product's products carry E (1 + D) columns: used up to E = 16 channels (N = M = 5,000,
-    forward + gradient in x and v: 38 ms against 55 at E = 3, 49 against 53 at E = 16, but
-    69 against 60 at E = 32; more channels go through W)."""
+    product's products carry E (1 + D) columns (up to ``MAX_CHANNELS_WITHOUT_W``)."""
     eps, x, y = blocks.eps, blocks.x, blocks.y
     B, N, D = x.shape
     gx = torch.zeros_like(x) if needs[0] else None
     gy = torch.zeros_like(y) if needs[1] else None
     gh = torch.zeros_like(blocks.y_sq) if needs[2] else None
     gv = torch.zeros_like(v) if needs[3] else None
-    ones = x.new_ones(B, y.shape[1], 1)
     if kind == "softmin":
-        cols = torch.cat([y, ones], 2)  # (B, M, D + 1): sum_j z_ij (y_j, 1)
+        cols = torch.cat([y, x.new_ones(B, y.shape[1], 1)], 2)  # sum_j z_ij (y_j, 1)
     else:
         vs, v_scale = _dense.scaled(v)
         E = v.shape[-1]
-        cols = torch.cat([vs, (vs.unsqueeze(3) * y.unsqueeze(2)).flatten(2)], 2)
+        cols = _with_products(vs, y)
     col_sums = None  # sum_i z_ij (u_i x_i, u_i) or sum_i K_ij (G_i, G_i x_i): (B, M, .)
     if gy is not None or gh is not None or gv is not None:
         col_sums = x.new_zeros(B, y.shape[1], cols.shape[2])
@@ -242,11 +248,9 @@ def _backward_products(kind: str, blocks: _Blocks, v, grad_out, needs) -> list:
         Gs, g_scale = _dense.scaled(G)
         if gx is not None:
             rows = torch.bmm(K, cols)  # (B, n, E + E D)
-            moved = xb.unsqueeze(2) * rows[..., :E, None] - rows[..., E:].unflatten(2, (E, D))
-            gx[:, sl] = (Gs.unsqueeze(3) * moved).sum(2) * (g_scale * v_scale * (-1.0 / eps))
+            gx[:, sl] = _moved(Gs, xb, rows) * (g_scale * v_scale * (-1.0 / eps))
         if col_sums is not None:
-            weights = torch.cat([Gs, (Gs.unsqueeze(3) * xb.unsqueeze(2)).flatten(2)], 2)
-            col_sums.baddbmm_(K.transpose(1, 2), weights, alpha=float(g_scale))
+            col_sums.baddbmm_(K.transpose(1, 2), _with_products(Gs, xb), alpha=float(g_scale))
     if col_sums is None:
         return [gx, gy, gh, gv]
     if kind == "softmin":
@@ -258,9 +262,21 @@ def _backward_products(kind: str, blocks: _Blocks, v, grad_out, needs) -> list:
     if gv is not None:
         gv.copy_(col_sums[..., :E])
     if gy is not None:
-        moved = y.unsqueeze(2) * col_sums[..., :E, None] - col_sums[..., E:].unflatten(2, (E, D))
-        gy.copy_((vs.unsqueeze(3) * moved).sum(2) * (v_scale * (-1.0 / eps)))
+        gy.copy_(_moved(vs, y, col_sums) * (v_scale * (-1.0 / eps)))
     return [gx, gy, gh, gv]
+
+
+def _with_products(w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """(w_e, w_e p) for each channel e of w (B, n, E) and points p (B, n, D): (B, n, E + E D)."""
+    return torch.cat([w, (w.unsqueeze(3) * p.unsqueeze(2)).flatten(2)], 2)
+
+
+def _moved(w: torch.Tensor, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """sum_e w_e (p S_e - T_e) for w (B, n, E), points p (B, n, D) and the sums of a block's
+    products with :func:`_with_products`' columns, sums = (S, T) (B, n, E + E D): (B, n, D)."""
+    E, D = w.shape[-1], p.shape[-1]
+    moved = p.unsqueeze(2) * sums[..., :E, None] - sums[..., E:].unflatten(2, (E, D))
+    return (w.unsqueeze(3) * moved).sum(2)
 
 
 def _unit_gradients(U, xb, y, sl, scale, gx, gy) -> None:
