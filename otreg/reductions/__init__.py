@@ -300,7 +300,14 @@ def _check_shapes(kind: str, x, y, rest: tuple) -> None:
 
 
 def _run(
-    kind: str, backend: str, x: torch.Tensor, y: torch.Tensor, *rest, eps: float, cost: Cost
+    kind: str,
+    backend: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *rest,
+    eps: float,
+    cost: Cost,
+    estimate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_shapes(kind, x, y, rest)
     dense_fn, keops_fn = _IMPLEMENTATIONS[kind]
@@ -340,16 +347,34 @@ def _run(
     )
     _note_backend("blocked")
     return blocked_reduction(
-        kind, x, y, *rest, eps=eps, cost=cost, block_elements=BLOCK_ELEMENTS, fused=fused
+        kind,
+        x,
+        y,
+        *rest,
+        eps=eps,
+        cost=cost,
+        block_elements=BLOCK_ELEMENTS,
+        fused=fused,
+        estimate=estimate,
     )
 
 
 def softmin(
-    x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, eps: float, cost: Cost, backend: str = "auto"
+    x: torch.Tensor,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    eps: float,
+    cost: Cost,
+    backend: str = "auto",
+    estimate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``-eps log sum_j exp(h_j - C(x_i, y_j)/eps)``.
 
-    x (B, N, D), y (B, M, D), h (B, M) -> (B, N).
+    x (B, N, D), y (B, M, D), h (B, M) -> (B, N). ``estimate`` (B, N), optional: a likely
+    result (a Sinkhorn loop's previous iterate). The blocked backend then shifts each
+    row's exponentials by it instead of by their maximum, one pass fewer over the pairs
+    (a row it leaves out of range is summed again from its maximum); the result does not
+    depend on it beyond rounding, and the other backends ignore it.
 
     Example:
         >>> import math, torch
@@ -360,7 +385,12 @@ def softmin(
         >>> torch.allclose(out, torch.full((1, 2), -0.1 * math.log(4)))
         True
     """
-    return _run("softmin", backend, x, y, h, eps=eps, cost=cost)
+    if estimate is not None and (
+        not isinstance(estimate, torch.Tensor) or tuple(estimate.shape) != tuple(x.shape[:2])
+    ):
+        got = tuple(estimate.shape) if isinstance(estimate, torch.Tensor) else type(estimate)
+        raise ValueError(f"softmin: estimate must be (B, N) = {tuple(x.shape[:2])}, got {got}")
+    return _run("softmin", backend, x, y, h, eps=eps, cost=cost, estimate=estimate)
 
 
 def kernel_product(

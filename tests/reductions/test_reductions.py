@@ -81,6 +81,31 @@ def test_float32():
     check_against_naive("softmin", "tensorized", SQ, dtype=torch.float32, tol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("offset", [0.0, 3.0, 60.0, -60.0, 1e4, -1e4, math.nan])
+def test_blocked_softmin_is_the_same_whatever_its_estimate(dtype, offset, monkeypatch):
+    """An estimate of the result shifts the rows instead of their maxima: near the result,
+    or far enough that a row's exponentials overflow or vanish (then summed again from the
+    maximum), or NaN, the softmin equals the naive one. Its gradient's rows are shifted by
+    the exact result."""
+    monkeypatch.setattr(reductions, "TENSORIZED_MAX_PAIRS", 0)
+    monkeypatch.setattr(reductions, "BLOCK_ELEMENTS", 2 * 29 * 5)  # blocks of 5 rows
+    x, y, h, _ = (t.detach().to(dtype) for t in data(seed=4))
+    x, y = 3 * x, 3 * y  # costs / eps up to about 500
+    eps = 0.05
+    ref = naive("softmin", x.double(), y.double(), h.double(), None, eps, SQ)
+    estimate = (ref + offset * eps * torch.randn(ref.shape, dtype=ref.dtype)).to(dtype)
+    out = reductions.softmin(x, y, h, eps, SQ, "blocked", estimate=estimate)
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    assert torch.allclose(out.double(), ref, rtol=tol, atol=tol * eps)
+
+
+def test_softmin_names_an_estimate_of_the_wrong_shape():
+    x = torch.zeros(1, 5, 3)
+    with pytest.raises(ValueError, match=re.escape("estimate must be (B, N) = (1, 5), got (5,)")):
+        reductions.softmin(x, x, torch.zeros(1, 5), 0.1, SQ, estimate=torch.zeros(5))
+
+
 @pytest.mark.keops
 @pytest.mark.parametrize("kind", KINDS)
 def test_keops(kind):
