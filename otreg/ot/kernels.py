@@ -14,10 +14,12 @@ from .problem import Problem
 __all__: list[str] = []
 
 
-def form_softmin(p: Problem, eps: float, x, y, w_log, pot) -> torch.Tensor:
-    """-eps log sum_j w_j exp((pot_j - C(x_i, y_j))/eps) in the problem's form."""
+def form_softmin(p: Problem, eps: float, x, y, w_log, pot, estimate=None) -> torch.Tensor:
+    """-eps log sum_j w_j exp((pot_j - C(x_i, y_j))/eps) in the problem's form; ``estimate``
+    (B, N): a likely result, such as the previous iterate (:func:`otreg.reductions.softmin`)."""
     if p.form == "log":
-        return reductions.softmin(x, y, w_log + pot / eps, eps, p.cost, p.backend)
+        h = w_log + pot / eps
+        return reductions.softmin(x, y, h, eps, p.cost, p.backend, estimate=estimate)
     v = torch.exp(w_log + pot / eps).unsqueeze(-1)
     kv = reductions.kernel_product(x, y, v, eps, p.cost, p.backend).squeeze(-1)
     out = -eps * torch.log(kv)
@@ -63,6 +65,9 @@ class DenseKernel:
     ) -> None:
         self.p, self.symmetric = p, y is None
         self._use(x, a, *((x, a) if y is None else (y, b)))
+        # each direction's last softmin: the next one's estimate (the blocked backend
+        # then shifts the rows by it instead of by their maxima; see _estimate)
+        self._last: dict[str, torch.Tensor] = {}
         self._caller: tuple | None = None  # the caller's tensors while promoted
         # the size of the terms a dense cost is computed from, for the rounding floor
         # (|x|^2 / 2 + |y|^2 / 2 for the expansion of |x - y|^2 / 2; |x| + |y| for p = 1)
@@ -90,10 +95,23 @@ class DenseKernel:
         self._use(x, a, y, b)
 
     def softmin_xy(self, eps: float, g: torch.Tensor) -> torch.Tensor:
-        return form_softmin(self.p, eps, self.x, self.y, self._b_log, g)
+        out = form_softmin(self.p, eps, self.x, self.y, self._b_log, g, self._estimate("xy"))
+        self._last["xy"] = out
+        return out
 
     def softmin_yx(self, eps: float, f: torch.Tensor) -> torch.Tensor:
-        return form_softmin(self.p, eps, self.y, self.x, self._a_log, f)
+        out = form_softmin(self.p, eps, self.y, self.x, self._a_log, f, self._estimate("yx"))
+        self._last["yx"] = out
+        return out
+
+    def _estimate(self, direction: str) -> torch.Tensor | None:
+        """The last softmin of this direction, as the next one's estimate, in float32 only.
+        In float64 (references, and the final updates once float32's rounding stops
+        them) the rows' maxima shift them, as before: there the update's rounding then
+        is one function of its input. With estimates, a float64 solve of 300 heavy-tailed
+        points to tol 1e-13 took Anderson mixing onto a plateau at 2e-11 that it did not
+        leave in 3,000 updates; with the maxima it converged in 448."""
+        return self._last.get(direction) if self.x.dtype == torch.float32 else None
 
     def to_kernel_order(self, f, g):
         return f, g
@@ -132,7 +150,9 @@ class DenseKernel:
 
     def differentiable_softmin(self, x, y, b, g, eps: float) -> torch.Tensor:
         """lambda-free softmin of log b + g / eps, differentiable in x, y and b, (B, N)."""
-        return form_softmin(self.p, eps, x, y, b.log(), g)
+        last = self._estimate("xy")
+        estimate = last if last is not None and last.shape == x.shape[:2] else None
+        return form_softmin(self.p, eps, x, y, b.log(), g, estimate)
 
     def displacement(self, eps: float, pot: torch.Tensor, s: torch.Tensor, transpose: bool):
         """|x_i - T_i| (B, N), T_i the barycentre of row i of the plan at the potential
@@ -150,7 +170,7 @@ class DenseKernel:
         x = self.x.detach().requires_grad_(True)
         y = x if self.symmetric else self.y.detach().requires_grad_(True)
         with torch.enable_grad():
-            out = form_softmin(self.p, eps, x, y, self._b_log, g)
+            out = form_softmin(self.p, eps, x, y, self._b_log, g, s.detach())
             return torch.autograd.grad(out, (x,) if self.symmetric else (x, y), w)
 
 

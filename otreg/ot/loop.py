@@ -432,9 +432,9 @@ def pair_step(p: Problem):
     eps, lam = p.eps, p.damping(p.eps)
 
     def step(state, x, y, a, b):
-        f, g = state
-        f = lam * form_softmin(p, eps, x, y, b.log(), g)
-        g = lam * form_softmin(p, eps, y, x, a.log(), f)
+        f, g = state  # near the fixed point: the inputs estimate the softmins
+        f = lam * form_softmin(p, eps, x, y, b.log(), g, (f / lam).detach())
+        g = lam * form_softmin(p, eps, y, x, a.log(), f, (g / lam).detach())
         if p.rho is None:
             shift = ((a * f).sum(1) - (b * g).sum(1)) / (2 * a.sum(1))
             f, g = f - shift[:, None], g + shift[:, None]
