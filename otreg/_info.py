@@ -88,7 +88,9 @@ def info(check_keops: bool = True, file=None) -> dict:
         )
     report["backends"] = backends
     report["auto backend for large problems"] = reductions.resolve_backend(
-        "auto", reductions.TENSORIZED_MAX_PAIRS + 1, device
+        "auto",
+        max(reductions.TENSORIZED_MAX_PAIRS, reductions.TENSORIZED_MAX_PAIRS_GPU) + 1,
+        device,
     )
     if file is not False:
         out = file or sys.stdout

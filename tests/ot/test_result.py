@@ -6,9 +6,9 @@ import otreg
 
 
 def test_the_result_names_the_backends_that_ran(monkeypatch):
-    """Between 250,000 and 4e6 pairs ``auto`` solves on the dense path (nothing recorded)
-    and carries the gradient on the blocked one (autograd records it): the result says
-    what ran, as the reductions recorded it, not a prediction."""
+    """Where ``auto`` solves on the dense path (nothing recorded) and carries the gradient
+    on the blocked one (autograd records it), as on a GPU between 250,000 and 4e6 pairs,
+    the result says what ran, as the reductions recorded it, not a prediction."""
     from otreg.reductions import _blocked, _dense
 
     calls = {"tensorized": 0, "blocked": 0}
@@ -28,6 +28,7 @@ def test_the_result_names_the_backends_that_ran(monkeypatch):
         (counting("tensorized", _dense.softmin), red._IMPLEMENTATIONS["softmin"][1]),
     )
     monkeypatch.setattr(red, "blocked_reduction", counting("blocked", _blocked.blocked_reduction))
+    monkeypatch.setattr(red, "TENSORIZED_MAX_PAIRS", red.TENSORIZED_MAX_PAIRS_GPU)
     g = torch.Generator().manual_seed(0)
     x = torch.rand(700, 3, generator=g, requires_grad=True)  # 490,000 pairs
     y = torch.rand(700, 3, generator=g)
