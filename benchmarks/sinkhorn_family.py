@@ -12,8 +12,8 @@ over 2 as cost, the divergence and its gradient in the first cloud):
 - ``heavy tails``: two Student-t clouds (3 degrees of freedom, scale 0.2, centres 0.25
   apart; at N = 5,000 a diameter of 22, so its own blur 0.1): a few points far out in the
   tails, which converge last and weigh most in the gradient;
-- ``heavy tails, draw K``: the same clouds drawn again (K = 2 to 5; not in the default
-  run, whose references take several minutes each);
+- ``heavy tails, draw K``: the same clouds drawn again (K = 2 to 5; their references take
+  one to more than ten minutes each, once: they are cached);
 - ``brains, blur B mm``: fsaverage5's left pial surface's vertices (10,242, nilearn's
   wheel) against Conte69's left midthickness (32,492, brainspace's), in mm.
 
@@ -171,7 +171,9 @@ def reference_file(problem: str, n: int, blur: float, tol: float) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--problems", nargs="*", default=[p for p in PROBLEMS if ", draw" not in p])
+    parser.add_argument(
+        "--problems", nargs="*", default=list(PROBLEMS), help="names, or their beginnings"
+    )
     parser.add_argument("--sizes", type=int, nargs="*", default=[5000])
     parser.add_argument("--blur", type=float, default=0.01, help="of the synthetic problems")
     parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
