@@ -107,6 +107,10 @@ def main() -> None:
     def forward(backend):
         return lambda: reductions.softmin(x, y, h, eps, cost, backend)
 
+    def with_estimate():  # as a Sinkhorn loop calls it: its previous iterate as estimate
+        estimate = reductions.softmin(x, y, h + 0.01 * torch.randn_like(h), eps, cost, "blocked")
+        return lambda: reductions.softmin(x, y, h, eps, cost, "blocked", estimate=estimate)
+
     def with_grad(backend):
         def run():
             xs, ys, hs = (t.clone().requires_grad_() for t in (x, y, h))
@@ -152,6 +156,7 @@ def main() -> None:
 
     cases = [
         ("otreg blocked, forward", blocked_only(forward("blocked")), 1),
+        ("otreg blocked, forward with an estimate", blocked_only(with_estimate()), 1),
         ("otreg blocked, forward + gradient (x, y, h)", blocked_only(with_grad("blocked")), 2),
     ]
     if not args.no_keops:
