@@ -77,6 +77,12 @@ class _Blocks:
         self.buf_c = x.new_empty(B, self.rows, M) if cost.p == 1 else None
         self._buf_w: torch.Tensor | None = None
 
+    def shifts(self, result: torch.Tensor) -> torch.Tensor:
+        """The log-sum-exps (B, N, 1) of the rows of the scores (for the squared distance)
+        that a softmin's result (B, N) means: -result / eps - r (0 where not finite)."""
+        lse = result.to(self.r.dtype).unsqueeze(2).mul(-1.0 / self.eps).sub_(self.r)
+        return lse.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
     def second(self, n: int) -> torch.Tensor:
         """A second block buffer (for the backward's products), made once: a fresh large
         tensor every block would be mapped and faulted in again each time (with glibc's
@@ -166,9 +172,8 @@ def _shifted_sums(blocks: _Blocks, estimate: torch.Tensor, m, total) -> None:
     5,000). A row whose sum comes out of range (an estimate far from the result: the
     terms' exponentials overflow, or all of them fall so far below 1 that the clamped
     ones would count) is summed again from its maximum."""
-    eps, floor = blocks.eps, _dense.exp_floor(blocks.x.dtype)
-    m.copy_(estimate.to(m.dtype).unsqueeze(2)).mul_(-1.0 / eps).sub_(blocks.r)
-    m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    floor = _dense.exp_floor(blocks.x.dtype)
+    m.copy_(blocks.shifts(estimate))
     xs, ys = _shifted(blocks, m)
     for sl in blocks.slices(CACHE_PAIRS):
         s = torch.bmm(xs[:, sl], ys, out=blocks.buf[:, : sl.stop - sl.start])
@@ -183,9 +188,9 @@ def _shifted_sums(blocks: _Blocks, estimate: torch.Tensor, m, total) -> None:
 def _exact_rows(blocks: _Blocks, rows: torch.Tensor, m, total) -> None:
     """Overwrite m and total (B, N, 1) at ``rows`` (B, N, bool) with the rows' maxima and
     the sums of their exponentials less them."""
+    step = max(1, CACHE_PAIRS // blocks.y.shape[1])
     for b in range(rows.shape[0]):
         idx = rows[b].nonzero().squeeze(1)
-        step = max(1, CACHE_PAIRS // blocks.y.shape[1])
         for start in range(0, len(idx), step):
             i = idx[start : start + step]
             s = torch.bmm(blocks.xa[b : b + 1, i], blocks.ya[b : b + 1])
@@ -272,8 +277,7 @@ def _backward_products(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> l
     gv = torch.zeros_like(v) if needs[3] else None
     if kind == "softmin":
         cols = torch.cat([y, x.new_ones(B, y.shape[1], 1)], 2)  # sum_j z_ij (y_j, 1)
-        lse = out.unsqueeze(2).mul(-1.0 / eps).sub_(blocks.r).nan_to_num_(0.0, 0.0, 0.0)
-        xs, ys = _shifted(blocks, lse)
+        xs, ys = _shifted(blocks, blocks.shifts(out))
         floor = _dense.product_floor(x.dtype)
     else:
         vs, v_scale = _dense.scaled(v)
