@@ -191,7 +191,8 @@ def main() -> None:
         return
     import numpy as np
 
-    problems = [p for name in args.problems for p in PROBLEMS if p == name or p.startswith(name)]
+    picked = [p for name in args.problems for p in PROBLEMS if p == name or p.startswith(name)]
+    problems = list(dict.fromkeys(picked))  # once each (a name also selects those it begins)
     if not problems:
         sys.exit(f"--problems: none of {args.problems} names a problem of {list(PROBLEMS)}")
     for method in args.methods:  # KeOps compiles its formulas once, untimed
