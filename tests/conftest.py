@@ -65,6 +65,14 @@ def clouds(n=30, m=40, d=2, dtype=torch.float64, seed=0, batch=None, shift=0.3):
     return x, y, a / a.sum(-1, keepdim=True), b / b.sum(-1, keepdim=True)
 
 
+def student_t(n, seed, shift):
+    """A Student-t cloud (3 degrees of freedom, scale 0.2): a bulk and a few far points."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    chi2 = torch.randn(n, 3, generator=g, dtype=torch.float64).square().sum(1, keepdim=True)
+    return 0.2 * z / (chi2 / 3).sqrt() + torch.tensor([shift, 0.0, 0.0], dtype=torch.float64)
+
+
 def clusters(n):
     """Eight tight clusters (std 0.02) against a uniform unit ball, float32."""
     gen = torch.Generator().manual_seed(3)

@@ -4,14 +4,27 @@ multiscale :class:`~otreg.ot.multiscale.TruncatedKernel`, which has the same int
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import reductions
+from . import cells
 from .convergence import rounding_floor
 from .multiscale import TruncatedKernel
 from .problem import Problem
 
 __all__: list[str] = []
+
+#: a far-point step (:meth:`DenseKernel.cell_step`) moves the points by their shifts
+#: times each of these in turn until the dual rises (the shifts are each point's own,
+#: the other points held: points that share rows can overshoot together)
+FAR_SCALES = (1.0, 0.5, 0.25)
+#: a share of a row below this counts as this (log1p(-1) is -inf)
+_TINY = 1e-300
+#: the rows whose terms other than a far point's are summed exactly
+#: (:meth:`DenseKernel._far_logits`), at most
+FAR_EXACT_ROWS = 1024
 
 
 def form_softmin(p: Problem, eps: float, x, y, w_log, pot, estimate=None) -> torch.Tensor:
@@ -52,6 +65,8 @@ class DenseKernel:
     """
 
     refresh_every = 1
+    #: what :meth:`cell_step` steps on, for ``result.acceleration``
+    step_kind = "far-point"
     #: how many times the kernel gained pairs (never: every pair is summed)
     patterns_grown = 0
 
@@ -69,6 +84,7 @@ class DenseKernel:
         # then shifts the rows by it instead of by their maxima; see _estimate)
         self._last: dict[str, torch.Tensor] = {}
         self._caller: tuple | None = None  # the caller's tensors while promoted
+        self._far_steps = 0  # far-point steps taken (cell_step)
         # the size of the terms a dense cost is computed from, for the rounding floor
         # (|x|^2 / 2 + |y|^2 / 2 for the expansion of |x - y|^2 / 2; |x| + |y| for p = 1)
         self._cost_scale = sum(
@@ -126,10 +142,66 @@ class DenseKernel:
         """No pair list to make again (:meth:`~otreg.ot.multiscale.TruncatedKernel.remake_list`)."""
         return False
 
-    def cell_step(self, f, g, min_gain: float) -> None:
-        """No step on cells' constants: every pair's softmin has no cells
-        (:meth:`~otreg.ot.multiscale.TruncatedKernel.cell_step`)."""
+    def cell_step(self, f, g, min_gain: float, previous=None):
+        """A step on the potentials of the ``cells.FAR_POINTS`` points of y whose columns of
+        the plan hold the mass furthest from their own, each raised or lowered so that it
+        receives its mass with f eliminated (:func:`otreg.ot.cells.far_point_shifts`, each
+        point on its own; all together, halved until the dual rises): the far points of
+        heavy-tailed clouds that the updates settle last. f (B, N) is the softmin of
+        ``previous`` (B, M), g the softmin of f (``previous`` and g tell each column's
+        mass). Returns the new (f, g), f the softmin of g, or None where no step is taken:
+        no ``previous`` (an over-relaxed f), a batch, a cloud against itself, an unbalanced
+        problem, more than ``cells.FAR_MAX_ENTRIES`` logits, or no shift raising the dual.
+        ``min_gain`` (the cells' threshold) is not used: these steps move little mass and
+        promise little dual, yet take what tens of updates crawl through."""
+        eps, (n, m) = self.p.eps, (self.x.shape[1], self.y.shape[1])
+        unfit = self.symmetric or self.p.rho is not None or self.p.damping(eps) != 1
+        large = n * cells.FAR_POINTS > cells.FAR_MAX_ENTRIES
+        spent = self._far_steps >= cells.FAR_MAX_STEPS
+        if previous is None or unfit or large or spent or f.shape[0] != 1:
+            return None
+        a, b = self.a[0].double(), self.b[0].double()
+        f, s, g = f[0].double(), g[0].double(), previous[0].double()
+        off = (b * torch.exp((g - s) / eps) - b).abs()  # each column's error at (f, g)
+        worst = off.topk(max(1, min(cells.FAR_POINTS, m // cells.FAR_SPARSITY)))
+        if float(worst.values.sum()) < cells.FAR_CONCENTRATION * float(off.sum()):
+            return cells.NOT_NOW
+        chosen = worst.indices
+        cost = self.p.cost.dense(self.x, self.y[:, chosen])[0].double()
+        terms = b[chosen].log() + (g[chosen] - cost) / eps  # (N, K), each row's log-term
+        u = cells.far_point_shifts(self._far_logits(f, g, chosen, terms), a.log(), b[chosen].log())
+        start = float((a * f).sum() + (b * g).sum())
+        for scale in FAR_SCALES:
+            # (the other points of y stay, so that the next softmins' estimates stay close)
+            moved = g.index_add(0, chosen, scale * eps * u)
+            g_new = moved[None].to(self.x.dtype)
+            f_new = self.softmin_xy(eps, g_new)
+            if float((a * f_new[0].double()).sum() + (b * moved).sum()) > start:
+                self._far_steps += 1
+                return f_new, g_new
         return None
+
+    def _far_logits(self, f, g, chosen, terms) -> torch.Tensor:
+        """Each chosen point's log-term in each row against the row's other terms, (N, K)
+        float64, from f (N,), g (M,) (f the softmin of g) and the terms (N, K): the log of
+        share / (1 - share), share = exp(terms + f / eps) the point's part of its row.
+        Where the share is above a half, 1 - share loses its digits (a row that sends a far
+        point nearly all its mass): the row's other terms are summed instead, for the
+        ``FAR_EXACT_ROWS`` rows of largest share."""
+        eps = self.p.eps
+        log_share = terms + f[:, None] / eps
+        share = torch.exp(log_share).clamp(max=1.0)
+        z = log_share - torch.log1p(-share).clamp_min(math.log(_TINY))
+        rows, k = (share > 0.5).nonzero(as_tuple=True)
+        if len(rows) > FAR_EXACT_ROWS:
+            keep = share[rows, k].topk(FAR_EXACT_ROWS).indices
+            rows, k = rows[keep], k[keep]
+        if len(rows):
+            x, y = self.x[0, rows].double(), self.y[0].double()
+            others = self._b_log[0].double() + (g - self.p.cost.dense(x[None], y[None])[0]) / eps
+            others[torch.arange(len(rows)), chosen[k]] = -math.inf
+            z[rows, k] = terms[rows, k] - torch.logsumexp(others, 1)
+        return z
 
     def verify(self, f, g) -> bool:
         """Every pair is summed: nothing can be missing."""

@@ -353,9 +353,11 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
         done = n_iter - first
         if stepping and (done == cells.FIRST_AT or done % cells.EVERY == 0):
             gain = cells.MIN_GAIN if cell_steps else cells.FIRST_GAIN
-            stepped = kernel.cell_step(f, sg, gain)  # sg, not an over-relaxed update: exact
+            # sg, not an over-relaxed update: exact; f the softmin of g unless over-relaxed
+            stepped = kernel.cell_step(f, sg, gain, g if w == 1 else None)
             stepping = stepped is not None
-            if stepping:  # a new start: the mixing's history and the rule's track go
+            # a step taken: a new start (the mixing's history and the rule's track go)
+            if stepping and stepped is not cells.NOT_NOW:
                 (f, g), cell_steps = stepped, cell_steps + 1
                 best = (math.inf, f, g)
                 if mixing:
@@ -367,7 +369,7 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
         else:
             g = update
             relax.observe(err)
-    steps = f", after {cell_steps} cell step(s)" if cell_steps else ""
+    steps = f", after {cell_steps} {kernel.step_kind} step(s)" if cell_steps else ""
     return f, g, n_iter, _acceleration(p, anderson, relax) + steps
 
 

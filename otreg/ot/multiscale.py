@@ -348,6 +348,8 @@ class TruncatedKernel:
     """
 
     refresh_every = REFRESH
+    #: what :meth:`cell_step` steps on, for ``result.acceleration``
+    step_kind = "cell"
 
     def __init__(
         self,
@@ -586,9 +588,10 @@ class TruncatedKernel:
         return f[:, self._unsort_x], g[:, self._unsort_y]
 
     # -------------------------------------------------------------- cell steps
-    def cell_step(self, f: torch.Tensor, g: torch.Tensor, min_gain: float):
+    def cell_step(self, f: torch.Tensor, g: torch.Tensor, min_gain: float, previous=None):
         """A Newton step on one constant per cell of f or of g (:mod:`otreg.ot.cells`) at
-        the final eps, from f (1, N) and g (1, M) = the softmin of f (sorted): on the side
+        the final eps, from f (1, N) and g (1, M) = the softmin of f (sorted; ``previous``,
+        the g f is the softmin of, is not used here): on the side
         whose model's diagonal promises more, damped until the dual rises. Returns the new
         (f, g) (the potential that did not step is the softmin of the other), or None
         where no step is taken (the kernels then as they were): no pair list, an

@@ -1,5 +1,5 @@
 """Cell steps: the cell model against autograd of the semi-dual, and the multiscale
-solver's final updates with and without them."""
+solver's final updates with and without them; far-point steps over every pair."""
 
 import math
 
@@ -12,7 +12,7 @@ from otreg.ot.kernels import make_kernel
 from otreg.ot.loop import _anneal
 from otreg.ot.problem import Problem, SinkhornOptions
 from otreg.reductions.sparse import PairList
-from tests.conftest import clusters
+from tests.conftest import clusters, student_t
 
 EPS = 0.05
 
@@ -256,12 +256,103 @@ def test_steps_under_over_relaxation_reach_the_same_plan(monkeypatch, clusters_r
     monkeypatch.setattr(cells, "FIRST_GAIN", 0.0)
     tried, step = [], multiscale.TruncatedKernel.cell_step
 
-    def counted(self, f, g, min_gain):
+    def counted(self, f, g, min_gain, previous=None):
         tried.append(1)
-        return step(self, f, g, min_gain)
+        return step(self, f, g, min_gain, previous)
 
     monkeypatch.setattr(multiscale.TruncatedKernel, "cell_step", counted)
     x, y = clusters(1000)
     res = otreg.sinkhorn(x, y, blur=0.01, multiscale=True, relaxation="auto")
     assert tried and res.converged and res.acceleration.startswith("over-relaxation")
     assert float(res.cost) == pytest.approx(float(clusters_reference), rel=1e-5)
+
+
+def test_far_point_shifts_give_each_point_its_mass():
+    """Each shift solves its point's equation ``sum_i a_i sigma(z_ij + u_j) = b_j``, also
+    where the mass received is flat over hundreds of eps (one row sends the point all it
+    has, too little; the other rows are 300 eps away), and whether the point must gain or
+    lose mass."""
+    gen = torch.Generator().manual_seed(0)
+    z = 3 * torch.randn(60, 5, generator=gen, dtype=torch.float64)
+    z[:, 4], z[0, 4] = -300.0, 5.0
+    a = torch.full((60,), 1 / 60, dtype=torch.float64)
+    b = torch.tensor([1e-3, 0.01, 0.05, 0.2, 0.3], dtype=torch.float64)
+    u = cells.far_point_shifts(z, a.log(), b.log())
+    received = (a[:, None] * torch.sigmoid(z + u)).sum(0)
+    assert torch.allclose(received, b, rtol=1e-8, atol=0)
+    assert u[4] > 290  # (the plateau crossed)
+
+
+def _heavy_tails_after_updates(n_updates=5):
+    """Heavy-tailed clouds (300 points, blur 0.1, every pair, float64) after the annealing
+    and a few updates: ``(problem, kernel, f, s, g)``, f the softmin of g and s that of f."""
+    x, y = student_t(300, 1, 0.0), student_t(300, 101, 0.25)
+    p = Problem.build("t", x, y, None, None, SinkhornOptions(blur=0.1, multiscale=False))
+    kernel = make_kernel(p, p.x, p.a, p.y, p.b)
+    f, g, _ = _anneal(p, kernel, None)
+    for _ in range(n_updates):
+        f = kernel.softmin_xy(p.eps, g)
+        g = kernel.softmin_yx(p.eps, f)
+    f = kernel.softmin_xy(p.eps, g)
+    return p, kernel, f, kernel.softmin_yx(p.eps, f), g
+
+
+def test_a_far_point_step_gives_the_point_its_mass_with_f_eliminated(monkeypatch):
+    """A step on the one point whose column holds the mass furthest from its own: after
+    it, f is the softmin of g, that column of the plan (summed over every pair in float64)
+    holds the point's mass, the other points' potentials did not move, and the dual rose."""
+    monkeypatch.setattr(cells, "FAR_POINTS", 1)
+    monkeypatch.setattr(cells, "FAR_CONCENTRATION", 0.0)
+    p, kernel, f, s, g = _heavy_tails_after_updates()
+    a, b, eps = kernel.a[0], kernel.b[0], p.eps
+    received = b * torch.exp((g[0] - s[0]) / eps)
+    j = int((received - b).abs().argmax())
+    stepped = kernel.cell_step(f, s, 0.0, g)
+    assert stepped is not None
+    f_new, g_new = stepped
+    x, y = kernel.x[0], kernel.y[0]
+    cost = ((x[:, None] - y[None]) ** 2).sum(-1) / 2
+    assert torch.allclose(f_new[0], -eps * torch.logsumexp(b.log() + (g_new[0] - cost) / eps, 1))
+    plan = a[:, None] * b * torch.exp((f_new[0][:, None] + g_new[0] - cost) / eps)
+    assert float(plan[:, j].sum()) == pytest.approx(float(b[j]), rel=1e-8)
+    others = torch.arange(len(b)) != j
+    assert torch.equal(g_new[0][others], g[0][others])
+    assert float((a * f_new[0]).sum() + (b * g_new[0]).sum()) > float(
+        (a * f[0]).sum() + (b * g[0]).sum()
+    )
+
+
+def test_a_far_point_step_that_lowers_the_dual_is_not_taken(monkeypatch):
+    """Shifts of 1,000 eps on every chosen point lower the dual at each scale tried: no
+    step; and none is tried without the g that f is the softmin of (an over-relaxed f)."""
+    p, kernel, f, s, g = _heavy_tails_after_updates()
+    monkeypatch.setattr(cells, "FAR_CONCENTRATION", 0.0)
+    assert kernel.cell_step(f, s, 0.0, None) is None
+    monkeypatch.setattr(cells, "far_point_shifts", lambda z, log_a, log_b: 1000 + 0 * log_b)
+    assert kernel.cell_step(f, s, 0.0, g) is None
+
+
+def test_far_point_steps_converge_to_the_plan_without_them(monkeypatch):
+    """The default call on heavy-tailed clouds (float32) takes far-point steps and reaches
+    the cost of a tight float64 solve, as it does without them."""
+    x, y = student_t(300, 1, 0.0), student_t(300, 101, 0.25)
+    res = otreg.sinkhorn(x.float(), y.float(), blur=0.1)
+    tight = otreg.sinkhorn(x, y, blur=0.1, tol=1e-10, max_iter=20_000)
+    assert res.converged and "far-point step" in res.acceleration
+    assert float(res.cost) == pytest.approx(float(tight.cost), rel=1e-5)
+    monkeypatch.setattr(otreg.ot.kernels.DenseKernel, "cell_step", lambda self, *args: None)
+    without = otreg.sinkhorn(x.float(), y.float(), blur=0.1)
+    assert without.converged and "step" not in without.acceleration
+    assert float(without.cost) == pytest.approx(float(tight.cost), rel=1e-5)
+
+
+def test_no_far_point_step_where_the_error_is_the_bulks(monkeypatch):
+    """Where the chosen points hold less than ``FAR_CONCENTRATION`` of the marginal's error
+    (here: all of it required), the kernel takes no step now and says it may later; the
+    solve then goes as without steps."""
+    p, kernel, f, s, g = _heavy_tails_after_updates()
+    monkeypatch.setattr(cells, "FAR_CONCENTRATION", 1.0)
+    assert kernel.cell_step(f, s, 0.0, g) is cells.NOT_NOW
+    x, y = student_t(300, 1, 0.0), student_t(300, 101, 0.25)
+    res = otreg.sinkhorn(x.float(), y.float(), blur=0.1)
+    assert res.converged and "step" not in res.acceleration

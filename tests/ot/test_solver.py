@@ -11,7 +11,7 @@ import torch
 import otreg
 from otreg.costs import diameter, epsilon_schedule, get_cost
 from otreg.datasets import noisy_sphere
-from tests.conftest import clouds
+from tests.conftest import clouds, student_t
 
 # each test runs on every reduction backend (tests/ot/conftest.py)
 pytestmark = pytest.mark.usefixtures("each_backend")
@@ -61,14 +61,6 @@ def test_unbalanced_plan_equals_pot():
     )
     ours = res.plan.dense().numpy()
     assert np.abs(ours - P).max() < 1e-7 * P.max()
-
-
-def student_t(n, seed, shift):
-    """A Student-t cloud (3 degrees of freedom, scale 0.2): a bulk and a few far points."""
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, 3, generator=g, dtype=torch.float64)
-    chi2 = torch.randn(n, 3, generator=g, dtype=torch.float64).square().sum(1, keepdim=True)
-    return 0.2 * z / (chi2 / 3).sqrt() + torch.tensor([shift, 0.0, 0.0], dtype=torch.float64)
 
 
 def test_heavy_tailed_clouds_get_the_gradient_of_pots_converged_plan():
