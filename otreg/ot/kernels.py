@@ -187,19 +187,21 @@ class DenseKernel:
         share / (1 - share), share = exp(terms + f / eps) the point's part of its row.
         Where the share is above a half, 1 - share loses its digits (a row that sends a far
         point nearly all its mass): the row's other terms are summed instead, for the
-        ``FAR_EXACT_ROWS`` rows of largest share."""
+        ``FAR_EXACT_ROWS`` rows of largest share (fewer where their terms would number more
+        than ``cells.FAR_MAX_ENTRIES``)."""
         eps = self.p.eps
         log_share = terms + f[:, None] / eps
         share = torch.exp(log_share).clamp(max=1.0)
         z = log_share - torch.log1p(-share).clamp_min(math.log(_TINY))
         rows, k = (share > 0.5).nonzero(as_tuple=True)
-        if len(rows) > FAR_EXACT_ROWS:
-            keep = share[rows, k].topk(FAR_EXACT_ROWS).indices
+        most = min(FAR_EXACT_ROWS, cells.FAR_MAX_ENTRIES // self.y.shape[1])  # (rows, M) terms
+        if len(rows) > most:
+            keep = share[rows, k].topk(most).indices
             rows, k = rows[keep], k[keep]
         if len(rows):
             x, y = self.x[0, rows].double(), self.y[0].double()
             others = self._b_log[0].double() + (g - self.p.cost.dense(x[None], y[None])[0]) / eps
-            others[torch.arange(len(rows)), chosen[k]] = -math.inf
+            others[torch.arange(len(rows), device=rows.device), chosen[k]] = -math.inf
             z[rows, k] = terms[rows, k] - torch.logsumexp(others, 1)
         return z
 
