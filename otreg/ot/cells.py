@@ -179,6 +179,13 @@ FAR_CONCENTRATION = 0.3
 FAR_SPARSITY = 64
 #: ... and at most this many steps a solve
 FAR_MAX_STEPS = 8
+#: the points move by their shifts times each of these in turn until the dual rises (each
+#: shift is its point's own, the other points held: points that share rows can overshoot
+#: together)
+FAR_SCALES = (1.0, 0.5, 0.25)
+#: where a chosen point's share of a row is above a half, the row's other terms are summed
+#: exactly, in at most this many rows (``DenseKernel._far_logits``)
+FAR_EXACT_ROWS = 1024
 #: ... and is not tried where the chosen points' logits (N, FAR_POINTS, float64) would
 #: hold more entries than this (64 MB)
 FAR_MAX_ENTRIES = 2**23

@@ -16,15 +16,8 @@ from .problem import Problem
 
 __all__: list[str] = []
 
-#: a far-point step (:meth:`DenseKernel.cell_step`) moves the points by their shifts
-#: times each of these in turn until the dual rises (the shifts are each point's own,
-#: the other points held: points that share rows can overshoot together)
-FAR_SCALES = (1.0, 0.5, 0.25)
 #: a share of a row below this counts as this (log1p(-1) is -inf)
 _TINY = 1e-300
-#: the rows whose terms other than a far point's are summed exactly
-#: (:meth:`DenseKernel._far_logits`), at most
-FAR_EXACT_ROWS = 1024
 
 
 def form_softmin(p: Problem, eps: float, x, y, w_log, pot, estimate=None) -> torch.Tensor:
@@ -149,11 +142,14 @@ class DenseKernel:
         point on its own; all together, halved until the dual rises): the far points of
         heavy-tailed clouds that the updates settle last. f (B, N) is the softmin of
         ``previous`` (B, M), g the softmin of f (``previous`` and g tell each column's
-        mass). Returns the new (f, g), f the softmin of g, or None where no step is taken:
-        no ``previous`` (an over-relaxed f), a batch, a cloud against itself, an unbalanced
-        problem, more than ``cells.FAR_MAX_ENTRIES`` logits, or no shift raising the dual.
-        ``min_gain`` (the cells' threshold) is not used: these steps move little mass and
-        promise little dual, yet take what tens of updates crawl through."""
+        mass). Returns the new (f, g), f the softmin of g; ``cells.NOT_NOW`` where the
+        chosen points (at most one in ``cells.FAR_SPARSITY`` of y) hold less than
+        ``cells.FAR_CONCENTRATION`` of the error (the bulk's error: later updates may leave
+        the far points'); or None where no step is taken from here: no ``previous`` (an
+        over-relaxed f), a batch, a cloud against itself, an unbalanced problem, more than
+        ``cells.FAR_MAX_ENTRIES`` logits, ``cells.FAR_MAX_STEPS`` steps taken, or no shift
+        raising the dual. ``min_gain`` (the cells' threshold) is not used: these steps move
+        little mass and promise little dual, yet take what tens of updates crawl through."""
         eps, (n, m) = self.p.eps, (self.x.shape[1], self.y.shape[1])
         unfit = self.symmetric or self.p.rho is not None or self.p.damping(eps) != 1
         large = n * cells.FAR_POINTS > cells.FAR_MAX_ENTRIES
@@ -171,7 +167,7 @@ class DenseKernel:
         terms = b[chosen].log() + (g[chosen] - cost) / eps  # (N, K), each row's log-term
         u = cells.far_point_shifts(self._far_logits(f, g, chosen, terms), a.log(), b[chosen].log())
         start = float((a * f).sum() + (b * g).sum())
-        for scale in FAR_SCALES:
+        for scale in cells.FAR_SCALES:
             # (the other points of y stay, so that the next softmins' estimates stay close)
             moved = g.index_add(0, chosen, scale * eps * u)
             g_new = moved[None].to(self.x.dtype)
@@ -187,14 +183,15 @@ class DenseKernel:
         share / (1 - share), share = exp(terms + f / eps) the point's part of its row.
         Where the share is above a half, 1 - share loses its digits (a row that sends a far
         point nearly all its mass): the row's other terms are summed instead, for the
-        ``FAR_EXACT_ROWS`` rows of largest share (fewer where their terms would number more
+        ``cells.FAR_EXACT_ROWS`` rows of largest share (fewer where their terms would number more
         than ``cells.FAR_MAX_ENTRIES``)."""
         eps = self.p.eps
         log_share = terms + f[:, None] / eps
         share = torch.exp(log_share).clamp(max=1.0)
         z = log_share - torch.log1p(-share).clamp_min(math.log(_TINY))
         rows, k = (share > 0.5).nonzero(as_tuple=True)
-        most = min(FAR_EXACT_ROWS, cells.FAR_MAX_ENTRIES // self.y.shape[1])  # (rows, M) terms
+        # (the rows' terms, (rows, M), within the logits' bound)
+        most = min(cells.FAR_EXACT_ROWS, cells.FAR_MAX_ENTRIES // self.y.shape[1])
         if len(rows) > most:
             keep = share[rows, k].topk(most).indices
             rows, k = rows[keep], k[keep]

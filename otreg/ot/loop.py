@@ -306,10 +306,11 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
     potentials so far and goes on with the over-relaxation (after Anderson) or half its
     weight (a weight the caller fixed is kept, and such an error stops the loop,
     'diverged'). Every ``cells.EVERY`` updates the kernel
-    may take a step on its cells' constants (:meth:`TruncatedKernel.cell_step`), until one
-    declines (the first after ``cells.FIRST_AT``); after a refresh or a check that gave the
-    kernel pairs (a new map), the mixing and the best point start again. Also returns what
-    accelerated them."""
+    may take a step on its cells' constants (:meth:`TruncatedKernel.cell_step`) or on its
+    far points' potentials (:meth:`DenseKernel.cell_step`), until one declines (the first
+    after ``cells.FIRST_AT``; ``cells.NOT_NOW`` declines this time only); after a refresh
+    or a check that gave the kernel pairs (a new map), the mixing and the best point start
+    again. Also returns what accelerated them."""
     eps, lam = p.eps, p.damping(p.eps)
     anderson = Anderson(kernel.b, eps) if p.relaxation == "anderson" else None
     relax = Relaxation("auto" if anderson else p.relaxation)
