@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import shutil
 import signal
 import threading
@@ -17,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+from .._info import usable_cores
 from .locks import HEARTBEAT, lock_path, read_lock
 from .records import failure_reason
 from .worker import run_pair, write_failure
@@ -70,8 +70,7 @@ class Cluster:
                     ) from err
             self.threads = self.threads or _threads_on_cluster(self.client)
             return self
-        cores = os.cpu_count() or 1
-        self.threads = self.threads or max(1, cores // self.workers)
+        self.threads = self.threads or max(1, usable_cores() // self.workers)
         env = {
             "OMP_NUM_THREADS": str(self.threads),
             "MKL_NUM_THREADS": str(self.threads),
@@ -133,11 +132,12 @@ class Cluster:
 
 
 def _threads_on_cluster(client) -> int:
-    """Torch threads per task on an existing cluster: the fewest cores a worker has per
-    worker process of its host (Dask's nanny sets OMP_NUM_THREADS=1, which torch follows)."""
+    """Torch threads per task on an existing cluster: the fewest cores a worker may use
+    (:func:`usable_cores`, on the worker) per worker process of its host (Dask's nanny sets
+    OMP_NUM_THREADS=1, which torch follows)."""
     import socket
 
-    hosts = client.run(lambda: (socket.gethostname(), os.cpu_count() or 1))
+    hosts = client.run(lambda: (socket.gethostname(), usable_cores()))
     per_host: dict[str, list[int]] = {}
     for host, cores in hosts.values():
         per_host.setdefault(host, []).append(cores)

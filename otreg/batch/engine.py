@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .._checks import check_device
+from .._info import usable_cores
 from ..loops.budget import parse_bytes
 from ..registration.result import OUTPUTS
 from .dispatch import Cluster, dispatch
@@ -332,7 +333,7 @@ def run_batch(
     )
     interrupted = False
     if todo:
-        workers = workers or max(1, (os.cpu_count() or 1) // 2)
+        workers = workers or max(1, usable_cores() // 2)
         _preflight(out, todo, workers, echo)
         try:
             cluster = Cluster(out, workers, threads, scheduler, scheduler_file, memory_limit, echo)

@@ -15,6 +15,7 @@ import csv
 import io
 import itertools
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,14 @@ class Pair:
 
     def __post_init__(self) -> None:
         check_pair_id(self.pair_id)
+        for side in ("source", "target"):  # a path or its string, kept as the string
+            path = getattr(self, side)
+            if not isinstance(path, (str, os.PathLike)):
+                raise TypeError(
+                    f"pair {self.pair_id}: {side} must be a file path (str or pathlib.Path), "
+                    f"got {type(path).__name__}"
+                )
+            object.__setattr__(self, side, os.fspath(path))
         for side in ("source", "target"):
             name = f"{side}_values"
             object.__setattr__(self, name, _values_files(getattr(self, name), self.pair_id, name))

@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 import torch
 
+from .._info import usable_cores
 from ..batch.dispatch import sigterm_as_interrupt
 from ..batch.job import JOB_FILES, JOB_LOSSES, JOB_OPTION_NAMES, JobOptions
 from ..batch.worker import STAGING_PREFIX
@@ -176,7 +177,8 @@ threads_option = click.option(
     "--threads",
     type=click.IntRange(min=1),
     default=None,
-    help="Torch threads [default: torch's, one a core]. Beside other busy processes, fewer "
+    help="Torch threads [default: torch's, one a core, at most the CPUs this process may "
+    "use]. Beside other busy processes, fewer "
     "threads than cores can be faster (a registration took 29 s with 1 thread where the "
     "default took 76 s, with two other processes on 2 cores).",
 )
@@ -204,9 +206,12 @@ device_option = click.option(
 
 
 def set_threads(threads: int | None) -> None:
-    """Apply --threads (torch's intra-op threads)."""
-    if threads is not None:
-        torch.set_num_threads(threads)
+    """Apply --threads (torch's intra-op threads); without it, torch's default (one a core
+    of the machine, or of the affinity) at most the CPUs this process may use (a CPU quota,
+    :func:`otreg._info.usable_cores`)."""
+    if threads is None:
+        threads = min(torch.get_num_threads(), usable_cores())
+    torch.set_num_threads(threads)
 
 
 #: --progress/--no-progress, shared by the commands that run registrations.

@@ -96,6 +96,13 @@ def test_pair_ids_that_are_not_safe_folder_names_are_refused(bad):
         check_pair_id(bad)
 
 
+def test_a_pair_takes_paths_as_strings_and_refuses_what_is_not_a_path():
+    pair = Pair("a", Path("sub-01.vtk"), Path("/t/tpl.vtk"))
+    assert (pair.source, pair.target) == ("sub-01.vtk", "/t/tpl.vtk")
+    with pytest.raises(TypeError, match=r"pair a: target must be a file path .* got int"):
+        Pair("a", "sub-01.vtk", 3)
+
+
 def test_manifests_round_trip_and_the_helpers_pair_subjects(tmp_path):
     subjects = {"s1": "a.vtk", "s2": "b.vtk", "s3": "c.vtk"}
     pairs = all_pairs(subjects, options={"max_iter": 5})
@@ -302,3 +309,58 @@ def test_the_template_among_the_subjects_files_is_left_out(tmp_path):
     assert [p.pair_id for p in pairs] == ["a_to_tpl", "b_to_tpl"]
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="no subject left"):
         pairs_to_template({"tpl": files["tpl"]}, files["tpl"])
+
+
+# ----------------------------------------------------------------------------- CPUs
+
+CPUS = """
+import io, json, os, torch
+from otreg import info
+from otreg._info import usable_cores
+from otreg.cli._common import set_threads
+before = torch.get_num_threads()  # torch counted the CPUs when it loaded
+os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # as in a job given one CPU
+out = io.StringIO()
+report = info(check_keops=False, file=out)
+set_threads(None)
+print(json.dumps({"before": before, "usable": usable_cores(), "report": report["usable CPUs"],
+                  "printed": out.getvalue(), "cli": torch.get_num_threads()}))
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs CPU affinity and two CPUs",
+)
+def test_the_cpus_a_process_may_use_size_its_threads():
+    # a process held to one CPU after torch counted two (a job's cpuset or quota that torch
+    # does not see): otreg counts one, `otreg info` says the threads outnumber the CPUs,
+    # and the CLI's default threads come down to one
+    done = subprocess.run([sys.executable, "-c", CPUS], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["before"] >= 2 and got["usable"] == got["report"] == 1, got
+    assert "torch runs 2 threads on 1 usable CPUs" in got["printed"], got["printed"]
+    assert "torch.set_num_threads(1)" in got["printed"]
+    assert got["cli"] == 1, got
+
+
+def test_a_local_batch_sizes_its_workers_and_threads_by_the_usable_cpus(tmp_path, monkeypatch):
+    # the default workers (one per 2 usable CPUs) and threads (usable CPUs / workers): not
+    # os.cpu_count(), the machine's, which a cluster job's share is a fraction of
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def cluster(out, workers, threads, *rest):
+        seen.update(workers=workers, threads=threads)
+        raise Stop
+
+    monkeypatch.setattr(engine_mod, "usable_cores", lambda: 6)
+    monkeypatch.setattr(engine_mod, "Cluster", cluster)
+    monkeypatch.setattr(engine_mod, "_preflight", lambda *a: None)
+    src = write(tmp_path / "a.vtk", "not read")
+    with pytest.raises(Stop):
+        run_batch([Pair("a", src, src)], tmp_path / "out", progress=False)
+    assert seen == {"workers": 3, "threads": None}, seen
