@@ -302,8 +302,6 @@ def transfer(
     write them as OUTPUT (the format of its name; labels keep their table), with labels'
     confidence (1/3 to 1 a vertex: the winning label's share of its nearest triangle's
     weights) beside it as OUTPUT's stem + _confidence.npy."""
-    if kind == "auto":  # the name asks for labels or a map, or the values' dtype decides
-        kind = kind_of_name(output) or "auto"
     confidence_file = Path(output).with_name(f"{values_stem(Path(output).name)}_confidence.npy")
     with warnings_as_lines():
         try:
@@ -312,6 +310,11 @@ def transfer(
             target = None if target_file is None else load_shape(target_file)
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.ClickException(_failed_pair(result) or str(err)) from err
+        named = None
+        if kind == "auto":  # values with a label table are labels; else OUTPUT's name asks
+            # for labels or a map; else the values' dtype decides
+            named = None if given.label_table else kind_of_name(output)
+            kind = "labels" if given.label_table else named or "auto"
         try:
             out = res.transfer(given, to=to, kind=kind, target=target)
             for written in (output, confidence_file if out.confidence is not None else None):
@@ -320,17 +323,44 @@ def transfer(
                     or any(same_file(written, p) for p in res.inputs.values() if p)
                 ):
                     raise ValueError(f"{written} is an input; otreg never overwrites one")
-            save_values(out, output)
-            if out.confidence is not None:
-                save_values(out.confidence, confidence_file)
+            _save_transferred(out, Path(output), confidence_file)
         except (ValueError, TypeError, FileNotFoundError) as err:
-            raise click.ClickException(_in_cli_words(str(err), res, given, to)) from err
+            message = _in_cli_words(str(err), res, given, to, values)
+            if named is not None and f"kind='{named}'" in message:
+                message = message.replace(
+                    f"kind='{named}'", f"OUTPUT's name ({Path(output).name}) asks for {named}"
+                )
+                message += " (give --kind, or name OUTPUT for what VALUES hold)"
+            raise click.ClickException(message) from err
+        except OSError as err:  # a folder where a file goes, no permission, a full disk
+            where = err.filename2 or err.filename  # a rename's destination, or the path
+            why = f"{where}: {err.strerror}" if where and err.strerror else str(err)
+            raise click.ClickException(f"cannot write {output} ({why})") from err
     what = "labels" if out.is_labels else "a map"
     conf = ""
     if out.confidence is not None:
         low = int((out.confidence < 0.5).sum())
         conf = f"; confidence below 0.5 at {low:,} vertices, in {confidence_file.name}"
     click.echo(f"wrote {output}: {what} at {out.n_vertices:,} {to} vertices{conf}")
+
+
+def _save_transferred(out, output: Path, confidence_file: Path) -> None:
+    """Write the carried values and, for labels, their confidence: both or neither (each
+    file atomically; the confidence first, removed again if the values cannot be written).
+    A map written where labels were before removes their confidence file, which would no
+    longer match."""
+    if out.confidence is None:
+        save_values(out, output)
+        if confidence_file.is_file():
+            confidence_file.unlink()
+            click.echo(f"removed {confidence_file}: the confidence of labels written earlier")
+        return
+    save_values(out.confidence, confidence_file)
+    try:
+        save_values(out, output)
+    except BaseException:
+        confidence_file.unlink(missing_ok=True)
+        raise
 
 
 def _failed_pair(result: str) -> str | None:
@@ -348,13 +378,17 @@ def _failed_pair(result: str) -> str | None:
     )
 
 
-def _in_cli_words(message: str, res: Registration, given, to: str) -> str:
-    """A transfer's error in the command's words: its options, not the API's arguments,
-    and the other direction where the values have the other surface's vertex count."""
+def _in_cli_words(message: str, res: Registration, given, to: str, values: str) -> str:
+    """A transfer's error in the command's words: its options and VALUES' file, not the
+    API's arguments, and the other direction where the values have the other surface's
+    vertex count."""
     message = message.replace("give target= (", "give --target (")
     message = message.replace("give to='source'", "give --to source")
     message = message.replace("give to='target'", "give --to target")
     message = message.removeprefix("Registration.transfer: ")
+    message = message.removeprefix("save_values: ")
+    if message.startswith("values "):
+        message = f"{values}: {message}"
     if "values have shape" in message:
         counts = {"source": res.warped.n_points}
         if res.target_summary or res.target is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from ..io import (
     check_writable_folder,
     gifti_structure,
     load_shape,
+    load_values,
     read_pyvista_mesh,
     remove_stale_temps,
     same_file,
@@ -160,7 +162,7 @@ class Registration:
 
     def transfer(
         self,
-        values: torch.Tensor | np.ndarray | str | VertexValues,
+        values: torch.Tensor | np.ndarray | str | Path | VertexValues,
         to: str = "target",
         kind: str = "auto",
         *,
@@ -177,8 +179,9 @@ class Registration:
 
         Args:
             values: ``(N,)`` or ``(N, C)`` values at the vertices of the surface they come
-                from, a :class:`~otreg.io.VertexValues` (its label table is kept), or the
-                name of a per-vertex array that surface carries in ``data``.
+                from, a :class:`~otreg.io.VertexValues` (its label table is kept), the
+                name of a per-vertex array that surface carries in ``data``, or a file of
+                them as a ``pathlib.Path`` (read with :func:`~otreg.io.load_values`).
             to: ``"target"`` or ``"source"``.
             kind: ``"map"`` (barycentric interpolation: thickness, activation), ``"labels"``
                 (the label whose corners of the nearest triangle hold the most barycentric
@@ -487,9 +490,15 @@ class Registration:
         caller = "Registration.load"
         folder, prefix = _locate(caller, Path(path).expanduser())
         paths = {role: folder / f"{prefix}{name}" for role, name in OUTPUTS.items()}
-        for path in (paths["parameters"], paths["registration"], paths["warped"]):
-            if not path.exists():
-                raise FileNotFoundError(f"{caller}: {path} is missing")
+        missing = [p for p in (paths["parameters"], paths["registration"], paths["warped"])
+                   if not p.exists()]  # fmt: skip
+        if len(missing) == 3:
+            raise FileNotFoundError(
+                f"{caller}: {path} is not a registration's folder or file (it holds none of "
+                f"{', '.join(OUTPUTS.values())})"
+            )
+        if missing:
+            raise FileNotFoundError(f"{caller}: {missing[0]} is missing")
         mesh = read_pyvista_mesh(paths["warped"], caller)
         ids = {"warped": mesh.field_data["run_id"][0] if "run_id" in mesh.field_data else None}
         try:
@@ -575,6 +584,8 @@ def _vertex_values(
     """``values`` (the argument ``name``) checked against the surface they come from (its
     vertex count); ``other``, the surface they would go to, for the hint where they have
     its vertex count."""
+    if isinstance(values, os.PathLike):  # a file (a str names an array of the surface)
+        values = load_values(values)
     if isinstance(values, str):
         if values not in surface.data:
             have = ", ".join(sorted(surface.data)) or "none"
@@ -699,8 +710,8 @@ def _carry(given: VertexValues, origin: Shape, points: torch.Tensor, labels: boo
     if not labels:
         w = w.to(picked.dtype) if picked.is_floating_point() else w
         out = (picked.double() * (w[..., None] if picked.dim() == 3 else w)).sum(1)
-        return VertexValues(out.to(data.dtype if data.is_floating_point() else torch.float64),
-                            given.label_table)  # fmt: skip
+        # a map has no label table, even where it was interpolated from labels
+        return VertexValues(out.to(data.dtype if data.is_floating_point() else torch.float64))
     votes = torch.stack([(w * (picked == picked[:, k : k + 1])).sum(1) for k in range(3)], 1)
     best = votes.argmax(1)
     out = picked.gather(1, best[:, None])[:, 0]

@@ -294,6 +294,62 @@ def test_transfer_writes_the_confidence_and_follows_the_output_name(tmp_path):
     assert "values hold 1 NaN" in r.output
 
 
+def test_transfer_keeps_labels_labels_and_writes_their_files_both_or_neither(tmp_path):
+    """A label file written to a .func.gii stays labels (it was averaged into fractions of
+    label ids, silently); a map carried from labels has no table (it kept it, and a label
+    warning followed); a map written where labels were removes their stale confidence;
+    where the confidence cannot be written, neither file is (a traceback, and the labels
+    left without it); the errors name OUTPUT's name and VALUES' file, not the API's words."""
+    import numpy as np
+    import pyvista as pv
+
+    from otreg import Registration, Shape, save_shape
+    from otreg.io import VertexValues, load_values, save_values
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    src = save_shape(ball, tmp_path / "src.vtk")
+    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
+    assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
+               "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    labels = (ball.points[:, 2] > 0).long() * 10 + 1  # 1 and 11: averages would show
+    table = {1: ("south", (0.0, 0.0, 1.0, 1.0)), 11: ("north", (1.0, 0.0, 0.0, 1.0))}
+    values = save_values(VertexValues(labels, table), tmp_path / "src.label.gii")
+
+    def transfer(*args):
+        return run("transfer", str(tmp_path / "r"), *map(str, args))
+
+    r = transfer(values, "-o", tmp_path / "l.func.gii")
+    assert r.exit_code == 0 and "labels at" in r.output, r.output
+    assert "without their table" in r.output  # the format's loss, said
+    assert set(np.unique(load_values(tmp_path / "l.func.gii").values.numpy())) <= {1, 11}
+    carried = Registration.load(tmp_path / "r").transfer(values, kind="map")
+    assert carried.label_table is None and not carried.is_labels
+    r = transfer(values, "--kind", "map", "-o", tmp_path / "m.npy")
+    assert r.exit_code == 0 and "warning" not in r.output, r.output
+    assert transfer(values, "-o", tmp_path / "z.npy").exit_code == 0
+    assert (tmp_path / "z_confidence.npy").is_file()
+    r = transfer(values, "--kind", "map", "-o", tmp_path / "z.npy")
+    assert r.exit_code == 0 and "removed" in r.output, r.output
+    assert not (tmp_path / "z_confidence.npy").exists()
+    (tmp_path / "c_confidence.npy").mkdir()  # the confidence cannot be written
+    r = transfer(values, "-o", tmp_path / "c.label.gii")
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "cannot write" in r.output and "c_confidence.npy" in r.output
+    assert not (tmp_path / "c.label.gii").exists()
+    save_values(ball.points[:, 2].clone(), tmp_path / "z_src.func.gii")
+    r = transfer(tmp_path / "z_src.func.gii", "-o", tmp_path / "q.annot")
+    assert r.exit_code == 1 and "OUTPUT's name (q.annot) asks for labels" in r.output, r.output
+    np.save(tmp_path / "short.npy", np.zeros(7))
+    r = transfer(tmp_path / "short.npy", "-o", tmp_path / "s.func.gii")
+    assert r.exit_code == 1 and "short.npy: values have shape (7,)" in r.output, r.output
+    (tmp_path / "empty").mkdir()
+    r = run("transfer", str(tmp_path / "empty"), str(values), "-o", str(tmp_path / "e.npy"))
+    assert r.exit_code == 1 and "is not a registration's folder or file" in r.output, r.output
+    for name in ("c.label.gii", "q.annot", "s.func.gii", "e.npy"):  # the refused outputs
+        assert not (tmp_path / name).exists(), name
+    assert not list(tmp_path.glob(".*tmp*"))  # nor their temporary files
+
+
 def test_values_of_another_hemisphere_are_refused(tmp_path):
     """A values file whose GIFTI says CortexRight, carried from a surface whose GIFTI says
     CortexLeft (same vertex count): refused naming both (it was carried silently)."""

@@ -117,8 +117,11 @@ def test_transform_checks_its_input(tmp_path):
         res.transform([[0.0, 0.0, 0.0]])
     with pytest.raises(ValueError, match="they must be \\(N, 3\\)"):
         res.transform(torch.zeros(4, 2))
+    with pytest.raises(FileNotFoundError, match="is not a registration's folder or file"):
+        Registration.load(tmp_path)  # empty: none of the files
+    (tmp_path / "registration.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="parameters.npz is missing"):
-        Registration.load(tmp_path)
+        Registration.load(tmp_path)  # one of them
 
 
 # ----------------------------------------------------------------------------- inputs
