@@ -74,6 +74,8 @@ def info(check_keops: bool = True, file=None) -> dict:
         "torch": torch.__version__,
         "torch threads": torch.get_num_threads(),
         "usable CPUs": usable_cores(),
+        # torch's OpenMP threads' spins at a barrier (otreg sets 10,000 where it loads first)
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "not set (libgomp's 300,000)"),
         "cuda": torch.cuda.is_available(),
         "numpy": package_version("numpy"),
         "pykeops": package_version("pykeops"),

@@ -2,7 +2,10 @@
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -204,6 +207,25 @@ def test_info_reports_versions_and_backends(capsys):
     assert report["otreg"] == otreg.__version__ and "torch" in report
     assert report["backends"]["tensorized"] == "ok"
     assert "backends:" in out and "keops" in out
+
+
+def test_otreg_sets_the_openmp_spin_count_only_before_torch_and_where_none_was_chosen():
+    # libgomp reads GOMP_SPINCOUNT when torch loads it: otreg imported first sets 10,000
+    # (docs/performance.md, "Threads"); a user's own setting, or torch loaded first, wins
+    def spin(code, **env):
+        chosen = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+        environ = {k: v for k, v in os.environ.items() if k not in chosen} | env
+        code += "; import os; print(os.environ.get('GOMP_SPINCOUNT'))"
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=environ, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    assert spin("import otreg") == "10000"
+    assert spin("import otreg", GOMP_SPINCOUNT="500") == "500"
+    assert spin("import otreg", OMP_WAIT_POLICY="PASSIVE") == "None"
+    assert spin("import torch, otreg") == "None"
 
 
 @pytest.mark.parametrize("kind", KINDS)
