@@ -283,9 +283,9 @@ def _demo_pair(pair: str, hemi: str, surface: str, points: int | None):
     type=click.Choice(["auto", "map", "labels"]),
     help="map: barycentric interpolation on the nearest triangle; labels: the label whose "
     "corners of the nearest triangle hold the most barycentric weight (summed per label; "
-    "whole-number floats count as integers); auto: what OUTPUT's name asks for (labels for "
-    ".label.gii and .annot, a map for .func.gii and .shape.gii), else labels for integer "
-    "values.",
+    "whole-number floats count as integers); auto: labels where VALUES hold a label table "
+    "(.label.gii, .annot), else what OUTPUT's name asks for (labels for .label.gii and .annot, "
+    "a map for .func.gii and .shape.gii), else labels for integer values.",
 )
 @click.option(
     "--target",
