@@ -189,6 +189,7 @@ else:
 """
 
 
+@pytest.mark.slow  # three fresh processes, 55 s: the default run stays under 20 minutes
 def test_a_first_call_under_a_budget_too_small_for_the_compiler_runs_uncompiled():
     # a fresh process's first unrolled solve: loading torch's compiler (about 160 MB, once a
     # process) would spend an 80 MB budget (the loop needs 47 MB with the one-offs, and 63 MB
