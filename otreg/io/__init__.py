@@ -43,6 +43,7 @@ __all__ = [
     "unlabelled",
     "values_stem",
     "gifti_structure",
+    "named_structure",
     "kind_of_name",
     "load_values",
     "save_values",
@@ -65,6 +66,7 @@ VertexValues = _values.VertexValues
 unlabelled = _values.unlabelled
 values_stem = _values.values_stem
 gifti_structure = _values.gifti_structure
+named_structure = _values.named_structure
 kind_of_name = _values.kind_of_name
 MESH_EXTS = (*_files.PYVISTA_EXTS, ".gii", ".gii.gz", ".csv", ".npy")
 

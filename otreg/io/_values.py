@@ -26,7 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["VertexValues", "gifti_structure", "kind_of_name", "unlabelled", "values_stem"]
+__all__ = [
+    "VertexValues",
+    "gifti_structure",
+    "kind_of_name",
+    "named_structure",
+    "unlabelled",
+    "values_stem",
+]
 
 #: A label table: label value -> (name, RGBA colour in [0, 1]).
 LabelTable = dict[int, tuple[str, tuple[float, float, float, float]]]
@@ -190,7 +197,9 @@ def read_values(path: Path, caller: str) -> VertexValues:
                 )
                 for k, name in enumerate(names)
             }
-            return VertexValues(torch.as_tensor(labels.astype(np.int64)), table)
+            return VertexValues(
+                torch.as_tensor(labels.astype(np.int64)), table, structure=named_structure(path)
+            )
         if kind == "morph":
             if not _is_morph(path):
                 raise ValueError(
@@ -198,16 +207,19 @@ def read_values(path: Path, caller: str) -> VertexValues:
                     "FreeSurfer's morphometry magic number"
                 )
             data = nib.freesurfer.read_morph_data(str(path))  # big-endian on disk
-            return VertexValues(torch.as_tensor(data.astype(np.float32)))
+            return VertexValues(
+                torch.as_tensor(data.astype(np.float32)), structure=named_structure(path)
+            )
         if kind == ".mgh":
             data = np.asarray(nib.load(str(path)).dataobj)  # (N, 1, 1) or (N, 1, 1, C)
             if data.ndim not in (3, 4) or data.shape[1:3] != (1, 1):
                 raise ValueError(f"an overlay is (N, 1, 1[, C]), this volume is {data.shape}")
             data = data.reshape(data.shape[0], -1)
             data = data[:, 0] if data.shape[1] == 1 else data
+            side = named_structure(path)
             if np.issubdtype(data.dtype, np.integer):
-                return VertexValues(torch.as_tensor(data.astype(np.int64)))
-            return VertexValues(torch.as_tensor(np.asarray(data, dtype=np.float32)))
+                return VertexValues(torch.as_tensor(data.astype(np.int64)), structure=side)
+            return VertexValues(torch.as_tensor(np.asarray(data, dtype=np.float32)), structure=side)
         img = nib.load(str(path))
         values = _gifti_values(img, path, kind, caller)
         return dataclasses.replace(values, structure=_structure(img))
@@ -229,6 +241,23 @@ def _structure(img) -> str | None:
         if found:
             return str(found)
     return None
+
+
+#: FreeSurfer's hemisphere prefixes (lh.aparc.annot, rh.curv, lh.pial) as GIFTI's structures
+HEMISPHERE_PREFIXES = {"lh.": "CortexLeft", "rh.": "CortexRight"}
+
+
+def named_structure(path: str | Path | None) -> str | None:
+    """The structure a FreeSurfer file's name says (``lh.``: CortexLeft, ``rh.``:
+    CortexRight), or None: .annot and morphometry files carry no structure of their own.
+
+    Example:
+        >>> from otreg.io import named_structure
+        >>> named_structure("surf/rh.curv"), named_structure("thickness.npy")
+        ('CortexRight', None)
+    """
+    name = "" if path is None else Path(path).name
+    return next((s for p, s in HEMISPHERE_PREFIXES.items() if name.startswith(p)), None)
 
 
 def gifti_structure(path: str | Path | None) -> str | None:

@@ -24,6 +24,7 @@ from ..io import (
     gifti_structure,
     load_shape,
     load_values,
+    named_structure,
     read_pyvista_mesh,
     remove_stale_temps,
     same_file,
@@ -656,12 +657,15 @@ def checked_values(
     carried as labels. :func:`~otreg.batch.run_job` checks its files with it before the
     fit."""
     given = _vertex_values(caller, values, surface, role, other)
-    theirs = gifti_structure(surface_file) if given.structure else None
+    theirs = None
+    if given.structure:  # a GIFTI's AnatomicalStructurePrimary, else FreeSurfer's lh./rh.
+        theirs = gifti_structure(surface_file) or named_structure(surface_file)
     if theirs is not None and theirs != given.structure:
         raise ValueError(
             f"{caller}: the values' file says they belong to {given.structure} (its "
-            f"AnatomicalStructurePrimary), the {role} surface's ({Path(surface_file).name}) "
-            f"to {theirs}: carry them through a registration of {given.structure}"
+            f"AnatomicalStructurePrimary, or FreeSurfer's lh./rh. name), the {role} "
+            f"surface's ({Path(surface_file).name}) to {theirs}: carry them through a "
+            f"registration of {given.structure}"
         )
     labels = given.is_labels if kind == "auto" else kind == "labels"
     data = given.values

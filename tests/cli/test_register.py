@@ -352,12 +352,13 @@ def test_transfer_keeps_labels_labels_and_writes_their_files_both_or_neither(tmp
 
 def test_values_of_another_hemisphere_are_refused(tmp_path):
     """A values file whose GIFTI says CortexRight, carried from a surface whose GIFTI says
-    CortexLeft (same vertex count): refused naming both (it was carried silently)."""
+    CortexLeft (same vertex count): refused naming both (it was carried silently); so is a
+    FreeSurfer rh.*.annot (its name is all that says its side)."""
     import nibabel as nib
     import pyvista as pv
 
     from otreg import Shape, save_shape
-    from otreg.io import gifti_structure, load_values, save_values
+    from otreg.io import VertexValues, gifti_structure, load_values, save_values
 
     ball = Shape.from_pyvista(pv.Sphere(radius=20))
     src = save_shape(ball, tmp_path / "src.surf.gii")
@@ -368,19 +369,26 @@ def test_values_of_another_hemisphere_are_refused(tmp_path):
     tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
     assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
                "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    # a GIFTI says its structure; FreeSurfer's .annot (and morphometry) files by name alone
+    halves = VertexValues(
+        (ball.points[:, 2] > 0).long(), {0: ("s", (0, 0, 1, 1)), 1: ("n", (1, 0, 0, 1))}
+    )
     for side, ok in (("CortexRight", False), ("CortexLeft", True)):
         values = save_values(ball.points[:, 2].clone(), tmp_path / f"{side}.func.gii")
         img = nib.load(values)
         img.meta["AnatomicalStructurePrimary"] = side
         nib.save(img, values)
-        assert load_values(values).structure == side
-        out = tmp_path / f"{side}_on_target.func.gii"
-        r = run("transfer", str(tmp_path / "r"), str(values), "-o", str(out))
-        if ok:
-            assert r.exit_code == 0, r.output
-        else:
-            assert r.exit_code == 1 and "belong to CortexRight" in r.output, r.output
-            assert "src.surf.gii) to CortexLeft" in r.output and not out.exists()
+        annot = save_values(halves, tmp_path / f"{'lh' if ok else 'rh'}.halves.annot")
+        for given, why in ((values, "AnatomicalStructurePrimary"), (annot, "lh./rh. name")):
+            assert load_values(given).structure == side
+            out = tmp_path / f"on-target-{given.name}"
+            r = run("transfer", str(tmp_path / "r"), str(given), "-o", str(out))
+            if ok:
+                assert r.exit_code == 0, r.output
+            else:
+                assert r.exit_code == 1 and "belong to CortexRight" in r.output, r.output
+                assert why in r.output and "src.surf.gii) to CortexLeft" in r.output
+                assert not out.exists()
     # values carried onto the source say its structure in the GIFTI file written
     on_target = save_values(ball.points[:, 0].clone(), tmp_path / "x.func.gii")
     back = tmp_path / "x_on_source.func.gii"
