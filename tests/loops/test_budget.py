@@ -241,6 +241,7 @@ print(json.dumps({"peak_mb": peak / 1e6, "grad": grad.flatten().tolist()}))
 """
 
 
+@pytest.mark.slow  # three shootings in fresh processes, 52 to 59 s (default run under 20 min)
 def test_lddmm_shooting_within_its_budget():
     # LDDMM(memory=) checkpoints the geodesic shooting within the budget (strategy defaults
     # to checkpoint with a budget), with store's gradient; store peaks far above it

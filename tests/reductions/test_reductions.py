@@ -530,6 +530,7 @@ def _fresh(env):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # fresh processes that compile, 51 to 56 s: the default run stays under 20 min
 def test_compiled_loops_are_cached_on_disk_for_the_next_process(tmp_path):
     # a fresh process compiles the fused softmin into ~/.cache/otreg/torchinductor (not the
     # temporary folder, which reboots and cluster jobs empty); the next process loads it
