@@ -1,15 +1,16 @@
 """Beside a busy process: otreg's calls alone and sharing the cores with one process that
-spins, under libgomp's default spin count and under otreg's (``GOMP_SPINCOUNT=10000``).
+spins, under libgomp's default spin count, under otreg's (``GOMP_SPINCOUNT=10000``), and with
+otreg's calls run on the cores the busy process leaves (``otreg._info.threads_for_call``;
+``OTREG_SHARE_CORES=0`` turns that off).
 
 torch's CPU build parallelises each operation with OpenMP (libgomp on Linux), whose threads
-spin at every barrier before they sleep. Sharing the cores, a thread waits for one that is
-not running, and the many short parallel regions of a Sinkhorn loop or an LDDMM gradient
-each pay a scheduler's time slice. Each call runs in a fresh process (the spin count is read
-when libgomp loads), the fastest and slowest of its repeats after a first call (beside a
-busy process the times scatter widely); the competitor is ``python -c 'while True:
-pass'``.
+meet at a barrier after each. Sharing the cores, a thread waits for one that is not running,
+and the many short parallel regions of a Sinkhorn loop or an LDDMM fit each pay a
+scheduler's time slice. Each call runs in a fresh process (the spin count is read when
+libgomp loads), the fastest and slowest of its repeats after a first call (beside a busy
+process the times scatter widely); the competitor is ``python -c 'while True: pass'``.
 
-    python benchmarks/contention.py [--record]
+    python benchmarks/contention.py [--settings ...] [--calls ...] [--record]
 """
 
 from __future__ import annotations
@@ -34,6 +35,23 @@ def call():
     v = otreg.sinkhorn_divergence(x, y, blur=0.05, multiscale=False)
     torch.autograd.grad(v, x)
 """,
+    "divergence + gradient, multiscale, clusters vs ball, N = 5,000": """
+import sys, torch, otreg
+sys.path.insert(0, "benchmarks")
+from sinkhorn_family import data
+x, y = data("clusters vs ball", 5000, torch.float32)
+x.requires_grad_(True)
+def call():
+    v = otreg.sinkhorn_divergence(x, y, blur=0.01)
+    torch.autograd.grad(v, x)
+""",
+    "register, fsaverage5 onto Conte69 (left)": """
+import otreg
+from otreg import datasets
+source, target = datasets.fsaverage5("pial"), datasets.conte69(surface="midthickness")
+def call():
+    otreg.register(source, target, progress=False)
+""",
     "LDDMM gradient, 100,000 points, 200 control points": """
 import torch
 from otreg.registration import LDDMM
@@ -55,15 +73,30 @@ for _ in range({repeats}):
     t = time.perf_counter(); call(); times.append(time.perf_counter() - t)
 print(json.dumps([min(times), max(times)]))
 """
-#: libgomp's own default (without OMP_WAIT_POLICY) and the one otreg sets when neither is set
-SPINS = {"libgomp's default (300,000)": "300000", "otreg's (10,000)": "10000"}
+#: the environment of each setting: libgomp's own spin count (without OMP_WAIT_POLICY), the
+#: one otreg sets when neither is set, each with torch's threads kept; otreg's defaults
+SETTINGS = {
+    "libgomp's spin count (300,000), torch's threads": {
+        "GOMP_SPINCOUNT": "300000",
+        "OTREG_SHARE_CORES": "0",
+    },
+    "otreg's spin count (10,000), torch's threads": {
+        "GOMP_SPINCOUNT": "10000",
+        "OTREG_SHARE_CORES": "0",
+    },
+    "otreg's defaults (10,000, the cores left free)": {
+        "GOMP_SPINCOUNT": "10000",
+        "OTREG_SHARE_CORES": "1",
+    },
+}
 
 
-def timed(code: str, spin: str, repeats: int, timeout: float) -> list[float] | None:
-    env = {**os.environ, "GOMP_SPINCOUNT": spin}
+def timed(code: str, setting: dict, repeats: int, timeout: float) -> list[float] | None:
+    env = {**os.environ, **setting}
     try:
         done = subprocess.run([sys.executable, "-c", code + TIMER.format(repeats=repeats)],
-                              env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                              env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=Path(__file__).parent.parent)  # fmt: skip
     except subprocess.TimeoutExpired:
         return None
     if done.returncode:
@@ -75,17 +108,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600)
+    # (libgomp's spin count: recorded before; beside a busy process, the registration then
+    # takes minutes a call)
+    parser.add_argument("--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS)[1:])
+    parser.add_argument("--calls", nargs="*", choices=list(CALLS), default=list(CALLS))
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
     rows = []
-    for name, code in CALLS.items():
+    for name in args.calls:
+        code = CALLS[name]
+        repeats = 1 if name.startswith("register") else args.repeats
         for busy in (False, True):
-            for label, spin in SPINS.items():
+            for label in args.settings:
                 competitor = (
                     subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
                 )
                 try:
-                    seconds = timed(code, spin, args.repeats, args.timeout)
+                    seconds = timed(code, SETTINGS[label], repeats, args.timeout)
                 finally:
                     if competitor is not None:
                         competitor.kill()
@@ -96,7 +135,7 @@ def main() -> None:
                 )
                 print(f"{name} | {rows[-1][1]} | {label} | {shown}", flush=True)
     lines = [
-        "| call | cores | spin count | fastest (s) | slowest (s) |",
+        "| call | cores | setting | fastest (s) | slowest (s) |",
         "|---|---|---|---|---|",
         *(
             f"| {n} | {c} | {s} | "
@@ -104,7 +143,7 @@ def main() -> None:
             for n, c, s, t in rows
         ),
     ]
-    publish("Beside a busy process: libgomp's spin count", "\n".join(lines), args.record)
+    publish("Beside a busy process: spin count and threads", "\n".join(lines), args.record)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
-"""``otreg.info()``: versions, working backends and the compiled code's cache folders."""
+"""``otreg.info()``: versions, working backends and the compiled code's cache folders; the
+CPUs this process may use, and those other processes leave it now."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import platform
 import sys
+import threading
+import time
+from collections.abc import Iterator
 
 import torch
 
@@ -48,6 +54,100 @@ def usable_cores() -> int:
     return cpu_count()
 
 
+#: the other processes' running threads are counted at most this often (seconds): a loss
+#: called in a training loop reads /proc/loadavg once a second, not once a call
+COUNT_EVERY = 1.0
+#: ... each time as the fewest of this many reads, 1 ms apart (a short task is not a
+#: competitor; a process that computes runs at each read)
+COUNT_READS = 3
+_counted: dict = {"at": -math.inf, "threads": 0, "usable": 1}
+_sharing = threading.local()
+
+
+def busy_elsewhere() -> int:
+    """The threads of other processes running on this machine now: the kernel's count of
+    runnable threads (the fourth field of /proc/loadavg, the fewest of ``COUNT_READS``
+    reads) less the one reading it; 0 where there is no /proc/loadavg (not Linux).
+
+    Example:
+        >>> from otreg._info import busy_elsewhere
+        >>> busy_elsewhere() >= 0
+        True
+    """
+    fewest = math.inf
+    for k in range(COUNT_READS):
+        if k:
+            time.sleep(1e-3)
+        try:
+            with open("/proc/loadavg") as f:
+                running = int(f.read().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+        fewest = min(fewest, running)
+    return max(0, int(fewest) - 1)
+
+
+def threads_for_call() -> int:
+    """The threads a long call runs on now: ``torch.get_num_threads()``, fewer where other
+    processes' running threads leave fewer of the usable CPUs (:func:`usable_cores`) free,
+    at least one. torch's OpenMP threads meet at a barrier after each of the many short
+    operations of a Sinkhorn loop or an LDDMM gradient; a thread that shares its core
+    with a busy process holds the others at each: on 2 cores beside one busy process, a
+    multiscale divergence took 6 to 48 s on 2 threads and 8.3 to 9.0 s on one (5.1 s
+    alone on 2). Not counted (torch's threads kept): ``OTREG_SHARE_CORES=0``, a process
+    limited to some of the machine's CPUs (a cluster job's cpuset or quota: /proc counts
+    the whole node's threads), otreg's batch workers (their threads are planned).
+    Counted once a ``COUNT_EVERY`` seconds.
+
+    Example:
+        >>> import torch
+        >>> from otreg._info import threads_for_call
+        >>> 1 <= threads_for_call() <= torch.get_num_threads()
+        True
+    """
+    threads = torch.get_num_threads()
+    if threads == 1 or os.environ.get("OTREG_SHARE_CORES", "1") == "0":
+        return threads
+    now = time.monotonic()
+    if now - _counted["at"] > COUNT_EVERY:
+        usable = usable_cores()
+        whole = usable >= (os.cpu_count() or usable)  # else the counts are the node's
+        _counted.update(at=now, threads=busy_elsewhere() if whole else 0, usable=usable)
+    return max(1, min(threads, _counted["usable"] - _counted["threads"]))
+
+
+@contextlib.contextmanager
+def sharing_cores(device: torch.device | str = "cpu") -> Iterator[int]:
+    """A block of a long computation on ``device`` run on :func:`threads_for_call`'s
+    threads, torch's count restored after it; a block within another keeps the outer's.
+    Yields the threads it runs on.
+
+    Example:
+        >>> import torch
+        >>> from otreg._info import sharing_cores
+        >>> before = torch.get_num_threads()
+        >>> with sharing_cores() as threads:
+        ...     threads == torch.get_num_threads()
+        True
+        >>> torch.get_num_threads() == before
+        True
+    """
+    if torch.device(device).type != "cpu" or getattr(_sharing, "active", False):
+        yield torch.get_num_threads()
+        return
+    before = torch.get_num_threads()
+    threads = threads_for_call()
+    _sharing.active = True
+    try:
+        if threads != before:
+            torch.set_num_threads(threads)
+        yield threads
+    finally:
+        _sharing.active = False
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
 def info(check_keops: bool = True, file=None) -> dict:
     """Print and return what otreg runs on here.
 
@@ -74,6 +174,8 @@ def info(check_keops: bool = True, file=None) -> dict:
         "torch": torch.__version__,
         "torch threads": torch.get_num_threads(),
         "usable CPUs": usable_cores(),
+        # fewer than torch's where other processes keep the cores busy (threads_for_call)
+        "threads a call runs on now": threads_for_call(),
         # torch's OpenMP threads' spins at a barrier (otreg sets 10,000 where it loads first)
         "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "not set (libgomp's 300,000)"),
         "cuda": torch.cuda.is_available(),

@@ -193,6 +193,8 @@ def _set_threads(threads: int | None) -> int:
     if threads:
         torch.set_num_threads(int(threads))
         os.environ["OMP_NUM_THREADS"] = str(threads)  # KeOps' OpenMP, if it compiles now
+    # the batch planned its workers' threads: none given up beside its other workers
+    os.environ["OTREG_SHARE_CORES"] = "0"
     return torch.get_num_threads()
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import reductions
+from .._info import sharing_cores
 from .gradient import differentiate, dual_value, first_order_only
 from .large_blur import check_range, closed_form_applies
 from .loop import closed_form_solution, solve
@@ -80,7 +81,7 @@ def divergence(
             "For unrolled iterations use otreg.sinkhorn(..., backward=otreg.Unroll(...))"
         )
     p = Problem.build(caller, x, y, a, b, options)
-    with no_autocast(p.x.device):
+    with no_autocast(p.x.device), sharing_cores(p.x.device):
         value, result = _divergence(caller, p, options, debias, warm, default_blur)
     return value.to(p.out_dtype), result
 

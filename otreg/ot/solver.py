@@ -37,6 +37,7 @@ import dataclasses
 import torch
 
 from .. import reductions
+from .._info import sharing_cores
 from ..loops.budget import within_budget
 from .convergence import Accuracy
 from .gradient import differentiate
@@ -214,7 +215,11 @@ def sinkhorn(
     budget = options.backward.memory if isinstance(options.backward, Unroll) else None
     # the budget counts from here: what the solve keeps is charged to its loop; autocast
     # (a model's mixed precision) would round the scores to half: off, the inputs are float32
-    with within_budget(caller, budget, p.x.device), no_autocast(p.x.device):
+    with (
+        within_budget(caller, budget, p.x.device),
+        no_autocast(p.x.device),
+        sharing_cores(p.x.device),
+    ):
         return _solve_and_differentiate(caller, p, options, init)
 
 

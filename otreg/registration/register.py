@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import FoldWarning, check_choice, check_int, check_positive, check_progress, warn
+from .._info import sharing_cores
 from ..ot.problem import SinkhornOptions
 from ..shapes import Shape
 from . import defaults, metrics, signals
@@ -360,6 +361,12 @@ def register(
         "register", source, target, model, prealign, loss, levels, optimizer, sinkhorn,
         varifold_sigma, landmarks, truth, progress, dtype, signal, signal_weight, refine,
     )  # fmt: skip
+    with sharing_cores(source.points.device):  # (fewer threads beside busy processes)
+        return _register(plan, source, target)
+
+
+def _register(plan: _Plan, source: Shape, target: Shape) -> Registration:
+    """:func:`register` once its inputs are checked."""
     start = time.perf_counter()
     src, tgt = source.to(plan.dtype), target.to(plan.dtype)
     same = _same_surface(src, tgt)

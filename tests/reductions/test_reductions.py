@@ -6,12 +6,14 @@ import os
 import re
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
 import torch
 
 import otreg
+from otreg import _info as info_module
 from otreg import reductions
 from otreg.costs import get_cost
 from otreg.reductions import _compiled, _keops
@@ -566,3 +568,71 @@ def test_a_reduction_names_shapes_it_cannot_take(x, y, w, needle):
         reductions.softmin(
             torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), [0.0, 0.0], 0.1, get_cost("sqeuclidean")
         )
+
+
+def test_otreg_counts_busy_processes_and_runs_its_calls_on_the_cores_they_leave(monkeypatch):
+    # a process that computes is counted (the fewest of a few reads of the running threads)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.monotonic() + 10
+        while info_module.busy_elsewhere() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert info_module.busy_elsewhere() >= 1
+    finally:
+        busy.kill()
+        busy.wait()
+    # the threads a call runs on: torch's, less the other processes' running threads beyond
+    # the free cores, at least one; counted again only after COUNT_EVERY seconds
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(info_module.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(info_module, "usable_cores", lambda: 4)
+    monkeypatch.delenv("OTREG_SHARE_CORES", raising=False)
+    for others, threads in [(0, 4), (1, 3), (3, 1), (9, 1)]:
+        monkeypatch.setattr(info_module, "busy_elsewhere", lambda k=others: k)
+        monkeypatch.setitem(info_module._counted, "at", -math.inf)
+        assert info_module.threads_for_call() == threads
+    monkeypatch.setattr(info_module, "busy_elsewhere", lambda: 0)
+    assert info_module.threads_for_call() == 1  # (the count of a moment ago)
+    monkeypatch.setitem(info_module._counted, "at", -math.inf)
+    assert info_module.threads_for_call() == 4
+    # not counted: told so, or a process given some of the machine's CPUs (a job's cpuset:
+    # the running threads are the whole node's)
+    monkeypatch.setattr(info_module, "busy_elsewhere", lambda: 3)
+    monkeypatch.setenv("OTREG_SHARE_CORES", "0")
+    assert info_module.threads_for_call() == 4
+    monkeypatch.delenv("OTREG_SHARE_CORES")
+    monkeypatch.setattr(info_module, "usable_cores", lambda: 2)
+    monkeypatch.setitem(info_module._counted, "at", -math.inf)
+    assert info_module.threads_for_call() == 2
+
+
+def test_a_call_beside_busy_processes_runs_on_fewer_threads_and_restores_them(monkeypatch):
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: nothing to give up")
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OTREG_SHARE_CORES", raising=False)
+    monkeypatch.setattr(info_module, "threads_for_call", lambda: 1)
+    seen = []
+    real = otreg.ot.divergence._divergence
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return real(*args)
+
+    monkeypatch.setattr(otreg.ot.divergence, "_divergence", spy)
+    x, y = torch.randn(50, 3), torch.randn(40, 3)
+    value = otreg.sinkhorn_divergence(x, y, blur=0.1)
+    assert seen == [1] and torch.get_num_threads() == before
+    monkeypatch.setattr(info_module, "threads_for_call", lambda: before)
+    assert torch.allclose(otreg.sinkhorn_divergence(x, y, blur=0.1), value, rtol=1e-5)
+    # restored after an error too; a block within another keeps the outer's threads
+    monkeypatch.setattr(info_module, "threads_for_call", lambda: 1)
+    monkeypatch.setattr(otreg.ot.divergence, "_divergence", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        otreg.sinkhorn_divergence(x, y, blur=0.1)
+    assert torch.get_num_threads() == before
+    with info_module.sharing_cores() as outer:
+        monkeypatch.setattr(info_module, "threads_for_call", lambda: before)
+        with info_module.sharing_cores() as inner:
+            assert outer == inner == torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
