@@ -141,5 +141,8 @@ def differentiate(
             strategy=settings.strategy,
             memory=settings.memory,
         )
-    value, _ = dual_value(p, *params, g, DenseKernel(p, p.x, p.a, p.y, p.b))
+    # the kernel over this term's own clouds: a divergence's self terms OT(a, a), OT(b, b)
+    # pass theirs (its weights' share of the gradient sums over them)
+    x, y, a, b = (t.detach() for t in params)
+    value, _ = dual_value(p, *params, g, DenseKernel(p, x, a, y, b))
     return value, f, g, params
