@@ -154,6 +154,7 @@ def _divergence(
     return unbatch(value, p.batched), result
 
 
+@torch.compiler.disable  # (a model compiled around it runs it as it is: see SinkhornLoss)
 def sinkhorn_divergence(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -219,7 +220,13 @@ class SinkhornLoss(nn.Module):
     accurate as the solve (``tol``, 1e-3 on the marginals by default). A float64
     ``torch.autograd.gradcheck`` compares it with finite differences of the value, so give
     the loss ``tol=1e-12`` there (on 5 x 6 random points at blur 0.5 the default ``tol``
-    leaves the gradient about 1e-5 off, and gradcheck failed on 1 of 20 draws). Where the
+    leaves the gradient about 1e-5 off, and gradcheck failed on 1 of 20 draws). Balanced
+    OT (no ``reach``) is defined for weights of equal sums, so the weights' gradient holds
+    along changes that keep each sum (it is known up to a constant): check it through a
+    map that keeps the sum (a softmax), not one weight at a time, as gradcheck moves them.
+    In a model compiled with ``torch.compile`` the loss runs as it is, outside the graph
+    (``torch.compiler.disable``: the graph breaks there, and ``fullgraph=True`` refuses
+    it); tracing its converging loop would recompile at each call. Where the
     clouds nearly coincide (late in a fit) the divergence and its gradient are small
     differences of its three terms': their error relative to themselves grows as they
     shrink, while the absolute error stays the terms' (on 200 Gaussian points 1e-3 from
@@ -305,6 +312,9 @@ class SinkhornLoss(nn.Module):
         """Forget the potentials kept for warm starts."""
         self._warm = {}
 
+    # torch.compile: a compiled model runs the loss as it is (a graph break), since tracing a
+    # converging loop recompiled 54 times and took 113 s for one call of 200 points
+    @torch.compiler.disable
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         """``loss(x, y)`` or ``loss(a, x, b, y)``: the divergence (or OT cost), ``()`` or
         ``(B,)``."""

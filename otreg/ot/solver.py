@@ -93,6 +93,7 @@ def check_init(caller: str, init, p: Problem):
     return tuple(out)
 
 
+@torch.compiler.disable  # (a model compiled around it runs it as it is: see SinkhornLoss)
 def sinkhorn(
     x: torch.Tensor,
     y: torch.Tensor,
