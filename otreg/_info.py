@@ -93,11 +93,11 @@ def threads_for_call() -> int:
     at least one. torch's OpenMP threads meet at a barrier after each of the many short
     operations of a Sinkhorn loop or an LDDMM gradient; a thread that shares its core
     with a busy process holds the others at each: on 2 cores beside one busy process, a
-    multiscale divergence took 6 to 48 s on 2 threads and 8.3 to 9.0 s on one (5.1 s
-    alone on 2). Not counted (torch's threads kept): ``OTREG_SHARE_CORES=0``, a process
-    limited to some of the machine's CPUs (a cluster job's cpuset or quota: /proc counts
-    the whole node's threads), otreg's batch workers (their threads are planned).
-    Counted once a ``COUNT_EVERY`` seconds.
+    multiscale divergence took 13.4 to 13.9 s on 2 threads and 6.8 to 7.0 s on one (5.4
+    to 6.3 s alone on 2; benchmarks/contention.py). Not counted (torch's threads kept):
+    ``OTREG_SHARE_CORES=0``, a process limited to some of the machine's CPUs (a cluster
+    job's cpuset or quota: /proc counts the whole node's threads), otreg's batch workers
+    (their threads are planned). Counted once a ``COUNT_EVERY`` seconds.
 
     Example:
         >>> import torch
