@@ -31,6 +31,10 @@ WATCH_SECONDS = 5.0
 #: ends: a local cluster's (its workers die as they start: too little memory, a broken
 #: environment), and an existing cluster's, which may wait for queued jobs far longer.
 NO_WORKER_SECONDS = {"local": 120.0, "existing": 3600.0}
+#: With no worker alive this long, a local cluster starts its workers afresh, once an outage:
+#: a nanny whose worker fails to restart (its start timed out on a loaded machine) keeps no
+#: worker and is not restarted by Dask.
+REPLACE_SECONDS = 30.0
 
 
 class Cluster:
@@ -76,20 +80,19 @@ class Cluster:
             "MKL_NUM_THREADS": str(self.threads),
             "OPENBLAS_NUM_THREADS": str(self.threads),
         }  # and not Dask's MALLOC_TRIM_THRESHOLD_: see worker._fast_allocator
-        with dask.config.set(
-            {
-                "distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
-                # one pair a worker at a time: a worker's death then counts against the
-                # pair it was running only, not against one queued behind it
-                "distributed.scheduler.worker-saturation": 1.0,
-                "distributed.nanny.pre-spawn-environ": env,
-                "distributed.worker.memory.spill": False,
-                "distributed.worker.memory.target": False,
-                "distributed.worker.memory.pause": False,
-                "distributed.worker.memory.terminate": 0.95,
-                "distributed.admin.system-monitor.gil.enabled": False,
-            }
-        ):
+        self.config = {
+            "distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
+            # one pair a worker at a time: a worker's death then counts against the
+            # pair it was running only, not against one queued behind it
+            "distributed.scheduler.worker-saturation": 1.0,
+            "distributed.nanny.pre-spawn-environ": env,
+            "distributed.worker.memory.spill": False,
+            "distributed.worker.memory.target": False,
+            "distributed.worker.memory.pause": False,
+            "distributed.worker.memory.terminate": 0.95,
+            "distributed.admin.system-monitor.gil.enabled": False,
+        }
+        with dask.config.set(self.config):
             # the workers leave Ctrl-C to this process, which closes them: each printed a
             # traceback of its own (about 30 lines a worker)
             interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -119,6 +122,24 @@ class Cluster:
         limits = [w.get("memory_limit") for w in info.values() if w.get("memory_limit")]
         self.memory_limit_bytes = min(limits) if limits else None
         return self
+
+    def replace_workers(self, timeout: float) -> bool:
+        """Close the local cluster's workers and start as many afresh; True when one joined
+        within ``timeout`` seconds. A nanny whose worker failed to restart keeps no worker
+        (its start timed out on a loaded machine) and Dask does not restart it."""
+        import dask
+
+        deadline = time.monotonic() + timeout
+        self.cluster.scale(0)
+        while self.cluster.workers and time.monotonic() < deadline:  # the new take their names
+            time.sleep(0.2)
+        with dask.config.set(self.config):  # the new nannies read it as they start
+            self.cluster.scale(self.workers)
+            try:
+                self.client.wait_for_workers(1, timeout=max(deadline - time.monotonic(), 1.0))
+            except (TimeoutError, OSError):
+                return False
+        return True
 
     def __exit__(self, *exc):
         try:
@@ -251,6 +272,7 @@ class _Watch:
         self.kind = "local" if cl.cluster is not None else "existing"
         self.alone_since: float | None = None
         self.told = 0.0
+        self.replaced = False  # the workers were started afresh in this outage
 
     def progress(self) -> None:
         self.alone_since = None
@@ -262,10 +284,17 @@ class _Watch:
             alive = 0
         now = time.monotonic()
         if alive:
-            self.alone_since = None
+            self.alone_since, self.replaced = None, False
             return False
         self.alone_since = self.alone_since or now
         waited = now - self.alone_since
+        if self.kind == "local" and not self.replaced and waited > REPLACE_SECONDS:
+            self.replaced = True
+            left = NO_WORKER_SECONDS["local"] - waited
+            if self.cl.replace_workers(timeout=max(left, 1.0)):
+                self.alone_since = None
+                return False
+            waited = time.monotonic() - self.alone_since
         if self.kind == "existing" and now - self.told > 300:
             self.told = now
             self.echo(f"otreg batch: no worker alive for {waited:.0f} s; waiting for one to join")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -263,10 +264,13 @@ def test_a_batch_with_no_worker_alive_ends_with_a_reason(tmp_path, monkeypatch):
     save_shape(ball, tmp_path / "a.vtk")
     save_shape(ball.with_points(ball.points + 1.0), tmp_path / "b.vtk")
     monkeypatch.setattr(dispatch, "NO_WORKER_SECONDS", {"local": 10.0, "existing": 10.0})
+    monkeypatch.setattr(dispatch, "REPLACE_SECONDS", 2.0)
     real = engine.dispatch
 
     def without_workers(cl, *args):
-        cl.cluster.scale(0)  # every worker leaves, none comes back
+        scale = cl.cluster.scale
+        scale(0)  # every worker leaves, and none comes back when the dispatcher asks
+        cl.cluster.scale = lambda n: scale(0)
         return real(cl, *args)
 
     monkeypatch.setattr(engine, "dispatch", without_workers)
@@ -278,6 +282,43 @@ def test_a_batch_with_no_worker_alive_ends_with_a_reason(tmp_path, monkeypatch):
     error = res.records["p"]["error"]
     assert error["class"] == "no worker"
     assert "no worker process was alive for 10 s" in error["reason"]
+
+
+def test_a_nanny_that_fails_to_restart_its_worker_is_replaced(tmp_path, monkeypatch):
+    """Dask leaves a nanny whose worker failed to restart (its start timed out on a loaded
+    machine) without a worker; the dispatcher starts the workers afresh and the pair runs."""
+    pytest.importorskip("distributed")
+    pv = pytest.importorskip("pyvista")
+    from otreg import Shape, save_shape
+    from otreg.batch import dispatch, engine, run_batch
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    save_shape(ball, tmp_path / "a.vtk")
+    save_shape(ball.with_points(ball.points + 1.0), tmp_path / "b.vtk")
+    monkeypatch.setattr(dispatch, "REPLACE_SECONDS", 2.0)
+    real = engine.dispatch
+
+    def with_a_broken_nanny(cl, *args):
+        (nanny,) = cl.cluster.workers.values()
+
+        async def fails():
+            raise TimeoutError("the worker did not start in time")
+
+        nanny.instantiate = fails
+        os.kill(nanny.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while cl.client.scheduler_info()["workers"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not cl.client.scheduler_info()["workers"]
+        return real(cl, *args)
+
+    monkeypatch.setattr(engine, "dispatch", with_a_broken_nanny)
+    pairs = [Pair("p", str(tmp_path / "a.vtk"), str(tmp_path / "b.vtk"))]
+    start = time.perf_counter()
+    res = run_batch(pairs, tmp_path / "out", {"max_iter": 2}, workers=1, report=False)
+    assert res.records["p"]["status"] == "done", res.records["p"]
+    assert time.perf_counter() - start < 100
+    assert res.exit_code == 0
 
 
 @pytest.mark.parametrize(
