@@ -93,6 +93,9 @@ class _Implicit(torch.autograd.Function):
         saved = ctx.saved_tensors
         z, params = saved[: ctx.n_state], saved[ctx.n_state :]
         g = _flat([go if go is not None else torch.zeros_like(t) for go, t in zip(grad_out, z)])
+        if not bool(g.any()):  # nothing flows back through z*: no step to retape, no solve
+            ctx.report.update(backward_residual=0.0, backward_iterations=0)
+            return (None, None, None, None, *(None for _ in z), *(None for _ in params))
         with torch.enable_grad():
             zz = tuple(t.detach().requires_grad_() for t in z)
             out = ctx.run(zz, params)

@@ -426,6 +426,24 @@ def _symmetric_updates(p: Problem, kernel, f, n_iter: int, rule: StoppingRule):
     return f, n_iter
 
 
+def symmetric_step(p: Problem):
+    """One averaged update of a self term's potential at the final eps, as a map
+    f -> (f + lambda softmin(f)) / 2 with softmin over the cloud against itself.
+
+    Its Jacobian (I - lambda P) / 2, P the plan's rows normalised, has its eigenvalues in
+    [0, 1/2] (a positive definite kernel): the implicit system stays well conditioned where
+    the alternating map's, P Q, has many eigenvalues near 1 (points farther apart than the
+    blur: the plan is nearly the identity; 50 Gaussian points at blur 0.1 left a float32
+    Hessian-vector product 447 times off).
+    """
+    eps, lam = p.eps, p.damping(p.eps)
+
+    def step(f, x, a):
+        return (f + lam * form_softmin(p, eps, x, x, a.log(), f, (f / lam).detach())) / 2
+
+    return step
+
+
 def pair_step(p: Problem):
     """One alternating Sinkhorn update at the final eps, as a map (f, g) -> (f, g).
 
