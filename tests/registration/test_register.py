@@ -43,7 +43,7 @@ def test_register_small_saves_loads_and_reports(pial_small, tmp_path):
         optimizer=LBFGSOptions(max_iter=10),
         truth=subject.shape.points,
         progress=False,
-        dtype=torch.float64,  # the Jacobians are compared with autograd's to 1e-10
+        dtype=torch.float64,  # the Jacobians are compared with autograd's to 1e-9
     )
     assert isinstance(res, Registration) and res.warped.n_points == pial_small.n_points
     assert res.metrics["vertex_error_mean_mm"] < before
@@ -51,7 +51,8 @@ def test_register_small_saves_loads_and_reports(pial_small, tmp_path):
     x = pial_small.points[:300].double()
     assert res.linear is not None  # the whole transform: pre-alignment, then the flow
     det = torch.linalg.det(res.jacobians(x))
-    assert torch.allclose(det, jacobian_determinants(res.apply, x), rtol=1e-10, atol=0)
+    # (rounding: 6e-11 alone, 1.3e-10 after another test had compiled a model)
+    assert torch.allclose(det, jacobian_determinants(res.apply, x), rtol=1e-9, atol=0)
     assert res.metrics["jacobian_min"] <= float(det.min()) + 1e-12
     assert res.history and res.history[-1]["loss"] <= res.history[0]["loss"]
     parts = [res.metrics[f"{p}_seconds"] for p in ("prealign", "fit", "metrics")]
