@@ -62,10 +62,9 @@ class _FirstOrderOnly(torch.autograd.Function):
 class _EnvelopeValue(torch.autograd.Function):
     """The dual value V(g, x, y, a, b) at the implicit potentials g: its gradient is the
     envelope's partial dV/d(x, y, a, b) at g, built on g's implicit graph, so that a second
-    derivative sees how the potentials move. dV/dg is zero at the solution: handing its
-    rounding-size remainder (3e-17 in float64, 2e-8 in float32) to the adjoint solve came
-    back as noise (|u| 0.02 and 1.8) that put a float32 Hessian-vector product 1.5% off and
-    warned of a residual that meant nothing."""
+    derivative sees how the potentials move. dV/dg is zero at the solution: handed to the
+    adjoint solve, its rounding-size remainder (3e-17 in float64, 2e-8 in float32) came
+    back as noise (|u| 0.02 and 1.8) with a warning of a residual that meant nothing."""
 
     @staticmethod
     def forward(ctx, value_of, g: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
