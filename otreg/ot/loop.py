@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import cells
+from . import cells, newton
 from .convergence import Accuracy, Anderson, Relaxation, StoppingRule, diverged
 from .kernels import DenseKernel, form_softmin, make_kernel
 from .large_blur import closed_form
@@ -150,7 +150,13 @@ def solve(p: Problem, x, a, y=None, b=None, init=None, continuation: bool = True
     autograd. ``init``: potentials (f, g), (B, N) and (B, M), to start from at the final
     eps, skipping the eps-scaling (a warm start from a nearby problem). Without one, where
     :func:`halfway` gives a problem, its converged potentials are the start
-    (``continuation=False``: never; the unrolled gradient replays the plain schedule)."""
+    (``continuation=False``: never; the unrolled gradient replays the plain schedule).
+    A small problem over every pair whose updates have not converged after
+    :data:`~otreg.ot.newton.AFTER` iterations goes on by Newton's continuation
+    (:func:`_newton`)."""
+    if newton.applies(p, y, init, continuation):
+        sol = solve(replace(p, max_iter=newton.AFTER), x, a, y, b)
+        return sol if sol.rule.converged else _newton(p, x, a, y, b, sol)
     n_first, story, resume = 0, "", None
     first_p = halfway(p) if continuation and init is None else None
     if first_p is not None:
@@ -169,6 +175,34 @@ def solve(p: Problem, x, a, y=None, b=None, init=None, continuation: bool = True
     kernel.finish(f, g, p.eps)
     f, g = kernel.to_caller_order(f, g)
     return Solution(f, g, n_iter, rule, kernel, acceleration + story)
+
+
+def _newton(p: Problem, x, a, y, b, sol: Solution) -> Solution:
+    """The solve by Newton's method along halvings of the blur (:mod:`otreg.ot.newton`),
+    from potentials converged at ``newton.START`` times the blur by the updates. Where that
+    start or the continuation does not converge, the updates go on from ``sol`` (their
+    unconverged result) within what is left of ``max_iter``."""
+    start = replace(p, schedule=[e for e in p.schedule if e >= newton.blurs(p)[0]])
+    first = solve(replace(start, max_iter=p.max_iter // 2), x, a, y, b, continuation=False)
+    if first.rule.converged:
+        f, g, solves, error = newton.continuation(p, x, a, y, b, first.g)
+        if error <= p.tol:
+            rule = _rule(p, sol.kernel)
+            rule.error, rule.reason = error, "tol"
+            blur = start.eps ** (1 / p.cost.p)
+            story = (
+                f"Newton's method ({solves} solves), from potentials converged at blur "
+                f"{blur:.3g} in {first.n_iter} iterations, after {sol.n_iter} updates "
+                "that had not converged"
+            )
+            n_iter = sol.n_iter + first.n_iter + solves
+            return Solution(f, g, n_iter, rule, sol.kernel, story)
+    spent = sol.n_iter + first.n_iter
+    if spent >= p.max_iter:
+        return replace(sol, n_iter=spent)
+    rest = solve(replace(p, max_iter=p.max_iter - spent), x, a, y, b, init=(sol.f, sol.g))
+    note = f"; Newton's method did not converge: the updates went on at iteration {spent}"
+    return replace(rest, n_iter=spent + rest.n_iter, acceleration=rest.acceleration + note)
 
 
 #: :func:`halfway` stops the schedule at its first eps at least this many times the final

@@ -1,0 +1,96 @@
+"""Newton's continuation: small problems at a blur far below the points' spacing, where the
+updates crawl, converge; checked on the optimality conditions, computed here, and against
+the exact transport cost."""
+
+import math
+import warnings
+
+import numpy as np
+import ot
+import pytest
+import torch
+
+import otreg
+from otreg.ot import newton
+
+D = torch.float64
+BLUR = 0.01
+
+
+def gaussians(n=60, m=50, seed=0, batch=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*batch, n, 3, generator=g, dtype=D)
+    y = torch.randn(*batch, m, 3, generator=g, dtype=D) + 1.0
+    return x, y
+
+
+def plan_and_value(x, y, f, g, eps):
+    """The plan a b exp((f + g - C) / eps) of uniform weights and its entropic cost."""
+    a = torch.full((x.shape[0],), 1 / x.shape[0], dtype=D)
+    b = torch.full((y.shape[0],), 1 / y.shape[0], dtype=D)
+    C = ((x[:, None] - y[None]) ** 2).sum(-1) / 2
+    plan = a[:, None] * b[None] * torch.exp((f[:, None] + g[None] - C) / eps)
+    kl = torch.special.xlogy(plan, plan / (a[:, None] * b[None])).sum() - plan.sum() + 1
+    return plan, a, b, float((plan * C).sum() + eps * kl), C
+
+
+def test_a_problem_the_updates_do_not_solve_converges_by_newton():
+    x, y = gaussians()
+    res = otreg.sinkhorn(x, y, blur=BLUR, tol=1e-6)
+    assert res.converged and res.acceleration.startswith("Newton's method"), res.acceleration
+    assert res.n_iter < 2000
+    plan, a, b, value, C = plan_and_value(x, y, res.f, res.g, BLUR**2)
+    assert float((plan.sum(1) - a).abs().sum()) < 1e-5  # both marginals hold
+    assert float((plan.sum(0) - b).abs().sum()) < 2e-6
+    assert float(res.cost) == pytest.approx(value, rel=1e-7)  # (primal and dual, tol 1e-6)
+    exact = ot.emd2(a.numpy(), b.numpy(), C.numpy())  # the unregularised cost, below
+    assert 0 < value - exact < BLUR**2 * math.log(x.shape[0] * y.shape[0])
+
+
+def test_the_default_loss_on_small_clouds_converges_without_a_warning():
+    """200 points against 150 at blur 0.01 stopped at max_iter (0.16 marginal error)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 3, generator=g).requires_grad_(True)
+    y = torch.randn(150, 3, generator=g) + 2.0
+    loss = otreg.SinkhornLoss(blur=BLUR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", otreg.ConvergenceWarning)
+        loss(x, y).backward()
+    assert loss.last_result.converged and torch.isfinite(x.grad).all()
+    reference = x.detach().double().requires_grad_(True)
+    value = otreg.sinkhorn_divergence(reference, y.double(), blur=BLUR, tol=1e-8)
+    (expected,) = torch.autograd.grad(value, reference)
+    assert float((x.grad.double() - expected).norm() / expected.norm()) < 2e-2
+
+
+def test_where_newton_fails_the_updates_go_on_within_max_iter(monkeypatch):
+    x, y = gaussians()
+    monkeypatch.setattr(newton, "stage", lambda C, a, b, g, eps, tol: (g, g, 1, math.inf))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", otreg.ConvergenceWarning)
+        res = otreg.sinkhorn(x, y, blur=BLUR, tol=1e-6, max_iter=3000)
+    assert "did not converge: the updates went on at iteration" in res.acceleration
+    assert res.n_iter <= 3000
+    direct = otreg.sinkhorn(x, y, blur=BLUR, tol=1e-6, max_iter=3000)  # (Newton's, intact)
+    if res.converged:
+        assert float(res.cost) == pytest.approx(float(direct.cost), rel=1e-6)
+
+
+def test_a_batch_is_solved_problem_by_problem():
+    x, y = gaussians(batch=(2,))
+    res = otreg.sinkhorn(x, y, blur=BLUR, tol=1e-6)
+    assert res.converged and res.acceleration.startswith("Newton's method")
+    for k in range(2):
+        alone = otreg.sinkhorn(x[k], y[k], blur=BLUR, tol=1e-6)
+        assert float(res.cost[k]) == pytest.approx(float(alone.cost), rel=1e-7)
+
+
+def test_the_stages_halve_the_blur_down_to_the_final_one():
+    x, y = gaussians()
+    p = otreg.ot.problem.Problem.build(
+        "test", x, y, None, None, otreg.SinkhornOptions(blur=BLUR, scaling=0.9)
+    )
+    eps = newton.blurs(p)
+    assert eps[0] <= newton.START**2 * p.eps and eps[0] in p.schedule
+    assert eps[-1] == p.eps
+    assert np.allclose(np.array(eps[1:-1]) / np.array(eps[:-2]), 0.25)
