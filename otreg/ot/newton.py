@@ -55,10 +55,12 @@ def applies(p: Problem, y, init, continuation: bool) -> bool:
     """Whether a solve of ``p`` falls back on Newton's continuation when the updates have
     not converged after :data:`AFTER` iterations: balanced, over every pair, two clouds,
     small (:data:`MAX_PAIRS`, :data:`MAX_SIDE`), a marginal-error ``tol`` above 0, no warm
-    start, and room in ``max_iter`` (the unrolled gradient, ``continuation=False``,
+    start, an acceleration left to otreg (a fixed over-relaxation weight asks for those
+    updates), and room in ``max_iter`` (the unrolled gradient, ``continuation=False``,
     replays plain updates)."""
     return (
         y is not None
+        and isinstance(p.relaxation, str)
         and init is None
         and continuation
         and p.rho is None
