@@ -182,9 +182,10 @@ def _newton(p: Problem, x, a, y, b, sol: Solution) -> Solution:
     from potentials converged at ``newton.START`` times the blur by the updates. Where that
     start or the continuation does not converge, the updates go on from ``sol`` (their
     unconverged result) within what is left of ``max_iter``."""
-    start = replace(p, schedule=[e for e in p.schedule if e >= newton.blurs(p)[0]])
+    stages = newton.blurs(p)
+    start = replace(p, schedule=[e for e in p.schedule if e >= stages[0]])
     first = solve(replace(start, max_iter=p.max_iter // 2), x, a, y, b, continuation=False)
-    if first.rule.converged:
+    if first.rule.converged and len(stages) > 1:  # (one eps: no blur left to halve)
         f, g, solves, error = newton.continuation(p, x, a, y, b, first.g)
         if error <= p.tol:
             rule = _rule(p, sol.kernel)
