@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -568,6 +569,33 @@ def test_a_reduction_names_shapes_it_cannot_take(x, y, w, needle):
         reductions.softmin(
             torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), [0.0, 0.0], 0.1, get_cost("sqeuclidean")
         )
+
+
+def test_this_process_s_own_running_threads_are_not_counted_as_busy_elsewhere():
+    """A thread of this process that computes (as torch's OpenMP threads spin right after
+    an operation) is not another process: counted as one, it put every call after the
+    first on one thread."""
+    stop = threading.Event()
+
+    def compute():
+        a = torch.randn(300, 300)
+        while not stop.is_set():
+            a @ a  # (releases the GIL: runs beside the reads)
+
+    worker = threading.Thread(target=compute, daemon=True)
+    worker.start()
+    try:
+        deadline, counts = time.monotonic() + 10, []
+        while time.monotonic() < deadline:  # (0 once no other process runs meanwhile)
+            counts.append(info_module.busy_elsewhere())
+            if counts[-1] == 0:
+                break
+            time.sleep(0.05)
+        assert counts[-1] == 0, counts
+        assert worker.is_alive()
+    finally:
+        stop.set()
+        worker.join()
 
 
 def test_otreg_counts_busy_processes_and_runs_its_calls_on_the_cores_they_leave(monkeypatch):
