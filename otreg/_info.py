@@ -70,8 +70,8 @@ def busy_elsewhere() -> int:
     threads (/proc/self/task), the fewest of ``COUNT_READS`` reads; 0 where there is no
     /proc/loadavg (not Linux). This process's own count matters: right after any torch
     operation its OpenMP threads still spin, runnable, for a while, and counted as another
-    process's they put every call after the first on one thread (a divergence on 2 cores
-    7.5 -> 11.2 s).
+    process's they put every call after the first on one thread (on 2 cores, a divergence
+    that takes 7.5 s took 11.2 s).
 
     Example:
         >>> from otreg._info import busy_elsewhere
