@@ -578,7 +578,7 @@ def test_this_process_s_own_running_threads_are_not_counted_as_busy_elsewhere():
     stop = threading.Event()
 
     def compute():
-        a = torch.randn(300, 300)
+        a = torch.randn(300, 300, generator=torch.Generator().manual_seed(0))
         while not stop.is_set():
             a @ a  # (releases the GIL: runs beside the reads)
 
