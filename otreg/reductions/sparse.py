@@ -583,6 +583,25 @@ class _SparseSoftmin(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """The flat indices (K,) where ``mask`` is True: numpy's on the CPU (a sparse mask of 4
+    million entries: 2.3 ms against torch's 7.9 ms on two cores), torch's elsewhere."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.view(-1).nonzero().squeeze(1)
+
+
+def _slot_indices(keep: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """For flat indices ``keep`` (K,) into a chunk's scores of ``shape`` (C, R, L): the
+    row slots ``c * R + r`` and the column slots ``c * L + l``."""
+    R, L = shape[1], shape[2]
+    if keep.device.type == "cpu":  # (numpy's integer division: several times torch's)
+        row, col = np.divmod(keep.numpy(), L)
+        return torch.from_numpy(row), torch.from_numpy(row // R * L + col)
+    row = keep // L
+    return row, row // R * L + keep % L
+
+
 def close_pairs(
     kernel: BlockSparse,
     x: torch.Tensor,
@@ -632,16 +651,14 @@ def close_pairs(
         rows_low, cols_low = rows.to(x.dtype), cols.to(x.dtype)
         s = rows_low.unsqueeze(2) + cols_low.unsqueeze(1)  # (C, R, L)
         s.baddbmm_(X, Y.transpose(1, 2), alpha=-1.0)
-        keep = (s.view(-1) <= threshold).nonzero().squeeze(1)
+        keep = _flat_nonzero(s <= threshold)
         count += len(keep)
         searched += s.numel()
         if count > limit:
             if estimate is not None:
                 estimate.append(count * kernel.padded_pairs / searched)
             return None
-        width = s.shape[2]
-        row_slot = keep // width  # c * R + r
-        col_slot = row_slot // s.shape[1] * width + keep % width  # c * L + l
+        row_slot, col_slot = _slot_indices(keep, s.shape)
         slack = s.view(-1).index_select(0, keep).double()
         if dropped is not None:  # (s is not needed after this)
             s.view(-1).index_fill_(0, keep, torch.inf)  # (the kept pairs: few)
