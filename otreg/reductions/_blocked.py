@@ -132,10 +132,11 @@ def _forward(kind: str, blocks: _Blocks, v, estimate=None) -> torch.Tensor:
     B, N = blocks.x.shape[0], blocks.x.shape[1]
     if kind == "kernel_product":
         out = blocks.x.new_empty(B, N, v.shape[-1])
+        values = _Columns(v)
         for sl in blocks.slices():
             s, r, _ = blocks.scores(sl)
             s.add_(r).clamp_(min=_dense.exp_floor(s.dtype)).exp_()
-            torch.bmm(s, v, out=out[:, sl])
+            values.times(s, out=out[:, sl])
         return out
     # the row maxima and sums of all blocks, finished together: a block's few small
     # operations cost as much as its sweep once blocks fit the processor's cache
@@ -144,11 +145,12 @@ def _forward(kind: str, blocks: _Blocks, v, estimate=None) -> torch.Tensor:
         _shifted_sums(blocks, estimate, m, total)
     else:
         out = None if kind == "softmin" else blocks.x.new_empty(B, N, v.shape[-1])
+        values = None if out is None else _Columns(v)
         for sl in blocks.slices(CACHE_PAIRS):
             s, _, _ = blocks.scores(sl)
             z, _, _ = _softmax_(s, m[:, sl], total[:, sl])
-            if out is not None:
-                torch.bmm(z, v, out=out[:, sl])
+            if values is not None:
+                values.times(z, out=out[:, sl])
         if out is not None:
             return out.div_(total)
     lse = total.log_().add_(m)
@@ -178,8 +180,10 @@ def _shifted_sums(blocks: _Blocks, estimate: torch.Tensor, m, total) -> None:
     for sl in blocks.slices(CACHE_PAIRS):
         s = torch.bmm(xs[:, sl], ys, out=blocks.buf[:, : sl.stop - sl.start])
         torch.sum(s.clamp_(min=floor).exp_(), 2, keepdim=True, out=total[:, sl])
-    # the clamped terms (exp(floor) each) below 1e-8 of a row's sum
-    low = blocks.y.shape[1] * 1e8 * math.exp(floor)
+    # the clamped terms (exp(floor) each) together below the rounding of a row's sum (an
+    # estimate 674 eps below a float64 result left a sum of 1e-293, where the clamped terms
+    # made 1e-11 of it)
+    low = blocks.y.shape[1] * math.exp(floor) / torch.finfo(blocks.x.dtype).eps
     bad = ~((total >= low) & (total < torch.inf))  # (NaN: not in range either)
     if bool(bad.any()):
         _exact_rows(blocks, bad.squeeze(2), m, total)
@@ -283,33 +287,35 @@ def _backward_products(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> l
         vs, v_scale = _dense.scaled(v)
         E = v.shape[-1]
         cols = _with_products(vs, y)
+    cols = _Columns(cols)
     col_sums = None  # sum_i z_ij (u_i x_i, u_i) or sum_i K_ij (G_i, G_i x_i): (B, M, .)
     if gy is not None or gh is not None or gv is not None:
-        col_sums = x.new_zeros(B, y.shape[1], cols.shape[2])
+        col_sums = _ColumnSums(x, y.shape[1], cols.width)
     for sl in blocks.slices():
         G = grad_out[:, sl]
         xb = x[:, sl]
         if kind == "softmin":
             z = torch.bmm(xs[:, sl], ys, out=blocks.buf[:, : xb.shape[1]])
             z.clamp_(min=floor).exp_()
-            rows = torch.bmm(z, cols)  # (B, n, D + 1)
+            rows = cols.times(z)  # (B, n, D + 1)
             total = rows[..., D:]
             if gx is not None:
                 gx[:, sl] = G.unsqueeze(2) * (xb - rows[..., :D] / total)
             if col_sums is not None:
                 u, scale = _dense.scaled(G.unsqueeze(2) / total)
-                col_sums.baddbmm_(z.transpose(1, 2), torch.cat([u * xb, u], 2), alpha=float(scale))
+                col_sums.add(z, torch.cat([u * xb, u], 2), alpha=float(scale))
             continue
         s, r, _ = blocks.scores(sl)
         K = s.add_(r).clamp_(min=_dense.product_floor(s.dtype)).exp_()
         Gs, g_scale = _dense.scaled(G)
         if gx is not None:
-            rows = torch.bmm(K, cols)  # (B, n, E + E D)
+            rows = cols.times(K)  # (B, n, E + E D)
             gx[:, sl] = _moved(Gs, xb, rows) * (g_scale * v_scale * (-1.0 / eps))
         if col_sums is not None:
-            col_sums.baddbmm_(K.transpose(1, 2), _with_products(Gs, xb), alpha=float(g_scale))
+            col_sums.add(K, _with_products(Gs, xb), alpha=float(g_scale))
     if col_sums is None:
         return [gx, gy, gh, gv]
+    col_sums = col_sums.total()
     if kind == "softmin":
         if gh is not None:
             gh.copy_(col_sums[..., D]).mul_(-eps)
@@ -321,6 +327,43 @@ def _backward_products(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> l
     if gy is not None:
         gy.copy_(_moved(vs, y, col_sums) * (v_scale * (-1.0 / eps)))
     return [gx, gy, gh, gv]
+
+
+class _Columns:
+    """Columns (B, M, C) that meet every block (B, n, M) of a reduction in a matrix product,
+    transposed once where they are few (:func:`_dense.times`)."""
+
+    def __init__(self, cols: torch.Tensor) -> None:
+        self.cols, self.width = cols, cols.shape[-1]
+        narrow = self.width <= _dense.NARROW_COLUMNS
+        self.t = cols.transpose(1, 2).contiguous() if narrow else None
+
+    def times(self, z: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``z @ cols`` (B, n, C) for a block z (B, n, M), into ``out`` where given."""
+        if self.t is None:
+            return torch.bmm(z, self.cols, out=out)
+        product = torch.bmm(self.t, z.transpose(1, 2)).transpose(1, 2)
+        return product if out is None else out.copy_(product)
+
+
+class _ColumnSums:
+    """The sums over a reduction's blocks of ``z^T @ w`` (B, M, C): z (B, n, M) a block,
+    w (B, n, C) its rows' weights; kept transposed where the columns are few
+    (:func:`_dense.times`)."""
+
+    def __init__(self, like: torch.Tensor, M: int, width: int) -> None:
+        self.transposed = width <= _dense.NARROW_COLUMNS
+        shape = (like.shape[0], width, M) if self.transposed else (like.shape[0], M, width)
+        self.sums = like.new_zeros(shape)
+
+    def add(self, z: torch.Tensor, w: torch.Tensor, alpha: float = 1.0) -> None:
+        if self.transposed:
+            self.sums.baddbmm_(w.transpose(1, 2), z, alpha=alpha)
+        else:
+            self.sums.baddbmm_(z.transpose(1, 2), w, alpha=alpha)
+
+    def total(self) -> torch.Tensor:
+        return self.sums.transpose(1, 2) if self.transposed else self.sums
 
 
 def _with_products(w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -398,7 +398,7 @@ class BlockSparse:
             total = P.sum(2, keepdim=True)
             Gk = pad_g.index_select(0, rows).view(row_idx.shape).unsqueeze(2)  # (C, R, 1)
             if gx is not None:
-                gx.index_add_(0, rows, (Gk * (X - torch.bmm(P, Y) / total)).view(-1, D))
+                gx.index_add_(0, rows, (Gk * (X - _dense.times(P, Y) / total)).reshape(-1, D))
             Gk = Gk / total
             if gy is None and gh is None:
                 continue
@@ -408,8 +408,8 @@ class BlockSparse:
             if gh is not None:
                 gh.index_add_(0, cols, weight.view(-1), alpha=-eps)
             if gy is not None:
-                moved = weight.unsqueeze(2) * Y - torch.bmm(Q.transpose(1, 2), X)
-                gy.index_add_(0, cols, moved.view(-1, D))
+                moved = weight.unsqueeze(2) * Y - _dense.times(Q.transpose(1, 2), X)
+                gy.index_add_(0, cols, moved.reshape(-1, D))
         return [None if g is None else g[:-1] * scale for g in (gx, gy, gh)]
 
     def gaussian_product(
@@ -443,7 +443,7 @@ class _SparseGaussian(torch.autograd.Function):
         ctx.kernel, ctx.sigma = kernel, sigma
         out = x.new_zeros(x.shape[0] + 1, v.shape[1])
         for row_idx, _, _, _, K, V in kernel._gaussian_chunks(x, y, v, sigma):
-            out.index_copy_(0, row_idx.view(-1), torch.bmm(K, V).view(-1, v.shape[1]))
+            out.index_copy_(0, row_idx.view(-1), _dense.times(K, V).reshape(-1, v.shape[1]))
         ctx.save_for_backward(x, y, v)
         return out[:-1]
 
@@ -465,16 +465,16 @@ class _SparseGaussian(torch.autograd.Function):
             G = pad_g.index_select(0, row_idx.view(-1)).view(*row_idx.shape, E)
             cols = col_idx.view(-1).long()
             if gv is not None:
-                gv.index_add_(0, cols, torch.bmm(K.transpose(1, 2), G).view(-1, E))
+                gv.index_add_(0, cols, _dense.times(K.transpose(1, 2), G).reshape(-1, E))
             if gx is None and gy is None:
                 continue
             W = K.mul_(torch.bmm(G, V.transpose(1, 2)))
             if gx is not None:
-                moved = torch.bmm(W, Y) - W.sum(2, keepdim=True) * X
-                gx.index_add_(0, row_idx.view(-1), moved.view(-1, D), alpha=a)
+                moved = _dense.times(W, Y) - W.sum(2, keepdim=True) * X
+                gx.index_add_(0, row_idx.view(-1), moved.reshape(-1, D), alpha=a)
             if gy is not None:
-                moved = torch.bmm(W.transpose(1, 2), X) - W.sum(1).unsqueeze(2) * Y
-                gy.index_add_(0, cols, moved.view(-1, D), alpha=a)
+                moved = _dense.times(W.transpose(1, 2), X) - W.sum(1).unsqueeze(2) * Y
+                gy.index_add_(0, cols, moved.reshape(-1, D), alpha=a)
         return (None, None, *(None if g is None else g[:-1] for g in (gx, gy, gv)))
 
 

@@ -17,7 +17,7 @@ import otreg
 from otreg import _info as info_module
 from otreg import reductions
 from otreg.costs import get_cost
-from otreg.reductions import _compiled, _keops
+from otreg.reductions import _compiled, _dense, _keops
 
 SQ = get_cost("sqeuclidean")
 
@@ -78,8 +78,11 @@ def test_tensorized(kind, cost):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_blocked_with_many_blocks(kind, monkeypatch):
+@pytest.mark.parametrize("narrow", [0, 11])
+def test_blocked_with_many_blocks(kind, narrow, monkeypatch):
+    # narrow 0: every product with the values as it is; 11: transposed (_dense.times)
     monkeypatch.setattr(reductions, "BLOCK_ELEMENTS", 2 * 29 * 5)  # blocks of 5 rows
+    monkeypatch.setattr(_dense, "NARROW_COLUMNS", narrow)
     check_against_naive(kind, "blocked", SQ)
 
 
@@ -100,7 +103,8 @@ def test_blocked_softmin_is_the_same_whatever_its_estimate(dtype, offset, monkey
     x, y = 3 * x, 3 * y  # costs / eps up to about 500
     eps = 0.05
     ref = naive("softmin", x.double(), y.double(), h.double(), None, eps, SQ)
-    estimate = (ref + offset * eps * torch.randn(ref.shape, dtype=ref.dtype)).to(dtype)
+    noise = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(2))
+    estimate = (ref + offset * eps * noise).to(dtype)
     out = reductions.softmin(x, y, h, eps, SQ, "blocked", estimate=estimate)
     tol = 1e-12 if dtype == torch.float64 else 1e-4
     assert torch.allclose(out.double(), ref, rtol=tol, atol=tol * eps)
