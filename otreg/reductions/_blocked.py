@@ -330,8 +330,8 @@ def _backward_products(kind: str, blocks: _Blocks, v, out, grad_out, needs) -> l
 
 
 class _Columns:
-    """Columns (B, M, C) that meet every block (B, n, M) of a reduction in a matrix product,
-    transposed once where they are few (:func:`_dense.times`)."""
+    """Columns (B, M, C) that meet every block (B, n, M) of a reduction in a matrix product
+    (:func:`_dense.times`), transposed once where they are few."""
 
     def __init__(self, cols: torch.Tensor) -> None:
         self.cols, self.width = cols, cols.shape[-1]
@@ -340,10 +340,7 @@ class _Columns:
 
     def times(self, z: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``z @ cols`` (B, n, C) for a block z (B, n, M), into ``out`` where given."""
-        if self.t is None:
-            return torch.bmm(z, self.cols, out=out)
-        product = torch.bmm(self.t, z.transpose(1, 2)).transpose(1, 2)
-        return product if out is None else out.copy_(product)
+        return _dense.times(z, self.cols, self.t, out)
 
 
 class _ColumnSums:

@@ -26,16 +26,23 @@ def exp_floor(dtype: torch.dtype) -> float:
 NARROW_COLUMNS = 11
 
 
-def times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for a block a (B, n, M) and values b (B, M, C), C few: ``(b^T a^T)^T``, a
-    view. MKL's batched product with a few columns on the right runs several times slower
-    than the same product transposed (an AMD EPYC, two cores: a block of 52 x 5,000 times
-    3 columns, 1.0 against 0.33 ns a pair; 9 columns, 1.5 against 0.8; chunks of 64 x 32 x
-    400, 1.07 against 0.19); from 12 columns on the two were even, so wider ``b`` goes
-    through ``torch.bmm`` as it is. For ``a^T b``, pass ``a.transpose(1, 2)``."""
+def times(
+    a: torch.Tensor, b: torch.Tensor, b_t: torch.Tensor | None = None, out=None
+) -> torch.Tensor:
+    """``a @ b`` for a block a (B, n, M) and values b (B, M, C), C few: ``(b^T a^T)^T``
+    (into ``out`` where given, else a view). ``b_t``: b transposed and contiguous, where
+    the caller keeps it for many blocks. MKL's batched product with a few columns on the
+    right runs several times slower than the same product transposed (an AMD EPYC, two
+    cores: a block of 52 x 5,000 times 3 columns, 1.0 against 0.33 ns a pair; 9 columns,
+    1.5 against 0.8; chunks of 64 x 32 x 400, 1.07 against 0.19); from 12 columns on the
+    two were even, so wider ``b`` goes through ``torch.bmm`` as it is. For ``a^T b``, pass
+    ``a.transpose(1, 2)``."""
     if b.shape[-1] > NARROW_COLUMNS:
-        return torch.bmm(a, b)
-    return torch.bmm(b.transpose(1, 2).contiguous(), a.transpose(1, 2)).transpose(1, 2)
+        return torch.bmm(a, b, out=out)
+    if b_t is None:
+        b_t = b.transpose(1, 2).contiguous()
+    product = torch.bmm(b_t, a.transpose(1, 2)).transpose(1, 2)
+    return product if out is None else out.copy_(product)
 
 
 def scores(x, y, h, eps, cost: Cost):
