@@ -302,6 +302,33 @@ class BlockSparse:
         _note_backend("multiscale")
         return _SparseSoftmin.apply(self, eps, x.contiguous(), y.contiguous(), h.contiguous())
 
+    def softmin_columns(
+        self, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """-eps log sum_{kept i} exp(h_i - |x_i - y_j|^2 / (2 eps)), (M,), for the sorted
+        clouds x (N, D), y (M, D) and h (N,) on the rows: the softmin of the transposed
+        pattern, summed over this pattern's chunks (each chunk's columns, then each column's
+        slots in every chunk that holds it), without autograd (torch path)."""
+        px, py, ph = self._padded(x, y, h)  # ph: the rows' (N + 1,), -inf for padding
+        M = y.shape[0]
+        floor = _dense.product_floor(x.dtype)
+        slots, values = [], []
+        for k, (_, row_idx, _) in enumerate(self.chunks):
+            col_idx = self._column_indices(k)
+            X, x_sq, Y, y_sq = self._geometry(k, px, py, col_idx)
+            row = ph.index_select(0, row_idx.view(-1)).view(*row_idx.shape, 1)
+            s = torch.baddbmm(row.sub_(x_sq, alpha=1 / eps), X, Y.transpose(1, 2), alpha=1 / eps)
+            m = s.amax(1, keepdim=True)  # (C, 1, L)
+            m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # a column of -inf: 0
+            total = s.sub_(m).clamp_(min=floor).exp_().sum(1)  # (C, L)
+            values.append(total.log_().add_(m.squeeze(1)).sub_(y_sq, alpha=1 / eps).view(-1))
+            slots.append(col_idx.view(-1).long())
+        slot, value = torch.cat(slots), torch.cat(values)  # padding slots: column M
+        top = value.new_full((M + 1,), -torch.inf).scatter_reduce_(0, slot, value, "amax")
+        top.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        sums = torch.zeros_like(top).index_add_(0, slot, (value - top[slot]).exp_())
+        return sums.log_().add_(top)[:M].mul_(-eps)
+
     def uses_triton(self, x: torch.Tensor) -> bool:
         """Whether the reductions on ``x`` go through the Triton kernels."""
         if self.backend == "torch":

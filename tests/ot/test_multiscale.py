@@ -65,6 +65,55 @@ def test_block_sparse_softmin_with_every_pair_equals_the_dense_one():
     torch.testing.assert_close(got, dense, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_softmin_by_columns_equals_the_transposed_patterns_softmin(dtype):
+    """Summed over this pattern's chunks by columns, the softmin of each column over its
+    kept rows is the transposed pattern's own softmin (half the cluster pairs kept, every
+    cluster keeping some; rows of weight zero, h = -inf, included)."""
+    x, y = spheres(300, dtype=dtype)
+    cx = grid_clusters(x, torch.ones(300, dtype=dtype), 0.4)
+    cy = grid_clusters(y, torch.ones(y.shape[0], dtype=dtype), 0.4)
+    I, J = all_pairs(cx, cy)
+    keep = ((I + J) % 2 == 0) | (J == 0) | (I == 0)
+    I, J = I[keep], J[keep]
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(300, generator=gen, dtype=torch.float64).to(dtype)
+    h[::7] = -torch.inf
+    xy = BlockSparse(cx, cy, I, J, block_elements=5000)
+    yx = BlockSparse(cy, cx, J, I, block_elements=5000)
+    assert len(xy.chunks) > 3
+    for eps in (0.01, 1.0):
+        got = xy.softmin_columns(cx.points, cy.points, h, eps)
+        expected = yx.softmin(cy.points, cx.points, h, eps)
+        tol = 1e-12 if dtype == torch.float64 else 2e-6
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol * eps)
+
+
+def test_multiscale_softmins_go_by_columns_only_where_the_other_cells_are_larger():
+    """Tight clusters against a uniform ball: the ball's small cells' softmins sum the
+    clusters' chunks by columns (the same potentials as the ball's own chunks give); the
+    clusters' softmins and any softmin whose gradient is wanted keep their own chunks."""
+    g = torch.Generator().manual_seed(3)
+    centres = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    x = centres[torch.arange(1200) % 4] + 0.02 * torch.randn(1200, 3, generator=g).double()
+    y = torch.rand(1300, 3, generator=g, dtype=torch.float64) * 2 - 1
+    opts = SinkhornOptions(blur=0.05, multiscale=Multiscale(cluster_scale=0.2))
+    p = Problem.build("t", x, y, None, None, opts)
+    kernel = make_kernel(p, p.x, p.a, p.y, p.b)
+    _anneal(p, kernel, None)
+    assert not kernel._by_columns(torch.zeros(1200, dtype=x.dtype), transpose=False)
+    f = torch.zeros(1200, dtype=x.dtype)
+    assert kernel._by_columns(f, transpose=True)
+    got = kernel._block_softmin(0.01, f, transpose=True)
+    multiscale.COLUMNS_RATIO, ratio = math.inf, multiscale.COLUMNS_RATIO
+    try:
+        expected = kernel._block_softmin(0.01, f, transpose=True)
+    finally:
+        multiscale.COLUMNS_RATIO = ratio
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    assert not kernel._by_columns(f.clone().requires_grad_(True), transpose=True)
+
+
 @pytest.mark.parametrize("cache_bytes", [0, 6000, 1 << 28])
 def test_block_sparse_softmin_is_the_same_whatever_its_cache_holds(cache_bytes):
     """Column indices are kept first, the centred coordinates in what is left; a chunk
