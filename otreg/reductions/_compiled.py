@@ -9,12 +9,13 @@ chunk of rows, e.g. for the softmin
 
 inductor compiles the whole reduction into C++ loops over the chunk, vectorised, with no
 torch kernel between them (torch 2.13 writes the chunk's scores to a buffer between the
-maximum's loop and the sum's). Each formula below is such a chunk: the forward softmin and kernel product, and
-the row and column sweeps of their gradients (the column sweeps take chunks of y against
-all of x). Measured on 2 cores (N = M = 30,000, ``benchmarks/reductions.py``), against the
-blocked path: float32 1.8 (softmin) and 1.7 (kernel product) times forward, 2.1 and 1.6
-times with the gradient; float64 2.2 to 2.9 times forward, 2.1 to 2.6 with the gradient
-(docs/performance.md).
+maximum's loop and the sum's). Each formula below is such a chunk: the forward softmin and
+kernel product, and the row and column sweeps of their gradients (the column sweeps take
+chunks of y against all of x). Measured on 2 cores (N = M = 30,000,
+``benchmarks/reductions.py``), against the blocked path: float32 1.8 (softmin) and 1.7
+(kernel product) times forward, 2.1 and 1.6 times with the gradient; float64 2.2 to 2.9
+times forward, 2.1 to 2.6 with the gradient (docs/performance.md); on another AMD EPYC
+with torch 2.13, 1.2 times forward and 0.8 with the gradient (N = M = 10,000).
 
 Compiling takes about 5 to 10 s a formula the first time (inductor caches its code on disk,
 in :func:`cache_folder`, so a later process takes 1 to 3.4 s), once per dtype and sizes (a
