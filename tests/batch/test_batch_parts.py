@@ -284,6 +284,7 @@ def test_a_batch_with_no_worker_alive_ends_with_a_reason(tmp_path, monkeypatch):
     assert "no worker process was alive for 10 s" in error["reason"]
 
 
+@pytest.mark.slow  # 25 s (the default run stays under 20 minutes)
 def test_a_nanny_that_fails_to_restart_its_worker_is_replaced(tmp_path, monkeypatch):
     """Dask leaves a nanny whose worker failed to restart (its start timed out on a loaded
     machine) without a worker; the dispatcher starts the workers afresh and the pair runs."""

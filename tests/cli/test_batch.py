@@ -21,8 +21,11 @@ import pytest
 pv = pytest.importorskip("pyvista")
 pytest.importorskip("distributed")
 
+from click.testing import CliRunner  # noqa: E402
+
 from otreg.batch import find_records  # noqa: E402
 from otreg.batch.records import read_plan  # noqa: E402
+from otreg.cli import main  # noqa: E402
 from otreg.registration import Registration  # noqa: E402
 
 OTREG = [sys.executable, "-m", "otreg"]
@@ -64,6 +67,15 @@ def run(*args, env=None, timeout=300, cwd=None) -> subprocess.CompletedProcess:
         env=env,
         cwd=cwd,
     )
+
+
+def run_here(*args) -> subprocess.CompletedProcess:
+    """The command in this process (click's runner), as :func:`run`'s result: for commands
+    that end before any work (usage errors, manifests, dry runs)."""
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
 
 
 def records(out: Path) -> dict[str, dict]:
@@ -162,6 +174,7 @@ def test_failures_are_isolated_reported_and_a_rerun_does_nothing(subjects, tmp_p
     )
 
 
+@pytest.mark.slow  # 52 s (the default run stays under 20 minutes)
 def test_a_changed_option_reruns_only_the_pairs_it_touches(subjects, tmp_path):
     rows = [
         ("a", "subjects/s1.vtk", "subjects/s0.vtk"),
@@ -332,6 +345,7 @@ def hook_on_load(tmp_path: Path, trigger: str, action: str) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), *sys.path])}
 
 
+@pytest.mark.slow  # 32 s (the default run stays under 20 minutes)
 def test_a_pair_that_kills_its_worker_fails_alone(subjects, tmp_path):
     """A worker process dying on a pair (a segfault, the kernel's OOM killer) is restarted;
     after ALLOWED_FAILURES + 1 deaths the pair is recorded as a crash, the rest go on."""
@@ -411,8 +425,9 @@ def test_usage_errors_exit_1_and_name_the_problem(subjects, tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("pair_id,source\na,x.vtk\n")
     cases.append((["batch", bad, "-o", tmp_path / "o"], "missing column(s) target"))
+    # in this process: 10 interpreters, each importing torch, took 58 s of the default run
     for args, expected in cases:
-        r = run(*args)
+        r = run_here(*args)
         assert r.returncode == 1, (args, r.stderr)
         assert expected in r.stderr, (args, r.stderr)
     assert not (tmp_path / "o").exists()
@@ -426,6 +441,7 @@ def test_report_refuses_a_folder_that_holds_no_batch(tmp_path):
 
 
 def test_manifest_helpers_write_what_batch_reads(subjects, tmp_path):
+    run = run_here  # (7 interpreters, each importing torch, took 41 s of the default run)
     files = sorted(str(p) for p in subjects.glob("s[1-4].vtk"))
     r = run("manifest", "to-template", subjects / "s0.vtk", *files, "-o", tmp_path / "t.csv")
     assert r.returncode == 0, r.stderr

@@ -31,6 +31,7 @@ def gifti_sphere(path: Path, radius: float, res: int, shift: float = 0.0) -> Pat
     return path
 
 
+@pytest.mark.slow  # 51 s (the default run stays under 20 minutes)
 def test_bids_participant_then_group_on_fmriprep_derivatives(tmp_path):
     root = tmp_path / "derivatives" / "fmriprep"
     root.mkdir(parents=True)

@@ -63,8 +63,8 @@ def run_budget(memory: str, steps: int = STEPS, strategy: str = "checkpoint") ->
 
 def test_measured_peak_stays_within_the_budget_and_grows_with_it():
     peaks = []
-    for budget_mb in (120, 200, 400):
-        out = run_budget(f"{budget_mb}MB")
+    for budget_mb in (120, 200, 400):  # 50 steps: 400 MB of states, 10 s a process
+        out = run_budget(f"{budget_mb}MB", steps=50)
         assert out["peak_mb"] <= 1.25 * budget_mb + 30, out
         assert out["grad"] == pytest.approx(out["oracle"], rel=1e-9), out
         peaks.append(out["peak_mb"])
@@ -73,7 +73,9 @@ def test_measured_peak_stays_within_the_budget_and_grows_with_it():
 
 
 def test_a_budget_below_one_step_names_the_minimum():
-    out = run_budget("25MB")
+    # 20 steps: at the least budget a checkpointed loop keeps one snapshot and recomputes
+    # about n^2 / 2 steps (100 steps took 98 s of the default run)
+    out = run_budget("25MB", steps=20)
     message = out["error"]
     assert "memory budget 25.0 MB is below what checkpointing this loop needs" in message
     need = float(message.split("needs: ")[1].split(" MB")[0].replace(",", ""))
@@ -82,7 +84,7 @@ def test_a_budget_below_one_step_names_the_minimum():
     # that budget was refused again by the first run's peak), measured again in a new process
     least = float(message.split("raise memory to at least ")[1].split(" MB")[0].replace(",", ""))
     assert least >= need
-    again = run_budget(f"{least}MB")
+    again = run_budget(f"{least}MB", steps=20)
     assert "error" not in again, again
 
 
@@ -93,10 +95,10 @@ def test_sizes_in_messages_keep_their_digits():
 
 
 def test_reversible_within_its_budget_and_below_it_names_the_minimum():
-    out = run_budget("200MB", strategy="reversible")
+    out = run_budget("200MB", steps=50, strategy="reversible")
     assert out["peak_mb"] <= 1.25 * 200 + 30, out
     assert out["grad"] == pytest.approx(out["oracle"], rel=1e-9), out
-    message = run_budget("20MB", strategy="reversible")["error"]
+    message = run_budget("20MB", steps=50, strategy="reversible")["error"]
     assert "below what strategy='reversible' needs for this loop" in message
     need = float(message.split("needs for this loop: ")[1].split(" MB")[0].replace(",", ""))
     # one taped step of an 8 MB state, whatever the length, and what its first run keeps

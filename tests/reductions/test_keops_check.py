@@ -80,6 +80,7 @@ def run_user(root: Path, cache: Path, log: Path) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # 30 s (the default run stays under 20 minutes)
 def test_a_crashing_pykeops_is_caught_in_a_child_and_remembered(tmp_path):
     root, cache, log = tmp_path / "site", tmp_path / "cache", tmp_path / "compiles.log"
     fake_pykeops(root, "9.9.0")

@@ -44,6 +44,7 @@ def test_defaults_follow_the_size_of_the_shapes(hemisphere_pair):
     assert abs(n_small - n_big) <= 1  # sigma is rounded to 0.01 mm
 
 
+@pytest.mark.slow  # 38 s (the default run stays under 20 minutes)
 def test_one_call_registers_a_hemisphere_and_a_small_structure(hemisphere_pair):
     """A synthetic deformation of a hemisphere (200 mm) and of the same shape at a fifth of
     its size (a 45 mm structure): the same call recovers both, to the same fraction of
