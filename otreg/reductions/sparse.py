@@ -311,17 +311,15 @@ class BlockSparse:
         slots in every chunk that holds it), without autograd (torch path)."""
         px, py, ph = self._padded(x, y, h)  # ph: the rows' (N + 1,), -inf for padding
         M = y.shape[0]
-        floor = _dense.product_floor(x.dtype)
         slots, values = [], []
         for k, (_, row_idx, _) in enumerate(self.chunks):
             col_idx = self._column_indices(k)
             X, x_sq, Y, y_sq = self._geometry(k, px, py, col_idx)
             row = ph.index_select(0, row_idx.view(-1)).view(*row_idx.shape, 1)
             s = torch.baddbmm(row.sub_(x_sq, alpha=1 / eps), X, Y.transpose(1, 2), alpha=1 / eps)
-            m = s.amax(1, keepdim=True)  # (C, 1, L)
-            m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # a column of -inf: 0
-            total = s.sub_(m).clamp_(min=floor).exp_().sum(1)  # (C, L)
-            values.append(total.log_().add_(m.squeeze(1)).sub_(y_sq, alpha=1 / eps).view(-1))
+            _, m, total = _softmax_(s.transpose(1, 2))  # by columns: (C, L, 1) each
+            lse = total.log_().add_(m).squeeze(2)
+            values.append(lse.sub_(y_sq, alpha=1 / eps).view(-1))
             slots.append(col_idx.view(-1).long())
         slot, value = torch.cat(slots), torch.cat(values)  # padding slots: column M
         top = value.new_full((M + 1,), -torch.inf).scatter_reduce_(0, slot, value, "amax")
