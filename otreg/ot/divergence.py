@@ -24,6 +24,7 @@ from torch import nn
 from .. import reductions
 from .._info import sharing_cores
 from ..costs import diameter as bounding_diameter
+from ._uncompiled import outside_compiled_graphs
 from .gradient import differentiate, dual_value, first_order_only
 from .large_blur import check_range, closed_form_applies
 from .loop import closed_form_solution, solve
@@ -208,7 +209,7 @@ def _divergence(
     return unbatch(value, p.batched), result
 
 
-@torch.compiler.disable  # (a model compiled around it runs it as it is: see SinkhornLoss)
+@outside_compiled_graphs  # (a model compiled around it runs it as it is: see SinkhornLoss)
 def sinkhorn_divergence(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -368,7 +369,7 @@ class SinkhornLoss(nn.Module):
 
     # torch.compile: a compiled model runs the loss as it is (a graph break), since tracing a
     # converging loop recompiled 54 times and took 113 s for one call of 200 points
-    @torch.compiler.disable
+    @outside_compiled_graphs
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         """``loss(x, y)`` or ``loss(a, x, b, y)``: the divergence (or OT cost), ``()`` or
         ``(B,)``."""

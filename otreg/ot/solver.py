@@ -39,6 +39,7 @@ import torch
 from .. import reductions
 from .._info import sharing_cores
 from ..loops.budget import within_budget
+from ._uncompiled import outside_compiled_graphs
 from .convergence import Accuracy
 from .gradient import differentiate
 from .large_blur import check_range, closed_form_applies
@@ -93,7 +94,7 @@ def check_init(caller: str, init, p: Problem):
     return tuple(out)
 
 
-@torch.compiler.disable  # (a model compiled around it runs it as it is: see SinkhornLoss)
+@outside_compiled_graphs  # (a model compiled around it runs it as it is: see SinkhornLoss)
 def sinkhorn(
     x: torch.Tensor,
     y: torch.Tensor,

@@ -49,7 +49,9 @@ def _documented_objects() -> list[tuple[str, object]]:
     return out
 
 
-@pytest.mark.parametrize("qualified, obj", _documented_objects(), ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "qualified, obj", [pytest.param(q, o, id=q) for q, o in _documented_objects()]
+)
 def test_public_name_has_a_docstring_with_an_example(qualified, obj):
     doc = inspect.getdoc(obj) or ""
     assert doc, f"{qualified} has no docstring"

@@ -1,6 +1,5 @@
 """sinkhorn_divergence and SinkhornLoss against GeomLoss, POT and their defining properties."""
 
-import time
 import warnings
 
 import geomloss
@@ -262,36 +261,3 @@ def test_centring_far_apart_clouds_changes_nothing_but_rounding(monkeypatch):
         if name in ("a gradient", "f", "g"):  # defined up to a constant (balanced)
             c, g = c - c.mean(), g - g.mean()
         assert torch.allclose(c, g, rtol=1e-7, atol=1e-9 * float(g.abs().max())), name
-
-
-def test_a_compiled_model_runs_the_loss_as_it_is():
-    # tracing the converging loop recompiled at each call (54 recompilations, 113 s for one
-    # call of 200 points); disabled for torch.compile, the model's graph breaks at the loss
-    import torch._dynamo
-
-    torch._dynamo.reset()
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(3, 3)
-            self.loss = otreg.SinkhornLoss(blur=0.1)
-
-        def forward(self, x, y):
-            return self.loss(self.linear(x), y) + otreg.sinkhorn_divergence(x, y, blur=0.1)
-
-    torch.manual_seed(0)
-    model, x, y = Model(), torch.randn(200, 3), torch.randn(150, 3) + 0.5
-    eager = model(x, y)
-    compiled = torch.compile(model, backend="eager")  # (dynamo's tracing, no inductor)
-    start = time.perf_counter()
-    for _ in range(2):
-        value = compiled(x, y)
-        value.backward()
-    assert time.perf_counter() - start < 30
-    assert torch.allclose(value, eager, rtol=1e-5)
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-    with pytest.raises(Exception, match="disable"):  # no whole graph: said, not traced
-        torch._dynamo.reset()
-        torch.compile(model, backend="eager", fullgraph=True)(x, y)
-    torch._dynamo.reset()
