@@ -457,7 +457,8 @@ def test_the_solve_does_not_stop_on_a_pattern_that_lost_pairs_that_matter():
     g = torch.Generator().manual_seed(0)
     x = torch.rand(2000, 2, generator=g, dtype=torch.float64)
     y = torch.rand(2100, 2, generator=g, dtype=torch.float64)
-    exact = otreg.sinkhorn(x, y, blur=0.008, tol=1e-7, max_iter=5000, multiscale=False)
+    # (every pair to tol 1e-5: 204 updates, the cost within 7e-9 of tol 1e-7's, 516 updates)
+    exact = otreg.sinkhorn(x, y, blur=0.008, tol=1e-5, max_iter=5000, multiscale=False)
     p = Problem.build("t", x, y, None, None, SinkhornOptions(blur=0.008, multiscale=True))
     sol = solve(p, p.x, p.a, p.y, p.b)
     assert sol.rule.converged and sol.kernel.pairs_added  # it had lost some
