@@ -162,7 +162,7 @@ def test_failures_are_isolated_reported_and_a_rerun_does_nothing(subjects, tmp_p
     # moving the batch folder reruns nothing either
     moved = tmp_path / "moved"
     out.rename(moved)
-    r3 = run("batch", m, "-o", moved, *FAST, "--dry-run")
+    r3 = run_here("batch", m, "-o", moved, *FAST, "--dry-run")
     assert r3.returncode == 3  # as the run's: some failed before or will fail
     lines = dict(line.split(": ", 1) for line in r3.stdout.splitlines())
     assert lines["a"] == "done" and lines["b"] == "done"
@@ -404,7 +404,7 @@ def test_pair_ids_that_could_escape_the_folder_are_refused_before_any_work(
     subjects, tmp_path, pair_id
 ):
     m = manifest(tmp_path / "pairs.csv", [(pair_id, "subjects/s1.vtk", "subjects/s0.vtk")])
-    r = run("batch", m, "-o", tmp_path / "out", *FAST)
+    r = run_here("batch", m, "-o", tmp_path / "out", *FAST)
     assert r.returncode == 1
     assert "pair_id" in r.stderr and "line 2" in r.stderr
     assert not (tmp_path / "out").exists()
@@ -436,7 +436,7 @@ def test_usage_errors_exit_1_and_name_the_problem(subjects, tmp_path):
 
 def test_report_refuses_a_folder_that_holds_no_batch(tmp_path):
     (tmp_path / "notes").mkdir()
-    r = run("report", tmp_path / "notes")
+    r = run_here("report", tmp_path / "notes")
     assert r.returncode == 1 and "holds no batch records" in r.stderr
     assert not (tmp_path / "notes" / "index.html").exists()
 

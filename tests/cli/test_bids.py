@@ -12,7 +12,7 @@ import pytest
 pv = pytest.importorskip("pyvista")
 pytest.importorskip("distributed")
 
-from tests.cli.test_batch import FAST, records, run  # noqa: E402
+from tests.cli.test_batch import FAST, records, run, run_here  # noqa: E402
 
 
 def gifti_sphere(path: Path, radius: float, res: int, shift: float = 0.0) -> Path:
@@ -126,7 +126,7 @@ def test_output_dir_equal_to_bids_dir_is_refused_before_any_work(tmp_path):
     gifti_sphere(root / "sub-01" / "anat" / "sub-01_hemi-L_pial.surf.gii", 40, 14)
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
     for extra in ([], ["--dry-run"]):
-        r = run("bids", root, root, "participant", "--hemi", "L", *extra)
+        r = run_here("bids", root, root, "participant", "--hemi", "L", *extra)
         assert r.returncode == 1, r.stderr
         assert "is BIDS_DIR itself" in r.stderr and "Traceback" not in r.stderr
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
