@@ -229,7 +229,7 @@ def _divergence(x, y, a=None, b=None, **options):
 
 @pytest.mark.parametrize("reach, relaxation", [(None, "anderson"), (0.5, 1.5)])
 def test_multiscale_divergence_equals_the_dense_one(reach, relaxation):
-    x, y = spheres(1500)
+    x, y = spheres(1000)
     g = torch.Generator().manual_seed(3)
     a = torch.rand(x.shape[0], generator=g, dtype=x.dtype) + 0.5
     b = torch.rand(y.shape[0], generator=g, dtype=x.dtype) + 0.5
