@@ -263,8 +263,8 @@ def test_a_batch_with_no_worker_alive_ends_with_a_reason(tmp_path, monkeypatch):
     ball = Shape.from_pyvista(pv.Sphere(radius=20))
     save_shape(ball, tmp_path / "a.vtk")
     save_shape(ball.with_points(ball.points + 1.0), tmp_path / "b.vtk")
-    monkeypatch.setattr(dispatch, "NO_WORKER_SECONDS", {"local": 10.0, "existing": 10.0})
-    monkeypatch.setattr(dispatch, "REPLACE_SECONDS", 2.0)
+    monkeypatch.setattr(dispatch, "NO_WORKER_SECONDS", {"local": 4.0, "existing": 4.0})
+    monkeypatch.setattr(dispatch, "REPLACE_SECONDS", 1.0)
     real = engine.dispatch
 
     def without_workers(cl, *args):
@@ -281,7 +281,7 @@ def test_a_batch_with_no_worker_alive_ends_with_a_reason(tmp_path, monkeypatch):
     assert res.exit_code == 3
     error = res.records["p"]["error"]
     assert error["class"] == "no worker"
-    assert "no worker process was alive for 10 s" in error["reason"]
+    assert "no worker process was alive for 4 s" in error["reason"]
 
 
 @pytest.mark.slow  # 25 s (the default run stays under 20 minutes)
