@@ -285,7 +285,7 @@ def test_a_stale_lock_from_a_killed_run_is_broken(subjects, tmp_path):
 def test_a_pair_over_the_timeout_fails_alone(subjects, tmp_path):
     """The slow pair is slow by construction (its worker sleeps when it loads the file), so
     the outcome does not hang on the machine's speed: the other pair, 5 s of work on two
-    cores (its worker's first pair: the imports included), has four times that before the
+    cores (its worker's first pair: the imports included), has three times that before the
     same timeout."""
     shutil.copy(subjects / "s2.vtk", subjects / "slow-me.vtk")
     env = hook_on_load(tmp_path, "slow-me.vtk", "time.sleep(600)")
@@ -298,7 +298,7 @@ def test_a_pair_over_the_timeout_fails_alone(subjects, tmp_path):
     )
     out = tmp_path / "out"
     start = time.time()
-    r = run("batch", m, "-o", out, *FAST, "--workers", "1", "--timeout", "20", env=env)
+    r = run("batch", m, "-o", out, *FAST, "--workers", "1", "--timeout", "15", env=env)
     assert r.returncode == 3, r.stderr
     assert time.time() - start < 240
     recs = records(out)

@@ -73,10 +73,10 @@ def run_budget(memory: str, steps: int = STEPS, strategy: str = "checkpoint") ->
 
 def test_measured_peak_stays_within_the_budget_and_grows_with_it():
     peaks = []
-    for budget_mb in (120, 200, 400):  # 50 steps: 400 MB of states, 10 s a process
-        out = run_budget(f"{budget_mb}MB", steps=50)
+    for budget_mb in (120, 200, 400):  # 30 steps: 240 MB of states, 6 s a process
+        out = run_budget(f"{budget_mb}MB", steps=30)
         assert out["peak_mb"] <= 1.25 * budget_mb + 30, out
-        assert out["grad"] == pytest.approx(oracle(50), rel=1e-9), out
+        assert out["grad"] == pytest.approx(oracle(30), rel=1e-9), out
         peaks.append(out["peak_mb"])
     assert peaks[0] <= peaks[1] + 10 and peaks[1] <= peaks[2] + 10, peaks  # monotonic
     assert peaks[2] > 2 * peaks[0]  # the larger budget is used: more snapshots

@@ -74,6 +74,8 @@ def test_register_small_saves_loads_and_reports(pial_small, tmp_path):
     assert isinstance(moved, Shape) and torch.allclose(moved.points, res.warped.points, atol=1e-9)
 
 
+@pytest.mark.slow  # 40 s (the default run stays under 20 minutes; the demo's synthetic pair
+# checks the recovery at 400 points there, tests/registration/test_refine.py the refinement)
 def test_lddmm_recovers_a_synthetic_subject_of_fsaverage5():
     # half the surface (5,000 of its 10,242 vertices, enough for the refinement), default
     # options: 37 s on two cores (the full surface 57 s)
