@@ -11,7 +11,6 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
-STEPS = 100
 #: an 8 MB state; the gradient of sum(x_n) with respect to w (:func:`oracle` gives it by
 #: forward sensitivities)
 SCRIPT = """
@@ -60,7 +59,7 @@ def oracle(steps: int) -> float:
     return float(dx.sum())
 
 
-def run_budget(memory: str, steps: int = STEPS, strategy: str = "checkpoint") -> dict:
+def run_budget(memory: str, steps: int, strategy: str = "checkpoint") -> dict:
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, memory, str(steps), strategy],
         capture_output=True,
