@@ -142,17 +142,28 @@ def _ot_round(model, kind: str, x, a, y, b, blur: float) -> float:
     """One round: OT between the moved source and the target at ``blur``, every source
     point sent to its barycentric target, the map refitted by weighted least squares.
     Returns the round's mean squared move to the targets before the refit (mm^2)."""
+    return _ot_rounds([model], kind, x, a, y, b, blur)[0]
+
+
+def _ot_rounds(models: list, kind: str, x, a, y, b, blur: float) -> list[float]:
+    """:func:`_ot_round` for several maps of the same source at once, in one batched
+    Sinkhorn solve (the pre-alignment's few hundred points a side leave a solve's time to
+    its per-call overhead: five starts together cost about what one does alone)."""
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        moved = model(x)  # OT in float32 (twice as fast), the fit in float64
-        res = sinkhorn(
-            moved.float(), y.float(), a.float(), b.float(),
-            blur=blur, scaling=0.7, tol=1e-3, max_iter=60,
+        moved = torch.stack([model(x) for model in models])
+        k = len(models)
+        res = sinkhorn(  # OT in float32 (twice as fast), the fit in float64
+            moved.float(), y.float().expand(k, -1, -1), a.float().expand(k, -1),
+            b.float().expand(k, -1), blur=blur, scaling=0.7, tol=1e-3, max_iter=60,
         )  # fmt: skip
-        goal = res.plan.barycentric_map().double()
-        A, t = fit_linear(kind, x, goal, a, model.center)
-        model.set_from(A, t)
-    return float((a * (goal - moved).square().sum(1)).sum())
+        goals = res.plan.barycentric_map().double()
+        moves = []
+        for model, goal, before in zip(models, goals, moved):
+            A, t = fit_linear(kind, x, goal, a, model.center)
+            model.set_from(A, t)
+            moves.append(float((a * (goal - before).square().sum(1)).sum()))
+    return moves
 
 
 #: Rounds at the first blur that each candidate start of the pre-alignment is given before
@@ -191,13 +202,14 @@ def _best_start(model, kind: str, x, a, y, b, blurs: tuple[float, float], shift)
     down (vertices 61 mm off)."""
     eye = torch.eye(3, dtype=x.dtype, device=x.device)
     starts = [eye, *_axis_rotations(x, a, y, b)]
-    scores = []
+    models = []
     for start in starts:
+        models.append(copy.deepcopy(model))
         with torch.no_grad():
-            model.set_from(start, shift)
-        for _ in range(START_ROUNDS):
-            _ot_round(model, kind, x, a, y, b, blurs[0])
-        scores.append(_ot_round(copy.deepcopy(model), kind, x, a, y, b, blurs[1]))
+            models[-1].set_from(start, shift)
+    for _ in range(START_ROUNDS):
+        _ot_rounds(models, kind, x, a, y, b, blurs[0])
+    scores = _ot_rounds(models, kind, x, a, y, b, blurs[1])
     best = min(range(len(scores)), key=scores.__getitem__)
     return starts[best] if scores[best] < START_GAIN * scores[0] else eye
 
