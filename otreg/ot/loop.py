@@ -171,8 +171,12 @@ def solve(p: Problem, x, a, y=None, b=None, init=None, continuation: bool = True
         else:
             resume = (first.f, first.g, len(first_p.schedule))
             story = f"; from potentials converged at blur {blur:.3g} in {n_first} iterations"
+            if first.kernel.coarse_story:
+                story += f" ({first.kernel.coarse_story})"
     kernel = make_kernel(p, x, a, y, b)
     f, g, n_iter = _anneal(p, kernel, init, resume)
+    if first_p is None and kernel.coarse_story:
+        story = f"; {kernel.coarse_story}"
     loop = _final_symmetric if kernel.symmetric else _final_pair
     f, g, n_iter, rule, acceleration = loop(p, kernel, f, g, n_iter + n_first)
     f, g = f.to(x.dtype), g.to(x.dtype)  # a multiscale kernel's final softmins are float64

@@ -359,6 +359,8 @@ class TruncatedKernel:
     refresh_every = REFRESH
     #: what :meth:`cell_step` steps on, for ``result.acceleration``
     step_kind = "cell"
+    #: (its coarse stage, always taken, is part of the multiscale solve: no note)
+    coarse_story = ""
 
     def __init__(
         self,
