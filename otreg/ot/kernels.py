@@ -275,8 +275,10 @@ class DenseKernel:
         self._coarse = (cx.centres[None], cx.masses[None], cy.centres[None], cy.masses[None])
         self._coarse_eps = p.schedule[k]
         cells_told = f"{cx.n_clusters:,}" + ("" if self.symmetric else f" and {cy.n_clusters:,}")
-        if k == last:
-            problem = dataclasses.replace(p, multiscale=None)
+        if k == last:  # (half the iterations at most: the points' updates get the rest)
+            problem = dataclasses.replace(
+                p, max_iter=max(p.max_iter // 2, len(p.schedule) + 1), multiscale=None
+            )
             self.coarse_story = f"on the centroids of {cells_told} cells first"
         else:
             blur = p.schedule[k] ** (1 / p.cost.p)

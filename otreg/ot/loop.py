@@ -259,11 +259,8 @@ def _anneal(p: Problem, kernel, init, resume=None):
         f, g, done = resume
         f, g = kernel.to_kernel_order(f, g)
         schedule = p.schedule[done:]
-    elif (coarse := kernel.coarse_problem()) is not None:
-        coarse_p, X, A, Y, B = coarse
-        start = solve(coarse_p, X, A, Y, B)
-        f, g = kernel.extrapolate(start.f, start.g)
-        schedule, n_iter = p.schedule[len(coarse_p.schedule) :], start.n_iter
+    elif (started := _coarse_start(p, kernel)) is not None:
+        f, g, schedule, n_iter = started
     else:
         eps, lam = p.schedule[0], p.damping(p.schedule[0])
         f = lam * kernel.softmin_xy(eps, torch.zeros_like(kernel.b))
@@ -279,6 +276,26 @@ def _anneal(p: Problem, kernel, init, resume=None):
             f, g = (f + f_new) / 2, (g + g_new) / 2
         n_iter += 1
     return f, g, n_iter
+
+
+def _coarse_start(p: Problem, kernel):
+    """``(f, g, schedule, n_iter)`` after the kernel's coarse problem (solved by this loop,
+    its potentials extended to the points): the potentials, the schedule's eps left, the
+    iterations spent; None where the kernel has no coarse problem, or where a dense
+    kernel's (:meth:`~otreg.ot.kernels.DenseKernel.coarse_problem`) diverged or left
+    potentials that are not finite (the points' eps-scaling then starts from scratch, and
+    the kernel's ``coarse_story`` is cleared)."""
+    coarse = kernel.coarse_problem()
+    if coarse is None:
+        return None
+    coarse_p, X, A, Y, B = coarse
+    start = solve(coarse_p, X, A, Y, B)
+    f, g = kernel.extrapolate(start.f, start.g)
+    finite = bool(torch.isfinite(f).all() & torch.isfinite(g).all())
+    if kernel.coarse_story and (start.rule.reason == "diverged" or not finite):
+        kernel.coarse_story = ""  # (a dense kernel's cells: the multiscale solver's are its own)
+        return None
+    return f, g, p.schedule[len(coarse_p.schedule) :], start.n_iter
 
 
 def _final_pair(p: Problem, kernel, f, g, n_iter: int):

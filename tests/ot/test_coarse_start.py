@@ -102,3 +102,20 @@ def test_the_coarse_start_is_skipped_where_it_does_not_fit(case):
     res = otreg.sinkhorn(x, y, **kwargs)
     assert "cells" not in res.acceleration, res.acceleration
     assert bool(res.converged.all()) if isinstance(res.converged, torch.Tensor) else res.converged
+
+
+def test_a_coarse_solve_that_fails_leaves_the_points_eps_scaling(monkeypatch):
+    """Potentials from the cells that are not finite (a solve that diverged): the points'
+    eps-scaling starts from scratch, converges, and the result does not name the cells."""
+    x, y = heavy_tails()
+    plain = otreg.sinkhorn(x, y, blur=0.2, multiscale=False, tol=1e-9)
+
+    def broken(self, fc, gc):
+        nan = torch.full((1, self.x.shape[1]), float("nan"), dtype=self.x.dtype)
+        return nan, nan[:, : self.y.shape[1]]
+
+    monkeypatch.setattr(kernels.DenseKernel, "extrapolate", broken)
+    res = otreg.sinkhorn(x, y, blur=0.2, multiscale=False, tol=1e-9)
+    assert res.converged and "cells" not in res.acceleration, res.acceleration
+    shift = float((res.f - plain.f).mean())
+    assert torch.allclose(res.f - shift, plain.f, atol=1e-6 * res.eps)
