@@ -425,13 +425,16 @@ class Shape:
         except ImportError:
             fast_simplification = None
         if fast_simplification is not None:
+            # its error thresholds are absolute: in units of the surface's RMS radius, a
+            # surface and a scaled copy (mm and metres) are decimated alike
+            x = self.points.detach().cpu().double().numpy()
+            centre = x.mean(0)
+            size = float(np.sqrt(((x - centre) ** 2).sum(1).mean())) or 1.0
             points, faces = fast_simplification.simplify(
-                self.points.detach().cpu().double().numpy(),
-                self.faces.cpu().numpy(),
-                target_reduction=reduction,
+                (x - centre) / size, self.faces.cpu().numpy(), target_reduction=reduction
             )
             coarse = Shape(
-                torch.as_tensor(points, dtype=self.points.dtype),
+                torch.as_tensor(points * size + centre, dtype=self.points.dtype),
                 torch.as_tensor(faces, dtype=torch.int64),
                 unit=self.unit,
             )

@@ -126,6 +126,10 @@ def test_quadric_decimation_keeps_a_closed_outward_surface(monkeypatch, without)
     radius = coarse.points.norm(dim=1)
     assert float(radius.min()) > 9.5 and float(radius.max()) < 10.5
     assert float(coarse.volume) == pytest.approx(4 / 3 * math.pi * 1000, rel=0.05)  # outward
+    # the same surface in metres is decimated alike (the thresholds are relative to its size)
+    metres = ball.with_points(ball.points / 1000).decimate(400)
+    assert abs(metres.n_points - coarse.n_points) <= 4
+    assert float(metres.volume) * 1e9 == pytest.approx(float(coarse.volume), rel=0.01)
 
 
 def test_decimation_without_pyvista_clusters_vertices_and_says_so(monkeypatch):

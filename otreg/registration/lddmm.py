@@ -189,8 +189,13 @@ class LDDMM(nn.Module):
         )
 
     def forward(self, points: torch.Tensor) -> torch.Tensor:
-        """Deformed positions of ``points`` (N, 3) at t = 1."""
-        return self.shoot(points)[2].to(points.dtype)
+        """Deformed positions of ``points`` (N, 3) at t = 1. The flow runs in the momenta's
+        dtype; points of another dtype get its displacement in theirs, so that float64
+        points keep their digits through a float32 fit (and no flow moves them not at all)."""
+        moved = self.shoot(points)[2]
+        if moved.dtype == points.dtype:
+            return moved
+        return points + (moved - points.to(moved.dtype)).to(points.dtype)
 
     def inverse(self, points: torch.Tensor, tol: float = 1e-10, max_iter: int = 50) -> torch.Tensor:
         """The inverse of :meth:`forward` at ``points`` (N, D), no gradient: the time steps
