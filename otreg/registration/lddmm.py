@@ -190,12 +190,10 @@ class LDDMM(nn.Module):
 
     def forward(self, points: torch.Tensor) -> torch.Tensor:
         """Deformed positions of ``points`` (N, 3) at t = 1. The flow runs in the momenta's
-        dtype; points of another dtype get its displacement in theirs, so that float64
-        points keep their digits through a float32 fit (and no flow moves them not at all)."""
-        moved = self.shoot(points)[2]
-        if moved.dtype == points.dtype:
-            return moved
-        return points + (moved - points.to(moved.dtype)).to(points.dtype)
+        dtype; points of another dtype get its displacement added in theirs, so that float64
+        points keep their digits through a float32 fit (and a zero flow leaves them as they
+        are)."""
+        return _moved_in_dtype(points, self.shoot(points)[2])
 
     def inverse(self, points: torch.Tensor, tol: float = 1e-10, max_iter: int = 50) -> torch.Tensor:
         """The inverse of :meth:`forward` at ``points`` (N, D), no gradient: the time steps
@@ -264,7 +262,8 @@ class LDDMM(nn.Module):
         return self.forward_with_jacobians(points)[1]
 
     def forward_with_jacobians(self, points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(forward(points), jacobians(points))`` in one flow, no gradient."""
+        """``(forward(points), jacobians(points))`` in one flow, no gradient; the positions
+        in the points' dtype as :meth:`forward` gives them."""
         with torch.no_grad():
             q = self.control_points.to(self.momenta.dtype)
             p = self.momenta.detach()
@@ -300,7 +299,7 @@ class LDDMM(nn.Module):
                         u + h / 6 * (a + 2 * b + 2 * c + d)
                         for u, a, b, c, d in zip(state, k1, k2, k3, k4)
                     )
-        return x.to(points.dtype), F
+        return _moved_in_dtype(points, x), F
 
     def hamiltonian(self, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """H(q, p) = 1/2 sum_ij p_i . k(q_i, q_j) p_j, in mm^2."""
@@ -491,6 +490,14 @@ class ComposedLDDMM(nn.Module):
             }
             stages.append(LDDMM.from_arrays(own))
         return stages[0] if len(stages) == 1 else cls(stages)
+
+
+def _moved_in_dtype(points: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """``moved`` (a flow's positions of ``points``, in the flow's dtype) in the points' dtype:
+    the flow's displacement added to the points as they are."""
+    if moved.dtype == points.dtype:
+        return moved
+    return points + (moved - points.to(moved.dtype)).to(points.dtype)
 
 
 class _Whitening(nn.Module):

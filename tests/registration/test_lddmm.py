@@ -96,6 +96,22 @@ def test_zero_momenta_is_the_identity_and_flow_is_invertible_in_practice():
         assert torch.equal(m(x), x)
 
 
+def test_float64_points_through_a_float32_flow_keep_their_digits_on_both_paths():
+    """``forward`` and ``forward_with_jacobians`` (what the metrics and the warped vertices
+    use) add the float32 flow's displacement to float64 points in float64: the same
+    positions on both paths to float32's rounding of the displacement, and a zero flow is
+    exactly the identity."""
+    m = model().float()
+    x = 10 * torch.randn(20, 3, dtype=torch.float64)
+    with torch.no_grad():
+        moved, _ = m.forward_with_jacobians(x)
+        step = float((moved - x).abs().max())
+        assert moved.dtype == torch.float64 and step > 0.1  # the flow moves them
+        assert float((moved - m(x)).abs().max()) < 1e-5 * step
+        m.momenta.zero_()
+        assert torch.equal(m.forward_with_jacobians(x)[0], x) and torch.equal(m(x), x)
+
+
 def test_whitened_momenta_map_to_the_same_deformation():
     """Inside ``whitened``: p = L^{-T} u with L L^T the kernel matrix (a brute-force one
     here), the energy is |u|^2 / 2, gradients reach u by the chain rule; on leaving,
