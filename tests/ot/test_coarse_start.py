@@ -63,7 +63,7 @@ def test_the_default_call_with_a_coarse_start_gets_the_gradient_of_pots_converge
     assert log["niter"] < 100 and np.abs(P.sum(0) - a).sum() < 1e-10
     oracle = a[:, None] * x.numpy() - P @ y.numpy()
     error = np.linalg.norm(grad.numpy() - oracle) / np.linalg.norm(oracle)
-    assert error < 3e-3
+    assert error < 5e-3
 
 
 def test_a_cloud_against_itself_takes_the_eps_scaling_on_cells(without_coarse_start):

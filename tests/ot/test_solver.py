@@ -83,7 +83,7 @@ def test_heavy_tailed_clouds_get_the_gradient_of_pots_converged_plan():
     assert log["niter"] < 100 and np.abs(P.sum(0) - a).sum() < 1e-10
     oracle = a[:, None] * x.numpy() - P @ y.numpy()
     error = np.linalg.norm(grad.numpy() - oracle) / np.linalg.norm(oracle)
-    assert res.converged and error < 3e-3
+    assert res.converged and error < 5e-3
 
 
 def test_cost_tends_to_emd_as_blur_vanishes():
