@@ -161,8 +161,9 @@ class Shape:
         registration's transform), and so are the decimations it keeps: a decimation of
         the moved surface is then the moved decimation, with no new pass over the mesh."""
         out = self.with_points(fn(self.points))
-        for (n, _, _), coarse in self._decimations.items():
-            out._decimations[(n, out.points._version, out.faces._version)] = coarse.mapped(fn)
+        for (n, _, _), kept in self._decimations.items():
+            key = (n, out.points._version, out.faces._version)
+            out._decimations[key] = _Decimation(kept.shape.mapped(fn), kept.nearest)
         return out
 
     def with_data(self, **arrays: torch.Tensor | np.ndarray) -> Shape:
@@ -386,7 +387,9 @@ class Shape:
         ``DECIMATION_STEP`` is decimated to that many first, and from there: register
         decimates one surface to several sizes (the pre-alignment, the levels, the control
         points, the metrics), and VTK's pass over a 200,000-vertex mesh takes seconds. Each
-        result is kept with the shape (until its points or faces change in place).
+        result's geometry is kept with the shape (until its points or faces change in
+        place); its data are taken from the shape's at each call. Vertices that no triangle
+        uses are left out.
 
         Example:
             >>> import torch
@@ -404,21 +407,46 @@ class Shape:
             )
         if target_points >= self.n_points:
             return self
+        kept = self._decimation(target_points)
+        data = {}
+        if self.data:  # the data as they are now: a caller may have changed them since
+            if kept.nearest is None:
+                from scipy.spatial import cKDTree
+
+                points = self.points.detach().cpu().double().numpy()
+                nearest = cKDTree(points).query(kept.shape.points.detach().cpu().double())[1]
+                kept.nearest = torch.as_tensor(nearest, device=self.points.device)
+            data = {k: v[kept.nearest] for k, v in self.data.items()}
+        return replace(kept.shape, data=data)
+
+    def _decimation(self, target_points: int) -> _Decimation:
+        """The kept decimation to ``target_points`` vertices (its geometry, made here the
+        first time, through the ``DECIMATION_STEP`` copy where :meth:`decimate` says so)."""
         key = (target_points, self.points._version, self.faces._version)
         if key not in self._decimations:
             if self.n_points > 2 * DECIMATION_STEP and target_points < DECIMATION_STEP:
-                coarse = self.decimate(DECIMATION_STEP).decimate(target_points)
+                step = self._decimation(DECIMATION_STEP).shape
+                coarse = step._decimate_once(target_points)
             else:
                 coarse = self._decimate_once(target_points)
-            self._decimations[key] = coarse
-        coarse = self._decimations[key]
-        return replace(coarse, data=dict(coarse.data))  # a caller may change its data
+            self._decimations[key] = _Decimation(coarse)
+        return self._decimations[key]
 
     def _decimate_once(self, target_points: int) -> Shape:
-        """:meth:`decimate` itself, from this surface: quadric edge collapses by
-        fast-simplification (pyvista's C++ wrapper of Fast-Quadric-Mesh-Simplification;
+        """:meth:`decimate`'s geometry (no data), from this surface: quadric edge collapses
+        by fast-simplification (pyvista's C++ wrapper of Fast-Quadric-Mesh-Simplification;
         MNI152's white-matter surface, 316,166 vertices, to 20,000: 1.3 s against VTK's
-        quadric decimation's 7.2 s), else VTK's (pyvista), else vertex clustering."""
+        quadric decimation's 7.2 s), else VTK's (pyvista), else vertex clustering. Vertices
+        that no triangle uses are left out first (they would count in the reduction and in
+        the surface's size)."""
+        used = torch.unique(self.faces)
+        if len(used) < self.n_points:
+            remap = torch.full((self.n_points,), -1, dtype=torch.int64, device=used.device)
+            remap[used] = torch.arange(len(used), device=used.device)
+            surface = Shape(self.points.detach()[used], remap[self.faces], unit=self.unit)
+            if target_points >= surface.n_points:
+                return surface
+            return surface._decimate_once(target_points)
         reduction = 1.0 - target_points / self.n_points
         try:
             import fast_simplification
@@ -446,15 +474,7 @@ class Shape:
             else:
                 out = mesh.decimate(reduction)
                 coarse = Shape.from_pyvista(out, dtype=self.points.dtype)
-        if self.data:
-            from scipy.spatial import cKDTree
-
-            points = self.points.detach().cpu().double().numpy()
-            nearest = cKDTree(points).query(coarse.points.double().numpy())[1]
-            index = torch.as_tensor(nearest, device=self.points.device)
-            data = {k: v[index] for k, v in self.data.items()}
-            coarse = replace(coarse, data=data)
-        return coarse.to(self.points.device)
+        return replace(coarse, data={}).to(self.points.device)
 
     def _cluster_vertices(self, target_points: int) -> Shape:
         """Vertex clustering (where fast-simplification and VTK are missing): the vertices
@@ -521,6 +541,18 @@ class Shape:
 
 
 _clustering_warned = False
+
+
+@dataclass
+class _Decimation:
+    """A decimation a :class:`Shape` keeps: the coarse surface's geometry (no data) and,
+    once a call needed it, each coarse vertex's nearest vertex of the shape ``(n,)``, through
+    which every call takes the shape's data as they are then."""
+
+    shape: Shape
+    nearest: torch.Tensor | None = None
+
+
 #: See :meth:`Shape.decimate`: the size of the copy a large surface's decimations go through.
 DECIMATION_STEP = 20_000
 

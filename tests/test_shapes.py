@@ -186,6 +186,36 @@ def test_decimations_are_kept_and_large_surfaces_go_through_one_step(monkeypatch
     assert float(ball.decimate(300).points.norm(dim=1).max()) > 15 and len(passes) == 5
 
 
+def test_a_kept_decimation_takes_the_data_as_they_are_at_each_call():
+    """The kept decimation is geometry: data changed in place, replaced or added after a
+    first call reach the next one (nearest old vertex, as at the first)."""
+    pv = pytest.importorskip("pyvista")
+    ball = Shape.from_pyvista(pv.Sphere(radius=10, theta_resolution=40, phi_resolution=40))
+    shape = ball.with_data(labels=torch.zeros(ball.n_points, dtype=torch.int64))
+    first = shape.decimate(300)
+    assert first.data["labels"].unique().tolist() == [0]
+    shape.data["labels"][:] = 7
+    assert shape.decimate(300).data["labels"].unique().tolist() == [7]
+    shape.data["z"] = ball.points[:, 2]
+    again = shape.decimate(300)
+    assert set(again.data) == {"labels", "z"} and torch.equal(again.points, first.points)
+    nearest = torch.cdist(again.points.double(), ball.points.double()).argmin(1)
+    assert torch.equal(again.data["z"], ball.points[nearest, 2])
+
+
+def test_vertices_no_triangle_uses_are_left_out_of_a_decimation():
+    """Unused vertices (far away here) neither count in the reduction nor make the surface
+    look larger: about the vertices asked for, closed, as without them."""
+    pv = pytest.importorskip("pyvista")
+    ball = Shape.from_pyvista(pv.Sphere(radius=10, theta_resolution=60, phi_resolution=60))
+    far = 300 + 5 * torch.randn(2 * ball.n_points, 3, dtype=ball.points.dtype)
+    padded = Shape(torch.cat([ball.points, far]), ball.faces)
+    coarse = padded.decimate(400)
+    assert 0.9 * 400 <= coarse.n_points <= 1.1 * 400
+    assert coarse.n_faces == 2 * coarse.n_points - 4 and float(coarse.points.norm(dim=1).max()) < 11
+    assert padded.decimate(ball.n_points + 10).n_points == ball.n_points  # the used ones
+
+
 def test_a_device_this_machine_lacks_is_named():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")

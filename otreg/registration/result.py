@@ -619,11 +619,11 @@ def _vertex_values(
             f"per-vertex array; got {type(values).__name__}"
         )
     shape = tuple(values.values.shape)
-    if values.values.dim() not in (1, 2) or values.n_vertices != surface.n_points:
+    if len(shape) not in (1, 2) or values.n_vertices != surface.n_points:
         hint = ""
         if len(shape) == 2 and shape[1] == surface.n_points:
             hint = " (transposed? give values.T)"
-        elif other is not None and values.n_vertices == other.n_points != surface.n_points:
+        elif shape and other is not None and shape[0] == other.n_points != surface.n_points:
             back = "source" if role == "target" else "target"
             hint = (
                 f" (they have the {back}'s vertex count: to carry the {back}'s values onto "
@@ -673,6 +673,12 @@ def checked_values(
         raise TypeError(f"{caller}: values are {data.dtype}; give real numbers or integers")
     whole = data.is_floating_point() and bool((data == data.round()).all())
     if labels and data.is_floating_point():
+        if not bool(torch.isfinite(data).all()):
+            bad = int((~torch.isfinite(data)).sum())
+            raise ValueError(
+                f"{caller}: kind='labels' but {bad} of the values are NaN or infinite; "
+                "labels are integers: give each vertex one (e.g. 0 for unlabelled)"
+            )
         if not whole:
             bad = int((data != data.round()).sum())
             raise ValueError(

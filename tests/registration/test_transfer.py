@@ -189,6 +189,7 @@ def test_a_saved_result_finds_its_target_or_asks_for_it(ball, tmp_path):
     "values, match, error",
     [
         (torch.zeros(7), "values have shape \\(7,\\); the source has", ValueError),
+        (torch.tensor(1.0), "values have shape \\(\\); the source has", ValueError),
         ("thickness", "the source carries no per-vertex array 'thickness'", ValueError),
         ("/data/lh.thickness", r"give otreg.io.load_values\('/data/lh.thickness'\)", ValueError),
         ([1, 2], "values must be a tensor", TypeError),
@@ -211,6 +212,8 @@ def test_nan_in_a_map_and_a_wrong_direction_are_refused(ball):
         res.transfer(bad, to="sideways")
     with pytest.raises(ValueError, match="kind='labels' but 1 of the values are not whole"):
         res.transfer(torch.tensor([0.5] + [2.0] * (ball.n_points - 1), dtype=D), kind="labels")
+    with pytest.raises(ValueError, match="kind='labels' but 1 of the values are NaN or infinite"):
+        res.transfer(bad, kind="labels")
     with pytest.raises(ValueError, match=r"labels are one integer a vertex, \(N,\); these"):
         res.transfer(torch.zeros(ball.n_points, 2, dtype=torch.long))
     with pytest.raises(TypeError, match="values are torch.complex64"):
