@@ -389,7 +389,7 @@ class Shape:
         points, the metrics), and VTK's pass over a 200,000-vertex mesh takes seconds. Each
         result's geometry is kept with the shape (until its points or faces change in
         place); its data are taken from the shape's at each call. Vertices that no triangle
-        uses are left out.
+        uses and triangles that repeat a vertex are left out.
 
         Example:
             >>> import torch
@@ -438,12 +438,21 @@ class Shape:
         MNI152's white-matter surface, 316,166 vertices, to 20,000: 1.3 s against VTK's
         quadric decimation's 7.2 s), else VTK's (pyvista), else vertex clustering. Vertices
         that no triangle uses are left out first (they would count in the reduction and in
-        the surface's size)."""
-        used = torch.unique(self.faces)
-        if len(used) < self.n_points:
+        the surface's size), and so are triangles with a repeated vertex (no area: the
+        edge collapses would keep them as they are)."""
+        faces = self.faces
+        a, b, c = faces.unbind(1)
+        faces = faces[(a != b) & (b != c) & (c != a)]
+        if len(faces) == 0:
+            raise ValueError(
+                "Shape.decimate: every triangle repeats a vertex (no area); give a surface "
+                "with proper triangles"
+            )
+        used = torch.unique(faces)
+        if len(used) < self.n_points or len(faces) < len(self.faces):
             remap = torch.full((self.n_points,), -1, dtype=torch.int64, device=used.device)
             remap[used] = torch.arange(len(used), device=used.device)
-            surface = Shape(self.points.detach()[used], remap[self.faces], unit=self.unit)
+            surface = Shape(self.points.detach()[used], remap[faces], unit=self.unit)
             if target_points >= surface.n_points:
                 return surface
             return surface._decimate_once(target_points)

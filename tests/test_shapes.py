@@ -205,15 +205,22 @@ def test_a_kept_decimation_takes_the_data_as_they_are_at_each_call():
 
 def test_vertices_no_triangle_uses_are_left_out_of_a_decimation():
     """Unused vertices (far away here) neither count in the reduction nor make the surface
-    look larger: about the vertices asked for, closed, as without them."""
+    look larger, and triangles that repeat a vertex go: about the vertices asked for,
+    closed, as without them."""
     pv = pytest.importorskip("pyvista")
     ball = Shape.from_pyvista(pv.Sphere(radius=10, theta_resolution=60, phi_resolution=60))
     far = 300 + 5 * torch.randn(2 * ball.n_points, 3, dtype=ball.points.dtype)
-    padded = Shape(torch.cat([ball.points, far]), ball.faces)
+    n = ball.n_points
+    degenerate = torch.tensor([[0, 0, 1], [n, n, n], [10, 11, 10]])
+    padded = Shape(torch.cat([ball.points, far]), torch.cat([ball.faces, degenerate]))
     coarse = padded.decimate(400)
     assert 0.9 * 400 <= coarse.n_points <= 1.1 * 400
     assert coarse.n_faces == 2 * coarse.n_points - 4 and float(coarse.points.norm(dim=1).max()) < 11
+    a, b, c = coarse.faces.unbind(1)
+    assert bool(((a != b) & (b != c) & (c != a)).all())
     assert padded.decimate(ball.n_points + 10).n_points == ball.n_points  # the used ones
+    with pytest.raises(ValueError, match="every triangle repeats a vertex"):
+        Shape(ball.points, degenerate[:1]).decimate(4)
 
 
 def test_a_device_this_machine_lacks_is_named():
