@@ -302,7 +302,7 @@ class _Watch:
 
     def reason(self) -> str:
         limit = self.cl.memory_limit_bytes
-        size = "" if limit is None else f" ({limit / 2**20:,.0f} MB)"
+        size = "" if limit is None else f" ({limit / 1e6:,.0f} MB)"
         hint = (
             f"each worker was killed as it started or ran: its memory limit{size} may be "
             "too small, or its environment broken (see the Dask worker's log)"
@@ -358,7 +358,7 @@ def _killed(cl: Cluster, spec: dict) -> dict:
     path.unlink(missing_ok=True)
     cls = "out of memory" if oom else "crash"
     reason = f"the worker process died {ALLOWED_FAILURES + 1} times running this pair" + (
-        f" (last reading {rss:,.0f} MB of a {limit / 2**20:,.0f} MB limit)"
+        f" (last reading {rss * 2**20 / 1e6:,.0f} MB of a {limit / 1e6:,.0f} MB limit)"
         if oom
         else " (a crash or a kill; see the Dask worker's log)"
     )

@@ -40,8 +40,9 @@ EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 3, 130
 MEMORY_PER_PAIR_MB = 1500.0
 #: Disk a pair's outputs take besides a copy of its source file (MB; pictures, JSON, log).
 DISK_PER_PAIR_MB = 2.0
-#: The least memory limit of a local worker (MB): a worker holds about 300 MB before its
-#: first pair (Python, torch, otreg, Dask), and the smallest pairs peak near 550 MB
+#: The least memory limit of a local worker, in MB of 10^6 bytes as a limit is written
+#: ("600MB", dask's units): a worker holds about 300 MB before its first pair (Python,
+#: torch, otreg, Dask), and the smallest pairs peak near 550 MiB, 577 MB
 #: (docs/benchmarks.md); below it every worker is killed as it starts, or with its pair.
 WORKER_MEMORY_MIN_MB = 600
 
@@ -60,9 +61,9 @@ def check_memory_limit(memory_limit: object) -> str | int:
             f"'{memory_limit.strip()}GB' or '{memory_limit.strip()}MB'"
         )
     limit = parse_bytes("memory_limit", memory_limit)
-    if limit < WORKER_MEMORY_MIN_MB * 2**20:
+    if limit < WORKER_MEMORY_MIN_MB * 10**6:  # MB as the user writes them (dask's)
         raise ValueError(
-            f"memory_limit is {memory_limit!r} ({limit / 2**20:,.0f} MB); a worker holds "
+            f"memory_limit is {memory_limit!r} ({limit / 1e6:,.0f} MB); a worker holds "
             f"about 300 MB before its first pair and the smallest pairs need about "
             f"{WORKER_MEMORY_MIN_MB} MB: give at least {WORKER_MEMORY_MIN_MB}MB (1.5GB suits "
             "hemispheres), or auto"
@@ -365,9 +366,11 @@ def run_batch(
             if n_left
             else "otreg batch: interrupted after every pair had finished: nothing is left to run"
         )
+    others = len(pairs) - len(selected)
+    left_out = f" ({others} more in the manifest, not asked for)" if others else ""
     echo(
         f"otreg batch: {n_ok} done{flagged}, {n_failed} failed, "
-        f"{n_left} not run, in {seconds:.0f} s; {where}"
+        f"{n_left} not run{left_out}, in {seconds:.0f} s; {where}"
     )
     if interrupted:
         code = EXIT_INTERRUPTED

@@ -120,6 +120,9 @@ def run_engine(pairs, output: str | Path, kw: dict, tables: bool = True) -> None
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise click.BadParameter(f"{output} exists and is not a folder", param_hint="-o")
+    above = next((p for p in out.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():  # the folder could not be made there
+        raise click.BadParameter(f"{output} lies under {above}, a file", param_hint="-o")
     _refuse_inputs_in_outputs(pairs, out)
     with warnings_as_lines():
         try:

@@ -301,7 +301,8 @@ def transfer(
     registration in RESULT (its folder, or one of its files) onto the other surface, and
     write them as OUTPUT (the format of its name; labels keep their table), with labels'
     confidence (1/3 to 1 a vertex: the winning label's share of its nearest triangle's
-    weights) beside it as OUTPUT's stem + _confidence.npy."""
+    weights) beside it, named as OUTPUT less its extension + _confidence.npy
+    (atlas.label.gii: atlas_confidence.npy)."""
     confidence_file = Path(output).with_name(f"{values_stem(Path(output).name)}_confidence.npy")
     with warnings_as_lines():
         try:

@@ -337,6 +337,17 @@ def test_a_memory_limit_too_small_or_without_unit_is_refused(tmp_path, limit, ma
         run_batch([Pair("p", "a.vtk", "b.vtk")], tmp_path, memory_limit=limit)
 
 
+def test_the_least_memory_limit_is_in_the_units_the_user_writes():
+    """MB as written (10^6 bytes, dask's): the least limit the message asks for is taken,
+    and a smaller one is echoed in the same units."""
+    from otreg.batch.engine import WORKER_MEMORY_MIN_MB, check_memory_limit
+
+    assert check_memory_limit(f"{WORKER_MEMORY_MIN_MB}MB") == f"{WORKER_MEMORY_MIN_MB}MB"
+    assert check_memory_limit("0.6GB") == "0.6GB"
+    with pytest.raises(ValueError, match=r"'599MB' \(599 MB\)"):
+        check_memory_limit("599MB")
+
+
 def test_a_folder_given_as_an_input_is_named_as_a_folder(tmp_path):
     (tmp_path / "sub.vtk").mkdir()
     (tmp_path / "t.vtk").write_text("t")

@@ -198,7 +198,8 @@ def test_a_changed_option_reruns_only_the_pairs_it_touches(subjects, tmp_path):
     # the group page knows which records are of this plan; a run of one pair keeps the
     # other's key
     assert read_plan(out) == {pid: rec["key"] for pid, rec in second.items()}
-    assert run("batch", m, "-o", out, *FAST, "--only", "a").returncode == 0
+    only = run("batch", m, "-o", out, *FAST, "--only", "a")
+    assert only.returncode == 0 and "1 more in the manifest, not asked for" in only.stderr
     assert read_plan(out) == {pid: rec["key"] for pid, rec in second.items()}
     # a changed input's content (same path) reruns that pair only
     sphere(tmp_path / "subjects" / "s1.vtk", 43, 15, 2.0)
@@ -390,7 +391,7 @@ def test_a_pair_over_the_memory_limit_fails_out_of_memory_alone(subjects, tmp_pa
     recs = records(out)
     error = recs["hog"]["error"]
     assert error["class"] == "out of memory", error
-    assert "of a 1,431 MB limit" in error["reason"]
+    assert "of a 1,500 MB limit" in error["reason"]
     assert 0.7 * 1431 < recs["hog"]["peak_rss_mb"] < 1431
     assert recs["fine"]["status"] == "done", recs["fine"]
     failed = list(csv.DictReader(open(out / "failed.csv")))
@@ -421,6 +422,7 @@ def test_usage_errors_exit_1_and_name_the_problem(subjects, tmp_path):
         (["batch", m, "-o", tmp_path / "o", "--memory-limit", "4"], "'4' without a unit"),
         (["batch", m, "-o", tmp_path / "o", "--memory-limit", "100MB"], "at least 600MB"),
         (["batch", m, "-o", m], "is a file"),
+        (["batch", m, "-o", m / "sub"], "lies under"),
         (["batch", m, "-o", tmp_path / "o", "--bogus"], "No such option"),
     ]
     bad = tmp_path / "bad.csv"
