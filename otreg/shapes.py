@@ -414,7 +414,8 @@ class Shape:
                 from scipy.spatial import cKDTree
 
                 points = self.points.detach().cpu().double().numpy()
-                nearest = cKDTree(points).query(kept.shape.points.detach().cpu().double())[1]
+                coarse = kept.shape.points.detach().cpu().double().numpy()
+                nearest = cKDTree(points).query(coarse)[1]
                 kept.nearest = torch.as_tensor(nearest, device=self.points.device)
             data = {k: v[kept.nearest] for k, v in self.data.items()}
         return replace(kept.shape, data=data)
