@@ -466,14 +466,17 @@ class TruncatedKernel:
         stale = self._last_eps not in (None, self.p.eps)
         listed = self._list
         if listed is not None and not self._finished:
-            if transpose:
-                out = listed.softmin_cols(pot)
-                df, dg = pot - listed.f0, out - listed.g0
-            else:
-                out = listed.softmin_rows(pot)
-                df, dg = out - listed.f0, pot - listed.g0
+            out = listed.softmin_cols(pot) if transpose else listed.softmin_rows(pot)
+            f, g = (pot, out) if transpose else (out, pot)
+            df, dg = f - listed.f0, g - listed.g0
             if listed.holds(df, dg) if isinstance(listed, BlockFactors) else self._within(df, dg):
                 return out
+            if isinstance(listed, PairList) and self._list_near(f, g):
+                listed = self._list
+                out = listed.softmin_cols(pot) if transpose else listed.softmin_rows(pot)
+                f, g = (pot, out) if transpose else (out, pot)
+                if self._within(f - listed.f0, g - listed.g0):
+                    return out
         out = self._block_softmin(self.p.eps, pot, transpose).double()
         if self._finished:  # a softmin for the gradient: nothing more to keep
             return out
@@ -518,6 +521,26 @@ class TruncatedKernel:
         by_rows = self.cx.per_cluster_max(df - dropped_f)[I] + rise_g[J]
         by_cols = rise_f[I] + self.cy.per_cluster_max(dg - dropped_g)[J]
         return bool((torch.minimum(by_rows, by_cols) <= -self.truncate * eps).all())
+
+    def _list_near(self, f: torch.Tensor, g: torch.Tensor) -> bool:
+        """Make the pair list for potentials f (N,), g (M,) (sorted, float64) near those
+        wanted, not a softmin of each other: the softmin an old list just summed, which
+        may lack terms of the pairs it dropped and so be too large (a slack smaller: the
+        search then keeps more pairs, none fewer). The caller sums the softmin again over
+        the new list and keeps it where the list holds at the result (``_within``). This
+        spares the softmin over the whole pattern that gives exact potentials to make a
+        list from (on the eight clusters against a ball, N = 20,000: 0.3 s for its 114
+        million pairs, at each of 34 lists). Whether a list was made: not where f or g is
+        not finite (a row of the old list that lost all its pairs) or the list would hold
+        too many pairs."""
+        if not bool(torch.isfinite(f).all() & torch.isfinite(g).all()):
+            return False
+        margin = self.list_margin
+        self._build_list(f, g)
+        if self._list is None:  # (too many pairs: the pattern's softmin next, as before)
+            self.list_margin, self._list_pays = margin, True
+            return False
+        return True
 
     def _build_list(self, f: torch.Tensor, g: torch.Tensor) -> None:
         """The pairs of the cluster pattern within ``truncate + list_margin`` eps of the
@@ -681,7 +704,9 @@ class TruncatedKernel:
         search of all keeps at the result (:meth:`verify`, which adds those it lacks, and
         the softmin is summed again). No list is made for a step that may not be taken:
         :meth:`cell_step` makes one where a step taken led (from the other potential
-        summed here, which spares the next update a softmin over the blocks)."""
+        summed here, which spares the next update a softmin over the blocks). (A list made
+        for the guess instead of the softmin over the blocks, on the eight clusters against
+        a ball at N = 20,000: 9 block softmins of 0.26 s spared, 5 more lists of 0.6 s.)"""
         transpose = side == "f"
         moved = (f if transpose else g) + alpha[(self.cx if transpose else self.cy).labels]
         listed = self._list

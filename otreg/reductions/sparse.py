@@ -652,11 +652,12 @@ def close_pairs(
     reach).
 
     The slack is summed in the points' dtype as the per-point terms ``|x_i - c|^2 / 2 - f_i``
-    and ``|y_j - c|^2 / 2 - g_j`` (c the row cluster's centre) added first, then
-    ``<x_i - c, y_j - c>`` taken off, and the two terms' rounding restored in float64: for a
-    pair within the threshold every number then is of the size of the slack and the cell,
-    not of the potentials, so the slack is exact to the points' precision times the cell's
-    size whatever |f| / eps (a pair within its rounding of the threshold may go either way).
+    and ``|y_j - c|^2 / 2 - g_j`` (c the row cluster's centre), less and plus the row
+    cluster's smallest first term, and ``<x_i - c, y_j - c>``, in one matrix product; the
+    two terms' rounding restored in float64: for a pair within the threshold every number
+    then is of the size of the slack and the cell, not of the potentials, so the slack is
+    exact to the points' precision times the cell's size whatever |f| / eps (a pair within
+    its rounding of the threshold may go either way).
     """
     wide = torch.float64
     px, py = (torch.cat([z.to(wide), z.new_zeros(1, z.shape[1], dtype=wide)]) for z in (x, y))
@@ -674,10 +675,16 @@ def close_pairs(
         Y = py.index_select(0, col_idx.view(-1)).view(*col_idx.shape, D) - c
         rows = (X * X).sum(-1) / 2 - pf.index_select(0, row_idx.view(-1)).view(row_idx.shape)
         cols = (Y * Y).sum(-1) / 2 - pg.index_select(0, col_idx.view(-1)).view(col_idx.shape)
-        X, Y = X.to(x.dtype), Y.to(x.dtype)
+        shift = rows.amin(1, keepdim=True)  # (C, 1): the potentials' size out of both terms
+        rows, cols = rows - shift, cols + shift
         rows_low, cols_low = rows.to(x.dtype), cols.to(x.dtype)
-        s = rows_low.unsqueeze(2) + cols_low.unsqueeze(1)  # (C, R, L)
-        s.baddbmm_(X, Y.transpose(1, 2), alpha=-1.0)
+        # s = rows + cols - <X, Y> (C, R, L) as one matrix product of [X, rows, 1] and
+        # [-Y, 1, cols]: written once (a sum of the two terms, then a product added to it,
+        # took 2.2 times as long: 4.3 ms against 1.9 for 6 million pairs on two cores)
+        ones = rows_low.new_ones(())
+        Xa = torch.cat([X.to(x.dtype), rows_low.unsqueeze(2), ones.expand(*rows.shape, 1)], 2)
+        Ya = torch.cat([-Y.to(x.dtype), ones.expand(*cols.shape, 1), cols_low.unsqueeze(2)], 2)
+        s = torch.bmm(Xa, Ya.transpose(1, 2))
         keep = _flat_nonzero(s <= threshold)
         count += len(keep)
         searched += s.numel()
@@ -763,12 +770,18 @@ class PairList:
             slack -= f0.double().index_select(0, i)
             slack -= g0.double().index_select(0, j)
         r = (slack / eps).to(x.dtype)
+        n, m = x.shape[0], y.shape[0]
+        # the pairs' indices in 32 bits where they fit: torch's sparse product (MKL's) with
+        # 32-bit indices took 1.5 ms against 4.3 for 7 million pairs, and gathers by them
+        # half the time
+        if max(n, m) <= torch.iinfo(torch.int32).max:
+            i, j = i.int(), j.int()
         # stable: within a column the rows keep their order (grouped by row cell); j < M,
         # and fewer bits sort faster (int16: 100 ms for 9 million pairs, int32: 170)
-        key = j.short() if y.shape[0] <= torch.iinfo(torch.int16).max else j.int()
-        by_col = torch.argsort(key, stable=True)
-        n, m = x.shape[0], y.shape[0]
+        key = j.short() if m <= torch.iinfo(torch.int16).max else j
+        by_col = torch.argsort(key, stable=True).to(i.dtype)
         rows, row_counts = torch.unique_consecutive(i, return_counts=True)
+        rows = rows.long()
         cols = torch.bincount(j, minlength=m)
         self._rows = _Side(rows, row_counts, j, log_b.index_select(0, j) - r, n, m)
         i_by_col = i.index_select(0, by_col)
@@ -845,7 +858,7 @@ class _Side:
     def plan(self, dh: torch.Tensor, weights: torch.Tensor):
         """The terms exp(log w - r + dh[other]) of each point's sum scaled to sum to its
         ``weights`` (n,): ``(points, others, values)``, float64."""
-        other = self.factors.col_indices()
+        other = self.factors.col_indices().long()
         u = (dh - (float(dh.max()) - SHIFT_HEADROOM)).exp()
         totals = torch.mv(self.factors, u.to(self.factors.dtype)).double()
         point = torch.repeat_interleave(self.points, self.counts)

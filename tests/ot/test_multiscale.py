@@ -525,6 +525,25 @@ def test_the_pair_list_falls_back_to_the_cell_pairs_when_the_potentials_move():
     torch.testing.assert_close(out[0], again)
 
 
+def test_a_list_that_no_longer_holds_is_made_again_from_its_own_softmin():
+    """Potentials moved past the list's margin: the new list is searched at the old list's
+    softmin (no softmin over the cell pattern), and the softmin over it equals the
+    pattern's."""
+    p, kernel, g = _annealed_kernel()
+    kernel.softmin_xy(p.eps, g.double())
+    summed_blocks = []
+    blocks = kernel._block_softmin
+    kernel._block_softmin = lambda *args: summed_blocks.append(1) or blocks(*args)
+    moved = g.double().clone()
+    moved[0, :40] += 1.5 * multiscale.LIST_MARGIN * p.eps  # (the first cells of y)
+    out = kernel.softmin_xy(p.eps, moved)
+    assert kernel.list_builds == 2 and not summed_blocks
+    torch.testing.assert_close(out[0], blocks(p.eps, moved[0], False).double())
+    f = out[0]
+    out = kernel.softmin_yx(p.eps, f[None])  # the other way
+    torch.testing.assert_close(out[0], blocks(p.eps, f, True).double())
+
+
 def test_a_move_the_list_accepts_leaves_every_dropped_pair_below_the_truncation():
     """f rising in one cell of x and g in one cell of y, each by 3/4 of the margin, where no
     cell pair of the pattern joins them: the list stays (a global bound, the largest rise
