@@ -734,7 +734,7 @@ class PairList:
             any order), within a row by column cell (as :func:`close_pairs` gives them).
         log_a, log_b: the log-weights (N,), (M,) the softmins will use.
         f0, g0: the reference potentials (N,), (M,); the softmins are in their dtype
-            (float64 for the solver), and so are the sums.
+            (float64 for the solver), the sums in the points' dtype.
         eps: the temperature the scores are divided by.
         slack: ``(P,)`` the pairs' slacks ``|x_i - y_j|^2 / 2 - f0_i - g0_j`` in float64,
             where known (:func:`close_pairs`); else computed here from the points.
@@ -809,31 +809,27 @@ class PairList:
 
 
 #: a :class:`PairList`'s factors share one shift where every point's largest term is
-#: within this many e-folds of the largest (chosen for float32 factors, which keep 87 below
-#: 1 normal; the factors are float64 since), else each
+#: within this many e-folds of the largest (float32 keeps 87 below 1 normal), else each
 #: point's sum gets its own
 SHARED_SHIFT_RANGE = 60.0
 
 #: a :class:`PairList`'s softmin scales the other side's moves ``exp(dh - max(dh))`` up by
-#: this many e-folds, so that points that moved far (an outlier whose potential rose by
-#: 50 eps) do not push every other point's terms out of float64's range; a term then is
-#: at most exp(300), a sum of 10^9 of them 1e140. (The factors were float32, with 60
-#: e-folds: lists kept while some points rose by 100 eps and more left other rows' terms
-#: subnormal, their softmins 0.07 eps off; float64 factors made the sparse product 3.8 ms
-#: instead of 2.1 for 7 million pairs, and the clusters at N = 20,000 took as long.)
-SHIFT_HEADROOM = 300.0
+#: this many e-folds, so that one point that moved far (an outlier whose potential rose by
+#: 50 eps) does not push every other point's terms below float32's smallest number (their
+#: sums 0, their softmins infinite); a term then is at most exp(60), a sum of 10^7 of them
+#: 1e33, within float32's 3e38
+SHIFT_HEADROOM = 60.0
 
 
 class _Side:
     """One direction of a :class:`PairList`: for the ``points`` (G,) of this side that
     have pairs, each with ``counts`` (G,) of them in a run, the other side's point
     (``other``, (P,)) and ``base = log w[other] - r`` (P,), as the sparse matrix
-    (G, n_other) of ``exp(base - top)`` in float64, with ``top`` the largest ``base``
-    (each point's own where they spread over more than ``SHARED_SHIFT_RANGE``)."""
+    (G, n_other) of ``exp(base - top)``, with ``top`` the largest ``base`` (each point's
+    own where they spread over more than ``SHARED_SHIFT_RANGE``)."""
 
     def __init__(self, points, counts, other, base, n: int, n_other: int) -> None:
         self.points, self.counts, self.n = points, counts, n
-        base = base.double()
         top = torch.segment_reduce(base, "max", lengths=counts)
         highest = float(top.max()) if len(top) else 0.0
         if len(top) == 0 or highest - float(top.min()) <= SHARED_SHIFT_RANGE:
@@ -855,7 +851,7 @@ class _Side:
         pair)."""
         shift = float(dh.max()) - SHIFT_HEADROOM
         u = (dh - shift).exp_().to(self.factors.dtype)
-        sums = torch.mv(self.factors, u).log_().add_(self.top).add_(shift)
+        sums = torch.mv(self.factors, u).double().log_().add_(self.top).add_(shift)
         out = sums.new_full((self.n,), -torch.inf)
         return out.index_copy_(0, self.points, sums)
 
