@@ -675,7 +675,10 @@ def close_pairs(
         Y = py.index_select(0, col_idx.view(-1)).view(*col_idx.shape, D) - c
         rows = (X * X).sum(-1) / 2 - pf.index_select(0, row_idx.view(-1)).view(row_idx.shape)
         cols = (Y * Y).sum(-1) / 2 - pg.index_select(0, col_idx.view(-1)).view(col_idx.shape)
-        shift = rows.amin(1, keepdim=True)  # (C, 1): the potentials' size out of both terms
+        # (C, 1): the potentials' size out of both terms; the smallest finite first term (an
+        # infinite potential's row, or padding, would make every other row's sum NaN)
+        shift = torch.where(rows.isfinite(), rows, torch.inf).amin(1, keepdim=True)
+        shift = torch.where(shift.isfinite(), shift, 0.0)
         rows, cols = rows - shift, cols + shift
         rows_low, cols_low = rows.to(x.dtype), cols.to(x.dtype)
         # s = rows + cols - <X, Y> (C, R, L) as one matrix product of [X, rows, 1] and

@@ -389,6 +389,32 @@ def test_pair_list_softmins_equal_brute_force_over_its_pairs(spread):
     torch.testing.assert_close(got_cols, cols, rtol=0, atol=1e-5 * eps)
 
 
+def test_an_infinite_potential_leaves_the_other_rows_pairs_as_they_were():
+    """One row's f is +inf (its slacks -inf): every other row of its cell keeps the pairs it
+    has with that row's f finite."""
+    x, y = spheres(300, dtype=torch.float32)
+    cx = grid_clusters(x, torch.ones(300, dtype=x.dtype), 0.4)
+    cy = grid_clusters(y, torch.ones(y.shape[0], dtype=x.dtype), 0.4)
+    gen = torch.Generator().manual_seed(1)
+    f = torch.randn(300, generator=gen, dtype=torch.float64) * 0.1
+    g = torch.randn(y.shape[0], generator=gen, dtype=torch.float64) * 0.1
+    kernel = BlockSparse(cx, cy, *all_pairs(cx, cy))
+    i, j, slack = close_pairs(kernel, cx.points, cy.points, f, g, 0.05, 10**6)
+    # a row of a cell that has another row with pairs: its potential infinite
+    found = set(i.tolist())
+    row = next(
+        k for k in range(300) if any(int(cx.labels[r]) == int(cx.labels[k]) for r in found - {k})
+    )
+    cell = cx.labels[row]
+    f_inf = f.clone()
+    f_inf[row] = torch.inf
+    i2, j2, slack2 = close_pairs(kernel, cx.points, cy.points, f_inf, g, 0.05, 10**6)
+    others, others2 = i != row, i2 != row
+    assert int((cx.labels[i[others]] == cell).sum()) > 0
+    assert torch.equal(i[others], i2[others2]) and torch.equal(j[others], j2[others2])
+    torch.testing.assert_close(slack[others], slack2[others2])
+
+
 @pytest.mark.parametrize("offset", [0.0, 1000.0])
 def test_close_pairs_finds_exactly_the_pattern_pairs_within_the_threshold(offset):
     """In float32 points too, with potentials of any size (``offset`` added to f and taken
