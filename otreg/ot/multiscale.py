@@ -267,6 +267,15 @@ def _pattern_pairs(
     return key // Ky, key % Ky
 
 
+def _listed_softmin(listed, pot: torch.Tensor, transpose: bool):
+    """The softmin of ``pot`` over a pair list or stored factors (over the rows' other side,
+    or the columns' if ``transpose``) and the moves (df, dg) of the two potentials it gives
+    from the list's reference ones."""
+    out = listed.softmin_cols(pot) if transpose else listed.softmin_rows(pot)
+    f, g = (pot, out) if transpose else (out, pot)
+    return out, f - listed.f0, g - listed.g0
+
+
 def _parent_candidates(
     cx: Clusters, cy: Clusters, fx, gy, threshold: float, scale: float, block: int
 ):
@@ -466,16 +475,12 @@ class TruncatedKernel:
         stale = self._last_eps not in (None, self.p.eps)
         listed = self._list
         if listed is not None and not self._finished:
-            out = listed.softmin_cols(pot) if transpose else listed.softmin_rows(pot)
-            f, g = (pot, out) if transpose else (out, pot)
-            df, dg = f - listed.f0, g - listed.g0
+            out, df, dg = _listed_softmin(listed, pot, transpose)
             if listed.holds(df, dg) if isinstance(listed, BlockFactors) else self._within(df, dg):
                 return out
-            if isinstance(listed, PairList) and self._list_near(f, g):
-                listed = self._list
-                out = listed.softmin_cols(pot) if transpose else listed.softmin_rows(pot)
-                f, g = (pot, out) if transpose else (out, pot)
-                if self._within(f - listed.f0, g - listed.g0):
+            if isinstance(listed, PairList) and self._list_near(listed.f0 + df, listed.g0 + dg):
+                out, df, dg = _listed_softmin(self._list, pot, transpose)
+                if self._within(df, dg):
                     return out
         out = self._block_softmin(self.p.eps, pot, transpose).double()
         if self._finished:  # a softmin for the gradient: nothing more to keep
