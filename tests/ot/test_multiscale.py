@@ -14,7 +14,7 @@ from otreg.ot import multiscale, problem
 from otreg.ot.kernels import make_kernel
 from otreg.ot.loop import _anneal, solve
 from otreg.ot.problem import Multiscale, Problem, SinkhornOptions
-from otreg.reductions import _dense
+from otreg.reductions import _dense, sparse
 from otreg.reductions.sparse import (
     BlockFactors,
     BlockSparse,
@@ -416,9 +416,15 @@ def test_an_infinite_potential_leaves_the_other_rows_pairs_as_they_were():
 
 
 @pytest.mark.parametrize("offset", [0.0, 1000.0])
-def test_close_pairs_finds_exactly_the_pattern_pairs_within_the_threshold(offset):
+@pytest.mark.parametrize("piece", [1 << 20, 500])
+def test_close_pairs_finds_exactly_the_pattern_pairs_within_the_threshold(
+    offset, piece, monkeypatch
+):
     """In float32 points too, with potentials of any size (``offset`` added to f and taken
-    from g leaves every slack as it was): the slacks come out exact to 1e-6."""
+    from g leaves every slack as it was): the slacks come out exact to 1e-6. Also where a
+    chunk's slacks are computed a few rows at a time (``piece``: several pieces of several
+    row clusters each), each row's pairs stay in one run."""
+    monkeypatch.setattr(sparse, "SEARCH_PIECE", piece)
     x, y = spheres(300, dtype=torch.float32)
     cx = grid_clusters(x, torch.ones(300, dtype=x.dtype), 0.4)
     cy = grid_clusters(y, torch.ones(y.shape[0], dtype=x.dtype), 0.4)
