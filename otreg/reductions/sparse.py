@@ -629,12 +629,26 @@ def _slot_indices(keep: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor
     return row, row // R * L + keep % L
 
 
-#: :func:`close_pairs` computes a chunk's slacks this many at a time (a few rows of its
-#: row clusters against all their columns), so that the passes over them (the threshold,
-#: the smallest dropped slacks) find them in the processor's cache: on the eight clusters
-#: against a ball (N = 20,000, 110 million pairs in chunks of up to 18 million), 0.30 s a
-#: search (the median of five) at 2^20 and 2^21, 0.33 at 2^22, 0.35 at 2^23, 0.39 whole
-SEARCH_PIECE = 1 << 20
+#: :func:`close_pairs` computes a chunk's slacks about this many at a time (whole row
+#: clusters, or a few rows of one against all its columns), so that the passes over them
+#: (the threshold, the smallest dropped slacks) find them in the processor's cache: on the
+#: eight clusters against a ball (N = 20,000, 110 million pairs in chunks of up to 18
+#: million), the fastest of five searches took 0.28 s at 2^20 pairs, 0.29 at 2^21, 0.31 at
+#: 2^22 and 0.34 at 2^23 (whole chunks of float64 coordinates gathered at each search, as
+#: before: 0.40); at N = 5,000 (8 million pairs), 43, 35, 33 and 33 ms (before: 36)
+SEARCH_PIECE = 1 << 21
+
+
+def _pieces(C: int, R: int, L: int):
+    """A chunk of C row clusters of R rows against L columns each, in pieces of about
+    ``SEARCH_PIECE`` pairs: ``(c0, c1, r0, r1)``, whole row clusters where one holds at most
+    that many pairs, else a few rows of one cluster at a time, in the chunk's order."""
+    per_cluster = R * L
+    if per_cluster <= SEARCH_PIECE:
+        step = SEARCH_PIECE // per_cluster
+        return [(c, min(C, c + step), 0, R) for c in range(0, C, step)]
+    step = max(1, SEARCH_PIECE // L)
+    return [(c, c + 1, r, min(R, r + step)) for c in range(C) for r in range(0, R, step)]
 
 
 def close_pairs(
@@ -697,12 +711,11 @@ def close_pairs(
         Ya = torch.cat([-Y, ones.expand(*cols.shape, 1), cols_low.unsqueeze(2)], 2)
         Ya = Ya.transpose(1, 2)
         C, R, L = Xa.shape[0], Xa.shape[1], Ya.shape[2]
-        step = max(1, SEARCH_PIECE // (C * L))
         col_low = None if dropped is None else Ya.new_full((C, L), torch.inf)
         pieces = []
-        for r0 in range(0, R, step):  # a few rows of each row cluster: rows stay in runs
-            w = min(R, r0 + step) - r0
-            s = torch.bmm(Xa[:, r0 : r0 + w], Ya)  # (C, w, L)
+        for c0, c1, r0, r1 in _pieces(C, R, L):  # in the chunk's order: rows stay in runs
+            w = r1 - r0
+            s = torch.bmm(Xa[c0:c1, r0:r1], Ya[c0:c1])  # (c1 - c0, w, L)
             keep = _flat_nonzero(s <= threshold)
             count += len(keep)
             searched += s.numel()
@@ -710,23 +723,20 @@ def close_pairs(
                 if estimate is not None:
                     estimate.append(count * kernel.padded_pairs / searched)
                 return None
-            piece_row, col_slot = _slot_indices(keep, s.shape)  # c * w + r - r0, c * L + l
-            row_slot = piece_row // w * R + piece_row % w + r0
+            piece_row, col_slot = _slot_indices(keep, s.shape)  # in the piece
+            row_slot = (piece_row // w + c0) * R + piece_row % w + r0
+            col_slot += c0 * L
             slack = s.view(-1).index_select(0, keep).to(wide)
             if dropped is not None:  # (s is not needed after this)
                 s.view(-1).index_fill_(0, keep, torch.inf)  # (the kept pairs: few)
-                rows_of = row_idx[:, r0 : r0 + w].reshape(-1)
+                rows_of = row_idx[c0:c1, r0:r1].reshape(-1)
                 row_min.scatter_reduce_(0, rows_of, s.amin(2).view(-1), "amin")
-                torch.minimum(col_low, s.amin(1), out=col_low)
+                torch.minimum(col_low[c0:c1], s.amin(1), out=col_low[c0:c1])
             slack += (rows - rows_low).view(-1).index_select(0, row_slot)
             slack += (cols - cols_low).view(-1).index_select(0, col_slot)
             pieces.append((row_slot, col_slot, slack))
         if dropped is not None:
             col_min.scatter_reduce_(0, col_idx.view(-1).long(), col_low.view(-1), "amin")
-        if C > 1 and len(pieces) > 1:  # several row clusters' pieces: each row in one run
-            row_slot, col_slot, slack = (torch.cat(t) for t in zip(*pieces))
-            order = torch.argsort(row_slot, stable=True)
-            pieces = [(row_slot[order], col_slot[order], slack[order])]
         for row_slot, col_slot, slack in pieces:
             i = row_idx.view(-1).index_select(0, row_slot)
             j = col_idx.view(-1).index_select(0, col_slot).long()
@@ -845,14 +855,20 @@ SHARED_SHIFT_RANGE = 60.0
 SHIFT_HEADROOM = 60.0
 
 
+#: :func:`_by_columns` goes through scipy from this many pairs (importing scipy.sparse costs
+#: 0.13 s once; its pass saves about 10 ms a million pairs over torch's sort)
+SCIPY_PAIRS = 1 << 22
+
+
 def _by_columns(counts: torch.Tensor, j: torch.Tensor, values: torch.Tensor, m: int):
     """For pairs in runs of ``counts`` (G,) (a run a row), their columns ``j`` (P,) < m and
     ``values`` (P,): the pairs ordered by column, within a column by run, as ``(run (P,),
-    column counts (m,), values (P,))``. On the CPU with 32-bit indices, scipy's conversion
-    of a compressed sparse row matrix to columns (one pass, no sort: 55 ms for 6 million
-    pairs against 80 to 140 ms for torch's sort and the gathers it needs); elsewhere a stable
-    sort of the columns (16 bits where they fit: faster)."""
-    if j.device.type == "cpu" and j.dtype == torch.int32 and len(j) <= torch.iinfo(torch.int32).max:
+    column counts (m,), values (P,))``. On the CPU with 32-bit indices and at least
+    ``SCIPY_PAIRS`` pairs, scipy's conversion of a compressed sparse row matrix to columns
+    (one pass, no sort: 55 ms for 6 million pairs against 80 to 140 ms for torch's sort and
+    the gathers it needs); elsewhere a stable sort of the columns (16 bits where they fit:
+    faster)."""
+    if j.device.type == "cpu" and j.dtype == torch.int32 and SCIPY_PAIRS <= len(j) < 2**31:
         import scipy.sparse as sp
 
         starts = np.zeros(len(counts) + 1, dtype=np.int32)
