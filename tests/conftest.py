@@ -81,9 +81,9 @@ def student_t(n, seed, shift):
     return 0.2 * z / (chi2 / 3).sqrt() + torch.tensor([shift, 0.0, 0.0], dtype=torch.float64)
 
 
-def clusters(n):
+def clusters(n, seed=3):
     """Eight tight clusters (std 0.02) against a uniform unit ball, float32."""
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
     centres = torch.randn(8, 3, generator=gen, dtype=torch.float64)
     centres = 0.7 * centres / centres.norm(dim=1, keepdim=True)
     x = centres[torch.arange(n) % 8] + 0.02 * torch.randn(n, 3, generator=gen, dtype=torch.float64)

@@ -233,6 +233,25 @@ def test_a_step_that_lowers_the_dual_is_not_taken(monkeypatch, clusters_referenc
     assert float(res.cost) == pytest.approx(float(clusters_reference), rel=1e-5)
 
 
+def test_a_step_declined_on_a_pattern_that_lacked_pairs_is_tried_again(monkeypatch):
+    """A draw of the clusters (5,000 points) whose pattern, three updates into the final
+    eps, lacked the pairs of some points of the ball: no damping raised the dual there.
+    The pattern gains those pairs and the step is tried again at the next interval; the
+    steps then go on. Without the retry the updates went on without steps, 1,770 of
+    them."""
+    x, y = clusters(5000, seed=11)
+    answers = []
+    step = multiscale.TruncatedKernel.cell_step
+    monkeypatch.setattr(
+        multiscale.TruncatedKernel,
+        "cell_step",
+        lambda self, *args: answers.append(step(self, *args)) or answers[-1],
+    )
+    res = otreg.sinkhorn(x, y, blur=0.01)
+    assert answers[0] is cells.NOT_NOW  # the first try: the pattern lacked pairs
+    assert res.converged and "cell step" in res.acceleration and res.n_iter < 400
+
+
 def test_the_default_call_converges_after_its_steps(monkeypatch):
     """2,000 clustered points (multiscale by default): after a step the updates go on
     from the step's own f and g (a refresh of the pattern at the f before the step, some
