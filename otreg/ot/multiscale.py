@@ -667,8 +667,7 @@ class TruncatedKernel:
         the pattern three updates into the final eps lacked the pairs of 18 points of the
         ball (their softmins 560 eps too large), no damping raised the dual, and the
         updates went on without steps: 1,789 of them, against 209 (12 steps) with the
-        retry. See :meth:`_stepped`
-        for how the step's softmin is summed."""
+        retry. See :meth:`_stepped` for how the step's softmin is summed."""
         eps = self.p.eps
         if not isinstance(self._list, PairList) or self.p.damping(eps) != 1:
             return None

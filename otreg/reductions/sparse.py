@@ -681,7 +681,7 @@ def close_pairs(
     every number then is of the size of the slack and the cell, not of the potentials, so
     the slack is exact to the points' precision times the cell's size whatever |f| / eps (a
     pair within its rounding of the threshold may go either way). A chunk's slacks are
-    computed ``SEARCH_PIECE`` at a time.
+    computed about ``SEARCH_PIECE`` at a time (:func:`_pieces`).
     """
     wide = torch.float64
     px, py, _ = kernel._padded(x, y, y.new_zeros(y.shape[0]))
