@@ -712,7 +712,6 @@ def close_pairs(
         Ya = Ya.transpose(1, 2)
         C, R, L = Xa.shape[0], Xa.shape[1], Ya.shape[2]
         col_low = None if dropped is None else Ya.new_full((C, L), torch.inf)
-        pieces = []
         for c0, c1, r0, r1 in _pieces(C, R, L):  # in the chunk's order: rows stay in runs
             w = r1 - r0
             s = torch.bmm(Xa[c0:c1, r0:r1], Ya[c0:c1])  # (c1 - c0, w, L)
@@ -734,13 +733,11 @@ def close_pairs(
                 torch.minimum(col_low[c0:c1], s.amin(1), out=col_low[c0:c1])
             slack += (rows - rows_low).view(-1).index_select(0, row_slot)
             slack += (cols - cols_low).view(-1).index_select(0, col_slot)
-            pieces.append((row_slot, col_slot, slack))
-        if dropped is not None:
-            col_min.scatter_reduce_(0, col_idx.view(-1).long(), col_low.view(-1), "amin")
-        for row_slot, col_slot, slack in pieces:
             i = row_idx.view(-1).index_select(0, row_slot)
             j = col_idx.view(-1).index_select(0, col_slot).long()
             found.append((i, j, slack))
+        if dropped is not None:
+            col_min.scatter_reduce_(0, col_idx.view(-1).long(), col_low.view(-1), "amin")
     i, j, slack = (torch.cat(t) for t in zip(*found))
     if dropped is not None:
         dropped.extend((row_min[:-1].to(wide), col_min[:-1].to(wide)))
