@@ -145,7 +145,16 @@ def closed_form_solution(p: Problem, debias: bool) -> tuple[torch.Tensor, Soluti
     return value, Solution(f, g, 0, rule, kernel, "closed form")
 
 
-def solve(p: Problem, x, a, y=None, b=None, init=None, continuation: bool = True) -> Solution:
+def solve(
+    p: Problem,
+    x,
+    a,
+    y=None,
+    b=None,
+    init=None,
+    continuation: bool = True,
+    newton_at: int | None = None,
+) -> Solution:
     """Potentials of OT(a, b) between x and y (or of OT(a, a) when y is None), without
     autograd. ``init``: potentials (f, g), (B, N) and (B, M), to start from at the final
     eps, skipping the eps-scaling (a warm start from a nearby problem). Without one, where
@@ -155,14 +164,15 @@ def solve(p: Problem, x, a, y=None, b=None, init=None, continuation: bool = True
     heavy-tailed draws of 5,000 points at blur 0.1, every pair, the half-way solves of
     OT(a, a) and OT(b, b) took 14 to 22 of a divergence's 147 to 232 softmins, and without
     them its gradient moved by 1e-5).
-    A small problem over every pair whose updates have not converged after
-    :data:`~otreg.ot.newton.AFTER` iterations goes on by Newton's continuation
-    (:func:`_newton`)."""
-    if newton.applies(p, y, init, continuation):
-        sol = solve(replace(p, max_iter=newton.AFTER), x, a, y, b)
-        return sol if sol.rule.converged else _newton(p, x, a, y, b, sol)
+    A small problem over every pair whose updates are crawling after
+    :data:`~otreg.ot.newton.AFTER` iterations (``newton_at``: the final updates stop there,
+    'crawling', where :func:`~otreg.ot.newton.crawling` says so) goes on by Newton's
+    continuation (:func:`_newton`); updates near ``tol`` there go on undisturbed."""
+    if newton_at is None and newton.applies(p, y, init, continuation):
+        sol = solve(p, x, a, y, b, newton_at=newton.AFTER)
+        return _newton(p, x, a, y, b, sol) if sol.rule.reason == "crawling" else sol
     n_first, story, resume = 0, "", None
-    first_p = halfway(p) if continuation and init is None and y is not None else None
+    first_p = halfway(p, newton_at) if continuation and init is None and y is not None else None
     if first_p is not None:
         first = solve(first_p, x, a, y, b, continuation=False)
         n_first, blur = first.n_iter, first_p.eps ** (1 / p.cost.p)
@@ -177,8 +187,10 @@ def solve(p: Problem, x, a, y=None, b=None, init=None, continuation: bool = True
     f, g, n_iter = _anneal(p, kernel, init, resume)
     if first_p is None and kernel.coarse_story:
         story = f"; {kernel.coarse_story}"
-    loop = _final_symmetric if kernel.symmetric else _final_pair
-    f, g, n_iter, rule, acceleration = loop(p, kernel, f, g, n_iter + n_first)
+    if kernel.symmetric:
+        f, g, n_iter, rule, acceleration = _final_symmetric(p, kernel, f, g, n_iter + n_first)
+    else:
+        f, g, n_iter, rule, acceleration = _final_pair(p, kernel, f, g, n_iter + n_first, newton_at)
     f, g = f.to(x.dtype), g.to(x.dtype)  # a multiscale kernel's final softmins are float64
     kernel.finish(f, g, p.eps)
     f, g = kernel.to_caller_order(f, g)
@@ -189,7 +201,7 @@ def _newton(p: Problem, x, a, y, b, sol: Solution) -> Solution:
     """The solve by Newton's method along halvings of the blur (:mod:`otreg.ot.newton`),
     from potentials converged at ``newton.START`` times the blur by the updates. Where that
     start or the continuation does not converge, the updates go on from ``sol`` (their
-    unconverged result) within what is left of ``max_iter``."""
+    result where they stopped, crawling) within what is left of ``max_iter``."""
     stages = newton.blurs(p)
     start = replace(p, schedule=[e for e in p.schedule if e >= stages[0]])
     first = solve(replace(start, max_iter=p.max_iter // 2), x, a, y, b, continuation=False)
@@ -208,6 +220,7 @@ def _newton(p: Problem, x, a, y, b, sol: Solution) -> Solution:
             return Solution(f, g, n_iter, rule, sol.kernel, story)
     spent = sol.n_iter + first.n_iter
     if spent >= p.max_iter:
+        sol.rule.reason = "max_iter"  # (not 'crawling': the budget is spent)
         return replace(sol, n_iter=spent)
     rest = solve(replace(p, max_iter=p.max_iter - spent), x, a, y, b, init=(sol.f, sol.g))
     note = f"; Newton's method did not converge: the updates went on at iteration {spent}"
@@ -219,10 +232,12 @@ def _newton(p: Problem, x, a, y, b, sol: Solution) -> Solution:
 HALFWAY = 4.0
 
 
-def halfway(p: Problem) -> Problem | None:
+def halfway(p: Problem, newton_at: int | None = None) -> Problem | None:
     """The problem whose converged potentials start the final eps's updates where every
     pair is summed: the schedule down to its first eps at least ``HALFWAY`` times the
-    final one, and updates there until the same ``tol``, in at most half of ``max_iter``.
+    final one, and updates there until the same ``tol``, in at most half of ``max_iter``
+    (of ``newton_at`` where that is smaller: the check for Newton's continuation comes
+    after the final updates have had as many).
     From the annealing alone (one update an eps) the final eps's updates crawl where the
     plan is near a permutation; from potentials converged at twice the blur they need a
     few hundred. Measured (divergence with its gradient, every pair, float32, two cores,
@@ -239,9 +254,10 @@ def halfway(p: Problem) -> Problem | None:
     if p.multiscale is not None or isinstance(p.tol, Accuracy) or p.tol <= 0:
         return None
     schedule = [e for e in p.schedule if e >= HALFWAY * p.eps]
-    if len(schedule) < 2 or p.max_iter // 2 <= len(schedule):  # no eps, or no room
+    room = min(p.max_iter, newton_at or p.max_iter) // 2
+    if len(schedule) < 2 or room <= len(schedule):  # no eps, or no room
         return None
-    return replace(p, schedule=schedule, max_iter=p.max_iter // 2)
+    return replace(p, schedule=schedule, max_iter=room)
 
 
 def _anneal(p: Problem, kernel, init, resume=None):
@@ -298,14 +314,16 @@ def _coarse_start(p: Problem, kernel):
     return f, g, p.schedule[len(coarse_p.schedule) :], start.n_iter
 
 
-def _final_pair(p: Problem, kernel, f, g, n_iter: int):
+def _final_pair(p: Problem, kernel, f, g, n_iter: int, newton_at: int | None = None):
     """Alternating updates at the final eps until the rule stops (:func:`_pair_updates`);
     where they stall on float32's rounding floor above ``tol``, again in float64 from
     there (:func:`_in_float64`) or on a pair list made again (:func:`_new_list`). Also
     returns what accelerated them."""
     rule, story = _rule(p, kernel), ""
     while True:
-        f, g, n_iter, acceleration = _pair_updates(p, kernel, f, g, n_iter, rule)
+        f, g, n_iter, acceleration = _pair_updates(p, kernel, f, g, n_iter, rule, newton_at)
+        if newton_at is not None and n_iter >= newton_at:
+            newton_at = None  # (checked: once)
         story += acceleration
         switch = _in_float64(rule, kernel, n_iter) or _new_list(rule, kernel, n_iter)
         if switch is None:
@@ -357,7 +375,9 @@ def _go_on(rule: StoppingRule, kernel, f, g, stop: bool) -> bool:
     return not stop
 
 
-def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
+def _pair_updates(
+    p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule, newton_at: int | None = None
+):
     """Alternating updates at the final eps until ``rule`` stops: extrapolated by Anderson
     mixing (``relaxation="anderson"``; over-relaxed adaptively if the mixing fails) or
     over-relaxed when w > 1. An automatic acceleration's update whose marginal error is NaN,
@@ -370,7 +390,8 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
     far points' potentials (:meth:`DenseKernel.cell_step`), until one declines (the first
     after ``cells.FIRST_AT``; ``cells.NOT_NOW`` declines this time only); after a refresh
     or a check that gave the kernel pairs (a new map), the mixing and the best point start
-    again. Also returns what accelerated them."""
+    again. At iteration ``newton_at`` (None: never) the loop stops, 'crawling', where
+    :func:`newton.crawling` says so. Also returns what accelerated them."""
     eps, lam = p.eps, p.damping(p.eps)
     anderson = Anderson(kernel.b, eps) if p.relaxation == "anderson" else None
     relax = Relaxation("auto" if anderson else p.relaxation)
@@ -411,6 +432,11 @@ def _pair_updates(p: Problem, kernel, f, g, n_iter: int, rule: StoppingRule):
         if not _go_on(rule, kernel, f, update, stop):
             g = update
             break
+        if newton_at is not None and n_iter >= newton_at:
+            newton_at = None
+            if newton.crawling(err, p.tol):
+                rule.error, rule.reason, g = err, "crawling", update
+                break
         done = n_iter - first
         if stepping and (done == cells.FIRST_AT or done % cells.EVERY == 0):
             gain = cells.MIN_GAIN if cell_steps else cells.FIRST_GAIN

@@ -94,3 +94,26 @@ def test_the_stages_halve_the_blur_down_to_the_final_one():
     assert eps[0] <= newton.START**2 * p.eps and eps[0] in p.schedule
     assert eps[-1] == p.eps
     assert np.allclose(np.array(eps[1:-1]) / np.array(eps[:-2]), 0.25)
+
+
+def test_updates_near_tol_at_the_check_go_on_undisturbed(monkeypatch):
+    """Updates whose marginal error at the check is within ``CRAWLING`` times tol are not
+    handed to Newton's method: the solve is the plain updates', iteration for iteration."""
+    x, y = gaussians()
+    options = dict(blur=0.05, tol=1e-12, max_iter=1500)  # (past the check, then converged)
+    monkeypatch.setattr(newton, "CRAWLING", 1e30)  # every error is 'near tol'
+    near = otreg.sinkhorn(x, y, **options)
+    monkeypatch.setattr(newton, "applies", lambda *args: False)
+    plain = otreg.sinkhorn(x, y, **options)
+    assert near.converged and near.n_iter > newton.AFTER and "Newton" not in near.acceleration
+    assert near.n_iter == plain.n_iter and near.acceleration == plain.acceleration
+    assert torch.equal(near.f, plain.f) and torch.equal(near.g, plain.g)
+
+
+def test_updates_far_from_tol_at_the_check_give_way(monkeypatch):
+    x, y = gaussians()
+    monkeypatch.setattr(newton, "AFTER", 50)
+    res = otreg.sinkhorn(x, y, blur=BLUR, tol=1e-6)
+    assert res.converged and res.acceleration.startswith("Newton's method"), res.acceleration
+    assert "after 50 updates" in res.acceleration
+    assert newton.crawling(float("nan"), 1e-3) and not newton.crawling(5e-3, 1e-3)
