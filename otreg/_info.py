@@ -31,11 +31,12 @@ def package_version(name: str) -> str:
 
 def usable_cores() -> int:
     """The CPUs this process may use: the fewest of the machine's, its affinity's (taskset, a
-    cluster job's cpuset) and its cgroup's quota (a container's or a job's CPU limit), as
-    Dask counts them. ``os.cpu_count()`` counts the machine's alone: in a job given 8 of a
-    node's 64 cores, a batch sized by it would start 32 workers whose threads take turns on
-    8 cores (on 2 cores, one busy competitor made an LDDMM gradient 15 to 40 times slower).
-    Without Dask (not installed), the affinity's count.
+    cluster job's cpuset) and its cgroup's quota (a container's or a job's CPU limit,
+    :func:`cgroup_quota`, rounded up). ``os.cpu_count()`` counts the machine's alone: in a
+    job given 8 of a node's 64 cores, a batch sized by it would start 32 workers whose
+    threads take turns on 8 cores (on 2 cores, one busy competitor made an LDDMM gradient
+    15 to 40 times slower). Read here rather than through Dask's ``cpu_count``, whose
+    import cost a loss's first call 0.1 to 0.2 s.
 
     Example:
         >>> import os
@@ -43,23 +44,83 @@ def usable_cores() -> int:
         >>> 1 <= usable_cores() <= os.cpu_count()
         True
     """
+    cores = os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        cores = min(cores, len(os.sched_getaffinity(0)))
+    quota = cgroup_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return cores
+
+
+def cgroup_quota(
+    root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup"
+) -> float | None:
+    """The CPU time this process's control group may use, in cores (quota / period), the
+    smallest along its path from its own group up to ``root``; None where none is set or
+    there is no cgroup file system (not Linux). Reads cgroup v2 (``cpu.max``, "max 100000"
+    or "200000 100000") and v1 (``cpu.cfs_quota_us`` and ``cpu.cfs_period_us`` under the
+    cpu controller's folder, -1: none); ``membership`` lists the process's groups
+    ("0::/path" for v2, "4:cpu,cpuacct:/path" for v1). Inside a container the group is
+    usually "/" and the quota is read at ``root``.
+
+    Example:
+        >>> from otreg._info import cgroup_quota
+        >>> cgroup_quota("/no/such/folder") is None
+        True
+    """
     try:
-        from dask.system import cpu_count
-    except ImportError:
-        return (
-            len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else os.cpu_count() or 1
-        )
-    return cpu_count()
+        with open(membership) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    places = []  # (the controller's folder, the group's path in it)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[1] == "":
+            places.append(("", parts[2]))
+        elif "cpu" in parts[1].split(","):
+            places += [(parts[1], parts[2]), ("cpu", parts[2])]
+    places += [("", "/"), ("cpu,cpuacct", "/"), ("cpu", "/")]
+    found: list[float] = []
+    for controller, path in dict.fromkeys(places):
+        folder = os.path.join(root, controller) if controller else root
+        steps = [s for s in path.split("/") if s]
+        for k in range(len(steps), -1, -1):
+            quota = _quota_in(os.path.join(folder, *steps[:k]))
+            if quota is not None:
+                found.append(quota)
+    return min(found) if found else None
+
+
+def _quota_in(folder: str) -> float | None:
+    """The quota set in one cgroup folder, in cores (v2's cpu.max, else v1's pair), or None."""
+    try:
+        with open(os.path.join(folder, "cpu.max")) as f:
+            quota, period = (f.read().split() + ["100000"])[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
 
 
 #: the other processes' running threads are counted at most this often (seconds): a loss
 #: called in a training loop reads /proc/loadavg once a second, not once a call
 COUNT_EVERY = 1.0
-#: ... each time as the fewest of this many reads, 1 ms apart (a short task is not a
-#: competitor; a process that computes runs at each read)
+#: ... each time as the fewest of this many reads, ``COUNT_SPACING`` seconds apart (a short
+#: task is not a competitor; a process that computes runs at each read). 1 ms apart, a
+#: process that had just ended was still counted in 5 of 80 counts; 2.5 ms apart, in 0
 COUNT_READS = 3
+COUNT_SPACING = 2.5e-3
 _counted: dict = {"at": -math.inf, "threads": 0, "usable": 1}
 _sharing = threading.local()
 
@@ -67,11 +128,11 @@ _sharing = threading.local()
 def busy_elsewhere() -> int:
     """The threads of other processes running on this machine now: the kernel's count of
     runnable threads (the fourth field of /proc/loadavg) less this process's own running
-    threads (/proc/self/task), the fewest of ``COUNT_READS`` reads; 0 where there is no
-    /proc/loadavg (not Linux). This process's own count matters: right after any torch
-    operation its OpenMP threads still spin, runnable, for a while, and counted as another
-    process's they put every call after the first on one thread (on 2 cores, a divergence
-    that takes 7.5 s took 11.2 s).
+    threads (/proc/self/task), the fewest of ``COUNT_READS`` reads ``COUNT_SPACING`` apart;
+    0 where there is no /proc/loadavg (not Linux). This process's own count matters: right
+    after any torch operation its OpenMP threads still spin, runnable, for a while, and
+    counted as another process's they put every call after the first on one thread (on 2
+    cores, a divergence that takes 7.5 s took 11.2 s).
 
     Example:
         >>> from otreg._info import busy_elsewhere
@@ -81,7 +142,7 @@ def busy_elsewhere() -> int:
     fewest = math.inf
     for k in range(COUNT_READS):
         if k:
-            time.sleep(1e-3)
+            time.sleep(COUNT_SPACING)
         try:
             with open("/proc/loadavg") as f:
                 running = int(f.read().split()[3].split("/")[0])

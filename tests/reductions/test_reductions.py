@@ -668,3 +668,36 @@ def test_a_call_beside_busy_processes_runs_on_fewer_threads_and_restores_them(mo
         with info_module.sharing_cores() as inner:
             assert outer == inner == torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_the_cpu_quota_of_a_cgroup_limits_the_usable_cores(tmp_path, monkeypatch):
+    """A container's or a job's CPU quota, cgroup v2 or v1, at the process's own group or
+    above it: the cores a batch or a call plans for."""
+    v2 = tmp_path / "v2"
+    (v2 / "job" / "step").mkdir(parents=True)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (v2 / "job" / "cpu.max").write_text("150000 100000\n")  # 1.5 cores, one level up
+    membership = tmp_path / "cgroup"
+    membership.write_text("0::/job/step\n")
+    assert info_module.cgroup_quota(str(v2), str(membership)) == 1.5
+    (v2 / "job" / "cpu.max").write_text("max 100000\n")
+    assert info_module.cgroup_quota(str(v2), str(membership)) is None  # (no limit)
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "slurm").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu,cpuacct" / "slurm" / "cpu.cfs_quota_us").write_text("300000\n")
+    (v1 / "cpu,cpuacct" / "slurm" / "cpu.cfs_period_us").write_text("100000\n")
+    membership.write_text("5:memory:/x\n4:cpu,cpuacct:/slurm\n")
+    assert info_module.cgroup_quota(str(v1), str(membership)) == 3.0
+    assert info_module.cgroup_quota(str(tmp_path / "none"), str(tmp_path / "none")) is None
+    # usable: the fewest of the machine's, the affinity's and the quota rounded up
+    monkeypatch.setattr(info_module.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(
+        info_module.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False
+    )
+    monkeypatch.setattr(info_module, "cgroup_quota", lambda: 2.5)
+    assert info_module.usable_cores() == 3
+    monkeypatch.setattr(info_module, "cgroup_quota", lambda: None)
+    assert info_module.usable_cores() == 8
+    monkeypatch.setattr(info_module, "cgroup_quota", lambda: 0.2)
+    assert info_module.usable_cores() == 1
