@@ -7,6 +7,7 @@ Bad values raise ``ValueError``, wrong types ``TypeError``.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 import warnings
@@ -181,10 +182,11 @@ def check_same_device_dtype(caller: str, tensors: dict[str, torch.Tensor]) -> No
 def check_positive(
     caller: str, name: str, value: object, *, allow_none: bool = False, allow_zero: bool = False
 ) -> float | None:
-    """A finite real number > 0 (or >= 0 with allow_zero; or None with allow_none)."""
+    """A finite real number > 0 (or >= 0 with allow_zero; or None with allow_none), as a
+    Python float: NumPy's scalars (``np.float32(0.05)``, ``np.int64(3)``) are numbers too."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             if value.requires_grad:  # float() would cut it from the graph without a word
                 raise TypeError(
@@ -203,9 +205,10 @@ def check_positive(
 
 
 def check_int(caller: str, name: str, value: object, minimum: int) -> int:
-    """An integer >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """An integer >= minimum, as a Python int (NumPy's integers are integers too)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{caller}: {name} must be an integer, got {_describe(value)}")
+    value = int(value)
     if value < minimum:
         raise ValueError(f"{caller}: {name} is {value}; it must be >= {minimum}")
     return value

@@ -65,9 +65,9 @@ class Accuracy:
     every: int = 10
 
     def __post_init__(self) -> None:
-        check_positive("Accuracy", "value", self.value)
-        check_positive("Accuracy", "gradient", self.gradient)
-        check_int("Accuracy", "every", self.every, 1)
+        object.__setattr__(self, "value", check_positive("Accuracy", "value", self.value))
+        object.__setattr__(self, "gradient", check_positive("Accuracy", "gradient", self.gradient))
+        object.__setattr__(self, "every", check_int("Accuracy", "every", self.every, 1))
 
 
 class Anderson:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import reductions
@@ -67,7 +69,7 @@ RELAXATIONS = ("anderson", "auto")
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,8 @@ class Implicit:
     max_iter: int = 1000
 
     def __post_init__(self) -> None:
-        check_positive("Implicit", "tol", self.tol)
-        check_int("Implicit", "max_iter", self.max_iter, 1)
+        object.__setattr__(self, "tol", check_positive("Implicit", "tol", self.tol))
+        object.__setattr__(self, "max_iter", check_int("Implicit", "max_iter", self.max_iter, 1))
 
 
 #: the loop strategies a Sinkhorn iteration can run (``"reversible"`` needs an inverse)
@@ -154,9 +156,12 @@ class Multiscale:
     auto: bool = False
 
     def __post_init__(self) -> None:
-        check_positive("Multiscale", "truncate", self.truncate)
+        object.__setattr__(
+            self, "truncate", check_positive("Multiscale", "truncate", self.truncate)
+        )
         if self.cluster_scale is not None:
-            check_positive("Multiscale", "cluster_scale", self.cluster_scale)
+            scale = check_positive("Multiscale", "cluster_scale", self.cluster_scale)
+            object.__setattr__(self, "cluster_scale", scale)
         if not isinstance(self.auto, bool):
             raise TypeError(f"Multiscale: auto must be True or False, got {self.auto!r}")
 

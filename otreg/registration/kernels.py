@@ -6,6 +6,7 @@ and the KeOps tutorials write ``exp(-|x - y|^2 / sigma^2)``: their sigma is ours
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -33,7 +34,7 @@ class GaussianKernel:
         backend: str = "auto",
         caller: str = "GaussianKernel",
     ) -> None:
-        sigmas = [sigma] if isinstance(sigma, (int, float)) else list(sigma)
+        sigmas = [sigma] if isinstance(sigma, numbers.Real) else list(sigma)
         if not sigmas:
             raise ValueError(f"{caller}: sigma is empty; give at least one width in mm")
         self.sigmas = [check_positive(caller, "sigma", s) for s in sigmas]

@@ -16,6 +16,7 @@ types, the message naming the class and the field); ``dataclasses.asdict`` of ea
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,11 +49,15 @@ def _check_flow(options, caller: str) -> None:
     tuple of floats), ``control_points`` and ``n_steps``."""
     if options.sigma is not None:
         sigmas = GaussianKernel(options.sigma, caller=caller).sigmas
-        single = isinstance(options.sigma, (int, float))
+        single = isinstance(options.sigma, numbers.Real)
         _set(options, "sigma", sigmas[0] if single else tuple(sigmas))
     if options.control_points is not None:
-        check_int(caller, "control_points", options.control_points, 4)
-    check_int(caller, "n_steps", options.n_steps, 1)
+        _set(
+            options,
+            "control_points",
+            check_int(caller, "control_points", options.control_points, 4),
+        )
+    _set(options, "n_steps", check_int(caller, "n_steps", options.n_steps, 1))
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,7 @@ class PrealignOptions:
     def __post_init__(self) -> None:
         caller = "PrealignOptions"
         check_choice(caller, "kind", self.kind, PREALIGNS)
-        check_int(caller, "n_iter", self.n_iter, 1)
+        _set(self, "n_iter", check_int(caller, "n_iter", self.n_iter, 1))
         if self.blur is not None:
             if (
                 isinstance(self.blur, (str, bytes))
@@ -208,8 +213,12 @@ class PrealignOptions:
                     f"{caller}: blur must be None or (first, last) in mm, got {self.blur!r}"
                 )
             _set(self, "blur", tuple(check_positive(caller, "blur", b) for b in self.blur))
-        check_int(caller, "max_points", self.max_points, 4)
-        check_int(caller, "closest_point_iter", self.closest_point_iter, 0)
+        _set(self, "max_points", check_int(caller, "max_points", self.max_points, 4))
+        _set(
+            self,
+            "closest_point_iter",
+            check_int(caller, "closest_point_iter", self.closest_point_iter, 0),
+        )
 
 
 @dataclass(frozen=True)
@@ -240,9 +249,9 @@ class LBFGSOptions:
 
     def __post_init__(self) -> None:
         caller = "LBFGSOptions"
-        check_int(caller, "max_iter", self.max_iter, 1)
+        _set(self, "max_iter", check_int(caller, "max_iter", self.max_iter, 1))
         _set(self, "tol", check_positive(caller, "tol", self.tol, allow_zero=True))
-        check_int(caller, "history_size", self.history_size, 1)
+        _set(self, "history_size", check_int(caller, "history_size", self.history_size, 1))
         if not isinstance(self.precondition, bool):
             raise TypeError(
                 f"{caller}: precondition must be True or False, got {self.precondition!r}"
@@ -287,7 +296,7 @@ class Level:
 
     def __post_init__(self) -> None:
         caller = "Level"
-        check_int(caller, "points", self.points, 4)
+        _set(self, "points", check_int(caller, "points", self.points, 4))
         _set(self, "scale", check_positive(caller, "scale", self.scale))
         if self.loss is not None:
             _set(self, "loss", loss_weights(self.loss, caller))

@@ -258,3 +258,27 @@ def test_torch_func_transforms_raise_a_clear_error(transform):
         args = (x[None].repeat(2, 1, 1),)
     with pytest.raises(NotImplementedError, match="torch.func transforms .* not supported"):
         call(*args)
+
+
+def test_numpy_scalars_are_numbers():
+    """A blur or an iteration count read from a NumPy array (np.float32, np.int64) is a
+    number: accepted, and stored in the options as a Python float or int."""
+    import numpy as np
+
+    res = otreg.sinkhorn(
+        x, y, blur=np.float32(0.5), max_iter=np.int64(500), scaling=np.float32(0.5), tol=1e-6
+    )
+    same = otreg.sinkhorn(x, y, blur=0.5, max_iter=500, scaling=0.5, tol=1e-6)
+    assert res.converged and torch.allclose(res.cost, same.cost)
+    options = otreg.SinkhornOptions(blur=np.float32(0.25), max_iter=np.int32(7))
+    assert type(options.blur) is float and type(options.max_iter) is int
+    assert options.blur == 0.25 and options.max_iter == 7
+    lddmm = otreg.registration.LDDMMOptions(sigma=np.float32(8.0), n_steps=np.int64(5))
+    assert type(lddmm.sigma) is float and type(lddmm.n_steps) is int
+    accuracy = otreg.Accuracy(np.float32(0.5), np.float64(0.25), np.int64(3))
+    assert (type(accuracy.value), type(accuracy.every)) == (float, int)
+    # a NumPy bool or a float where an integer goes is still refused, naming it
+    with pytest.raises(TypeError, match="max_iter must be an integer"):
+        otreg.sinkhorn(x, y, max_iter=np.float32(10))
+    with pytest.raises(TypeError, match="max_iter must be an integer"):
+        otreg.sinkhorn(x, y, max_iter=np.bool_(True))
