@@ -30,6 +30,7 @@ made by the same generation of the solver (``REFERENCE_SOLVER``, in the file's n
 
     python benchmarks/sinkhorn_family.py                   # every problem, N = 5,000
     python benchmarks/sinkhorn_family.py --problems clusters
+    python benchmarks/sinkhorn_family.py --repeats 3       # medians of 3 runs in turn
     python benchmarks/sinkhorn_family.py --record          # into docs/benchmarks.md
 """
 
@@ -182,6 +183,13 @@ def main() -> None:
     parser.add_argument(
         "--reference-tol", type=float, default=1e-7, help="the reference's marginal error"
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each method, in turn (the times: their median; the ratios: the "
+        "median of each run's)",
+    )
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -206,34 +214,50 @@ def main() -> None:
             ref = None
             if cached.is_file() and not args.fresh_reference:
                 ref = json.loads(cached.read_text())
-            here = []
-            for method in args.methods:
-                if METHODS[method][0] == "reference" and ref is not None:
-                    # named as today (a cache written before a rename keeps its old name)
-                    saved = f"saved by an earlier run ({ref['date']})"
-                    here.append({**ref, "method": method, "note": saved})
-                    continue
-                call = [method, problem, str(n), str(args.blur), str(args.reference_tol)]
-                out = run_worker(__file__, call, args.timeout)
-                shown = {k: v for k, v in out.items() if k != "grad"}
-                print(problem, n, method, shown, file=sys.stderr, flush=True)
-                row = {"problem": problem, "n": n, "method": method, **out}
-                if "error" in out:  # a worker that failed or ran out of time: said, not blank
-                    row["note"] = "; ".join(filter(None, (row.get("note"), out["error"])))
-                if METHODS[method][0] == "reference" and "value" in out and "note" not in out:
-                    # (an unconverged reference, which warned, is shown but not saved)
-                    ref = {**row, "date": time.strftime("%Y-%m-%d")}
-                    CACHE.mkdir(parents=True, exist_ok=True)
-                    cached.write_text(json.dumps(ref))
-                here.append(row)
-            fastest = min(
-                (
-                    r["seconds"]
-                    for r in here
-                    if r["method"].startswith("GeomLoss") and "seconds" in r
-                ),
-                default=None,
-            )
+            here: dict[str, dict] = {}
+            runs: dict[str, list[float]] = {m: [] for m in args.methods}
+            for run in range(args.repeats):  # the methods in turn, so that a slow spell
+                for method in args.methods:  # of the machine falls on all of them
+                    if METHODS[method][0] == "reference" and method in here:
+                        continue  # (once)
+                    if METHODS[method][0] == "reference" and ref is not None:
+                        # named as today (a cache written before a rename keeps its old name)
+                        saved = f"saved by an earlier run ({ref['date']})"
+                        here[method] = {**ref, "method": method, "note": saved}
+                        continue
+                    call = [method, problem, str(n), str(args.blur), str(args.reference_tol)]
+                    out = run_worker(__file__, call, args.timeout)
+                    shown = {k: v for k, v in out.items() if k != "grad"}
+                    print(problem, n, method, run, shown, file=sys.stderr, flush=True)
+                    if "seconds" in out:
+                        runs[method].append(out["seconds"])
+                    if method in here and "error" not in out:
+                        continue  # (the first run's values: the same computation)
+                    row = {"problem": problem, "n": n, "method": method, **out}
+                    if "error" in out:  # a worker that failed or ran out of time: said
+                        row["note"] = "; ".join(filter(None, (row.get("note"), out["error"])))
+                    ok = "value" in out and "note" not in out
+                    if METHODS[method][0] == "reference" and ok:
+                        # (an unconverged reference, which warned, is shown but not saved)
+                        ref = {**row, "date": time.strftime("%Y-%m-%d")}
+                        CACHE.mkdir(parents=True, exist_ok=True)
+                        cached.write_text(json.dumps(ref))
+                    here[method] = row
+            peers = [m for m in args.methods if m.startswith("GeomLoss") and runs[m]]
+            for method, row in here.items():
+                if runs[method] and METHODS[method][0] != "reference":
+                    row["seconds"] = statistics.median(runs[method])
+                    if args.repeats > 1:
+                        row["runs"] = ", ".join(f"{t:.2f}" for t in runs[method])
+                    # each run's time over that run's fastest GeomLoss call, then the median
+                    ratios = [
+                        t / min(runs[m][k] for m in peers if k < len(runs[m]))
+                        for k, t in enumerate(runs[method])
+                        if any(k < len(runs[m]) for m in peers)
+                    ]
+                    if ratios:
+                        row["time_ratio"] = statistics.median(ratios)
+            here = list(here.values())
             accurate = next(
                 (r for r in here if r["method"] == "GeomLoss multiscale, scaling 0.9"), None
             )
@@ -243,8 +267,6 @@ def main() -> None:
                     row["value_err"] = abs(row["value"] / ref["value"] - 1)
                     g, gr = np.array(row["grad"]), np.array(ref["grad"])
                     row["grad_err"] = float(np.linalg.norm(g - gr) / np.linalg.norm(gr))
-                if fastest and "seconds" in row and not is_ref:
-                    row["time_ratio"] = row["seconds"] / fastest
             if accurate is not None and "grad_err" in accurate:
                 for row in here:
                     if "grad_err" in row:
@@ -256,6 +278,7 @@ def main() -> None:
         ("method", "method", ""),
         ("iters", "iterations", "{}"),
         ("seconds", "time (s)", "{:.2f}"),
+        *([("runs", "runs (s)", "")] if args.repeats > 1 else []),
         ("time_ratio", "time / GeomLoss's fastest", "{:.2f}"),
         ("peak_rss_mb", "peak RSS (MB)", "{:.0f}"),
         ("value_err", "value rel. err.", "{:.1e}"),
@@ -286,6 +309,8 @@ def main() -> None:
         variant.append("; ".join(args.methods))
     if args.sizes != defaults.sizes or args.blur != defaults.blur:
         variant.append(f"N = {', '.join(map(str, args.sizes))}, blur {args.blur:g}")
+    if args.repeats > 1:
+        variant.append(f"{args.repeats} runs each")
     publish("Sinkhorn over a family of problems: the default call vs GeomLoss", body,
             args.record, ", ".join(variant))  # fmt: skip
 
