@@ -5,10 +5,12 @@ saved registration."""
 
 from __future__ import annotations
 
+import glob
 import resource
 from pathlib import Path
 
 import click
+import numpy as np
 
 from .. import datasets
 from .._checks import check_progress
@@ -324,6 +326,14 @@ def transfer(
                     or any(same_file(written, p) for p in res.inputs.values() if p)
                 ):
                     raise ValueError(f"{written} is an input; otreg never overwrites one")
+            if out.confidence is not None and confidence_file.is_file():
+                owners = _other_labels(Path(output), confidence_file)
+                if owners:
+                    raise ValueError(
+                        f"{confidence_file.name}, where these labels' confidence goes, is the "
+                        f"confidence of {owners[0].name}: name OUTPUT otherwise (its "
+                        "confidence is named after it), or remove those files first"
+                    )
             _save_transferred(out, Path(output), confidence_file)
         except (ValueError, TypeError, FileNotFoundError) as err:
             message = _in_cli_words(str(err), res, given, to, values)
@@ -349,10 +359,11 @@ def _save_transferred(out, output: Path, confidence_file: Path) -> None:
     """Write the carried values and, for labels, their confidence: both or neither (each
     file atomically; the confidence first, removed again if the values cannot be written).
     A map written where labels were before removes their confidence file, which would no
-    longer match."""
+    longer match, unless other labels with the same name less their extension own it
+    (:func:`_other_labels`: atlas.func.gii beside atlas.label.gii)."""
     if out.confidence is None:
         save_values(out, output)
-        if confidence_file.is_file():
+        if confidence_file.is_file() and not _other_labels(output, confidence_file):
             confidence_file.unlink()
             click.echo(f"removed {confidence_file}: the confidence of labels written earlier")
         return
@@ -362,6 +373,30 @@ def _save_transferred(out, output: Path, confidence_file: Path) -> None:
     except BaseException:
         confidence_file.unlink(missing_ok=True)
         raise
+
+
+def _other_labels(output: Path, confidence_file: Path) -> list[Path]:
+    """Label files other than OUTPUT beside it whose confidence file is the same (the same
+    name less the extension: atlas.label.gii and atlas.annot): by their name (.label.gii,
+    .annot), or .npy files of integers."""
+    stem = values_stem(output.name)
+    found = []
+    for path in sorted(output.parent.glob(f"{glob.escape(stem)}.*")):
+        if path.name in (output.name, confidence_file.name) or values_stem(path.name) != stem:
+            continue
+        if kind_of_name(path) == "labels" or _integer_npy(path):
+            found.append(path)
+    return found
+
+
+def _integer_npy(path: Path) -> bool:
+    """Whether ``path`` is a .npy file of integers (read from its header only)."""
+    if path.suffix.lower() != ".npy" or not path.is_file():
+        return False
+    try:
+        return np.load(path, mmap_mode="r").dtype.kind in "iu"
+    except (OSError, ValueError):
+        return False
 
 
 def _failed_pair(result: str) -> str | None:

@@ -644,3 +644,45 @@ def test_an_interrupt_while_the_files_move_in_waits_until_they_all_have(tmp_path
         "warped.vtk",
     ]
     assert (out / "registration.json").read_text() != first
+
+
+def test_transfer_keeps_the_confidence_of_other_labels_that_share_its_name(tmp_path):
+    """A map written as atlas.func.gii beside labels written as atlas.label.gii left those
+    labels without their confidence (atlas_confidence.npy, removed as 'stale'); labels
+    whose confidence would replace another label file's are refused, naming it."""
+    import numpy as np
+    import pyvista as pv
+
+    from otreg import Shape, save_shape
+    from otreg.io import VertexValues, save_values
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20))
+    src = save_shape(ball, tmp_path / "src.vtk")
+    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
+    assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
+               "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    labels = (ball.points[:, 2] > 0).long() + 1
+    table = {1: ("south", (0.0, 0.0, 1.0, 1.0)), 2: ("north", (1.0, 0.0, 0.0, 1.0))}
+    values = save_values(VertexValues(labels, table), tmp_path / "src.label.gii")
+    thickness = save_values(ball.points[:, 0].clone(), tmp_path / "thick.func.gii")
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def transfer(given, name):
+        return run("transfer", str(tmp_path / "r"), str(given), "-o", str(out / name))
+
+    assert transfer(values, "atlas.label.gii").exit_code == 0
+    confidence = (out / "atlas_confidence.npy").read_bytes()
+    r = transfer(thickness, "atlas.func.gii")
+    assert r.exit_code == 0 and "removed" not in r.output, r.output
+    assert (out / "atlas_confidence.npy").read_bytes() == confidence  # kept, untouched
+    r = transfer(values, "atlas.annot")  # its confidence would replace atlas.label.gii's
+    assert r.exit_code == 1 and "is the confidence of atlas.label.gii" in r.output, r.output
+    assert not (out / "atlas.annot").exists()
+    assert (out / "atlas_confidence.npy").read_bytes() == confidence
+    assert transfer(values, "atlas.label.gii").exit_code == 0  # (its own: written again)
+    np.save(out / "z.func.npy", np.zeros(3))  # a map of a like name owns no confidence
+    assert transfer(values, "z.npy").exit_code == 0  # labels, then a map in their place:
+    assert np.load(out / "z.npy").dtype.kind == "i"
+    r = transfer(thickness, "z.npy")  # their confidence is stale
+    assert "removed" in r.output and not (out / "z_confidence.npy").exists(), r.output
