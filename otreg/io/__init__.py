@@ -314,8 +314,8 @@ def load_values(path: str | Path) -> VertexValues:
 def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Path) -> Path:
     """Write per-vertex values atomically, in the format of ``path``'s name (see
     :func:`load_values`); a tensor or array is a map (floats) or labels (integers, no
-    table). ``.func.gii`` and ``.shape.gii`` are maps whatever the dtype (integers are
-    written as float32, with a warning; ``.shape.gii`` has GIFTI's shape intent), ``.gii``
+    table). ``.func.gii``, ``.shape.gii`` and morphometry files are maps whatever the dtype
+    (integers are written as float32, with a warning; ``.shape.gii`` has GIFTI's shape intent), ``.gii``
     follows the dtype; labels in GIFTI have a table
     entry for every value (an annot's unassigned -1: ``???``). Refuses to overwrite
     ``values.source`` (the file they were read from), values that the format cannot hold
@@ -390,15 +390,16 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
                 f"{single.tiny:.3g} to {single.max:.3g} in size): rescale them (e.g. -log10 "
                 "of p-values), or write .npy"
             )
-    if values.is_labels and _values.map_name(path.name):
+    if values.is_labels and (_values.map_name(path.name) or kind == "morph"):
+        what = "a FreeSurfer morphometry file" if kind == "morph" else "a GIFTI map"
         if data.numel() and int(data.abs().max()) > 2**24:
             raise ValueError(
-                f"{caller}: {path.name} is a GIFTI map, of 32-bit floats, which hold integers "
+                f"{caller}: {path.name} is {what}, of 32-bit floats, which hold integers "
                 f"up to 2^24 exactly; these labels reach {int(data.abs().max())}: write "
                 ".label.gii or .npy"
             )
         warnings.warn(
-            f"{caller}: {path.name} is a GIFTI map (its name): these integer labels are "
+            f"{caller}: {path.name} is {what} (its name): these integer labels are "
             "written as float32 values and read back as a map"
             + (", without their table (names and colours)" if values.label_table else "")
             + ": write .label.gii to keep them labels",

@@ -262,12 +262,15 @@ def test_label_files_keep_their_table(tmp_path, name):
         assert np.allclose(back.label_table[v][1][:3], table[key][1][:3], atol=1 / 255)
 
 
-@pytest.mark.parametrize("name", ["ids.func.gii", "ids.shape.gii.gz"])
+@pytest.mark.parametrize("name", ["ids.func.gii", "ids.shape.gii.gz", "lh.ids"])
 def test_a_map_name_writes_a_map_whatever_the_dtype(tmp_path, name):
-    """Integer values named .func.gii / .shape.gii: a GIFTI map of float32 values (they were
-    written as a label file, with a warning that called it one without its table)."""
+    """Integer values named .func.gii / .shape.gii or as a FreeSurfer morphometry file: a
+    map of float32 values (the GIFTI names were written as a label file, with a warning
+    that called it one without its table; the morphometry file said only that the table
+    was lost, and labels came back as a float map)."""
     table = {1: ("V1", (1.0, 0.0, 0.0, 1.0))}
-    with pytest.warns(UserWarning, match="is a GIFTI map .* read back as a map, without"):
+    what = "a FreeSurfer morphometry file" if name == "lh.ids" else "a GIFTI map"
+    with pytest.warns(UserWarning, match=f"is {what} .* read back as a map, without"):
         path = save_values(VertexValues(torch.tensor([1, 2, 3]), table), tmp_path / name)
     back = load_values(path)
     assert not back.is_labels and back.values.tolist() == [1.0, 2.0, 3.0]
