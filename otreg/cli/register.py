@@ -269,7 +269,8 @@ def _demo_pair(pair: str, hemi: str, surface: str, points: int | None):
     "--output",
     required=True,
     type=click.Path(dir_okay=False),
-    help="The file to write (an earlier file of that name is replaced; never an input).",
+    help="The file to write (an earlier file of that name is replaced; never an input); "
+    "its folder is made where missing.",
 )
 @click.option(
     "--to",

@@ -315,14 +315,15 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
     """Write per-vertex values atomically, in the format of ``path``'s name (see
     :func:`load_values`); a tensor or array is a map (floats) or labels (integers, no
     table). ``.func.gii``, ``.shape.gii`` and morphometry files are maps whatever the dtype
-    (integers are written as float32, with a warning; ``.shape.gii`` has GIFTI's shape intent), ``.gii``
-    follows the dtype; labels in GIFTI have a table
-    entry for every value (an annot's unassigned -1: ``???``). Refuses to overwrite
-    ``values.source`` (the file they were read from), values that the format cannot hold
-    (several columns in a morphometry file, labels beyond 32 bits, map values beyond
-    float32's range but in ``.npy``: 1e-300 would be 0) and a label format for
-    anything but one integer a vertex; warns where labels' table cannot be kept (``.npy``,
-    ``.mgh``, morphometry files). Returns the path written.
+    (integers are written as float32, with a warning; ``.shape.gii`` has GIFTI's shape
+    intent), ``.gii`` follows the dtype; labels in GIFTI have a table entry for every value
+    (an annot's unassigned -1: ``???``). Refuses to overwrite ``values.source`` (the file
+    they were read from), values that the format cannot hold (several columns in a
+    morphometry file, labels beyond 32 bits, map values beyond float32's range but in
+    ``.npy``: 1e-300 would be 0) and a label format for anything but one integer a vertex;
+    warns where labels' table cannot be kept (``.npy``, ``.mgh``). Its folder is made
+    where missing (``NotADirectoryError`` where a file is in the way). Returns the path
+    written.
 
     Example:
         >>> import tempfile, torch

@@ -385,7 +385,7 @@ def atomic_write_all(writes: dict[Path, Callable[[Path], None]]) -> None:
     temps: dict[Path, Path] = {}
     try:
         for path, write in writes.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _make_folder(path.parent)
             prefix, suffix = _temp_affixes(path)
             fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
             os.close(fd)
@@ -398,6 +398,18 @@ def atomic_write_all(writes: dict[Path, Callable[[Path], None]]) -> None:
     finally:
         for tmp in temps.values():
             tmp.unlink(missing_ok=True)
+
+
+def _make_folder(folder: Path) -> None:
+    """``folder`` and its parents, made where missing; ``NotADirectoryError`` naming the
+    part that is a file (``mkdir`` says "File exists" of it, or "Not a directory" of the
+    folder below it)."""
+    for part in (folder, *folder.parents):
+        if part.exists() or part.is_symlink():
+            if not part.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", str(part))
+            break
+    folder.mkdir(parents=True, exist_ok=True)
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:

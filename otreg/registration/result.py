@@ -671,9 +671,11 @@ def checked_values(
     data = given.values
     if data.is_complex():
         raise TypeError(f"{caller}: values are {data.dtype}; give real numbers or integers")
-    whole = data.is_floating_point() and bool((data == data.round()).all())
+    finite = bool(torch.isfinite(data).all()) if data.is_floating_point() else True
+    # (inf equals its rounding: not a whole number, and refused below before any guess)
+    whole = data.is_floating_point() and finite and bool((data == data.round()).all())
     if labels and data.is_floating_point():
-        if not bool(torch.isfinite(data).all()):
+        if not finite:
             bad = int((~torch.isfinite(data)).sum())
             raise ValueError(
                 f"{caller}: kind='labels' but {bad} of the values are NaN or infinite; "

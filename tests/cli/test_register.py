@@ -251,6 +251,15 @@ def test_transfer_carries_a_label_file_through_a_saved_registration(tmp_path):
     assert r.exit_code == 1 and "never overwrites" in r.output
     r = run("transfer", str(tmp_path / "r"), str(tmp_path / "nope.func.gii"), "-o", str(out))
     assert r.exit_code == 1 and "nope.func.gii does not exist" in r.output
+    # OUTPUT's folder is made; a file where it goes is named as such ('File exists')
+    deep = tmp_path / "new" / "sub" / "on-target.label.gii"
+    r = run("transfer", str(tmp_path / "r"), str(tmp_path / "src.label.gii"), "-o", str(deep))
+    assert r.exit_code == 0 and deep.is_file(), r.output
+    for below in ("", "deeper"):
+        inside = tmp_path / "src.label.gii" / below / "out.label.gii"
+        r = run("transfer", str(tmp_path / "r"), str(tmp_path / "src.label.gii"), "-o",
+                str(inside))  # fmt: skip
+        assert r.exit_code == 1 and "src.label.gii: a file, not a folder" in r.output, r.output
 
 
 def test_transfer_writes_the_confidence_and_follows_the_output_name(tmp_path):

@@ -208,6 +208,11 @@ def test_nan_in_a_map_and_a_wrong_direction_are_refused(ball):
     bad[3] = float("nan")
     with pytest.raises(ValueError, match="1 NaN or infinite entries"):
         res.transfer(bad)
+    bad[3] = float("inf")  # (inf equals its rounding: it warned first that the whole
+    with warnings.catch_warnings():  # numbers might be labels, then refused them)
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="1 NaN or infinite entries"):
+            res.transfer(bad)
     with pytest.raises(ValueError, match="to is 'sideways'"):
         res.transfer(bad, to="sideways")
     with pytest.raises(ValueError, match="kind='labels' but 1 of the values are not whole"):
