@@ -46,11 +46,11 @@ MAX_SIDE = 2_000
 #: the updates run this many iterations (the eps-scaling's included) before it may take over
 AFTER = 400
 #: ... and it takes over only where the marginal error then is above this many times
-#: ``tol``. Updates just above tol there converge within a few hundred more: noisy
-#: spheres at N = 1,000 and blur 0.01 (benchmarks/sinkhorn_family.py, two cores) took
-#: 6.7 to 9.8 s when Newton's continuation started at any error above tol, 2.8 to 4.4 s
-#: with this check (docs/guide/ot.md); the problems it serves are far above (200 against 150 points: 0.36 at
-#: tol 1e-3)
+#: ``tol``. Updates just above tol there converge within a few dozen more: noisy spheres
+#: at N = 1,000 and blur 0.01 (benchmarks/sinkhorn_family.py, two cores) took 6.7 to
+#: 9.8 s when Newton's continuation started at any error above tol, 2.8 to 4.4 s with
+#: this check (docs/guide/ot.md); the problems it serves are far above (200 against 150
+#: points: 0.36 at tol 1e-3)
 CRAWLING = 10.0
 #: it starts from potentials converged at this many times the blur
 START = 16.0
