@@ -257,6 +257,7 @@ class StoppingRule:
 
     PATIENCE = 100
     PROGRESS = 0.99
+    RATE_WINDOW = 20
     #: the L1 marginal error weighs each point by its mass, so a few far points that carry
     #: the gradient (heavy tails) can be far from their marginal when it is below tol: the
     #: same error weighed by each point's share of the gradient must be below TAIL_FACTOR
@@ -277,12 +278,23 @@ class StoppingRule:
     NOISE_MARGIN = 1e-3
 
     def __init__(
-        self, tol: float | Accuracy, value_floor: float = 0.0, patience: int = PATIENCE
+        self,
+        tol: float | Accuracy,
+        value_floor: float = 0.0,
+        patience: int = PATIENCE,
+        ahead: int | None = None,
     ) -> None:
         self.tol = tol
         #: a stall: ``patience`` updates without a new low, within ``FLOOR`` times the
         #: rounding floor
         self.patience = patience
+        #: or, where set, as soon as the error, within ``FLOOR`` times the floor, would
+        #: need more than this many updates to reach tol at the rate of its lowest values
+        #: over the last ``RATE_WINDOW`` updates (where the loop can go on in float64: a
+        #: float32 error that crawls down along its floor gets there in float64 in far
+        #: fewer updates)
+        self.ahead = ahead
+        self._lows: list[float] = []
         #: whether the updates went on in float64 after a float32 stall
         self.promoted = False
         self.accuracy = tol if isinstance(tol, Accuracy) else None
@@ -302,7 +314,7 @@ class StoppingRule:
         """Go on after a stop (in a finer dtype, or on a kernel that gained pairs): the
         error's history starts again."""
         self.reason = "max_iter"
-        self._best, self._since = math.inf, 0
+        self._best, self._since, self._lows = math.inf, 0, []
         self._last, self._changes = None, []
         self._tail_at = self._count - self.TAIL_EVERY
 
@@ -349,7 +361,23 @@ class StoppingRule:
         if self._since >= self.patience and err < self.FLOOR * math.expm1(min(floor(), 700.0)):
             self.reason = "stalled"
             return True
+        if self.ahead is not None and self._crawling(err, floor):
+            self.reason = "stalled"
+            return True
         return False
+
+    def _crawling(self, err: float, floor: Callable[[], float]) -> bool:
+        """Whether the lowest error so far, at the current rate of its decrease (over the
+        last ``RATE_WINDOW`` updates), needs more than ``ahead`` updates to reach tol, the
+        error being within ``FLOOR`` times its rounding floor."""
+        low = min(err, self._lows[-1]) if self._lows else err
+        self._lows.append(low)
+        if len(self._lows) <= self.RATE_WINDOW or self.accuracy is not None:
+            return False
+        if not err < self.FLOOR * math.expm1(min(floor(), 700.0)):
+            return False
+        rate = (low / self._lows[-1 - self.RATE_WINDOW]) ** (1 / self.RATE_WINDOW)
+        return rate >= 1 or math.log(self.tol / low) / math.log(rate) > self.ahead
 
     def _tails_within(self, tails: Callable[[], float] | None) -> bool:
         """Whether the gradient-weighted error is within ``TAIL_FACTOR`` times tol (True

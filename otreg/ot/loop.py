@@ -112,13 +112,17 @@ def gradient_weighted_error(p: Problem, kernel, transpose: bool):
 #: 1,300 to 2,000 (max_iter). From float32 potentials on such a plateau the float64
 #: updates reached tol in a few iterations
 PROMOTE_PATIENCE = 30
+#: ... and at once where, near that floor, the error would need more than this many
+#: updates to reach tol at its rate of the last 20 (``StoppingRule.ahead``)
+PROMOTE_AHEAD = 60
 
 
 def _rule(p: Problem, kernel) -> StoppingRule:
     """The stopping rule of the final updates (an Accuracy compares values on the scale
     eps times the total mass)."""
     patience = PROMOTE_PATIENCE if kernel.promotable else StoppingRule.PATIENCE
-    return StoppingRule(p.tol, p.eps * float(kernel.a.sum(1).max()), patience)
+    ahead = PROMOTE_AHEAD if kernel.promotable else None
+    return StoppingRule(p.tol, p.eps * float(kernel.a.sum(1).max()), patience, ahead)
 
 
 @dataclass
@@ -333,8 +337,9 @@ def _final_pair(p: Problem, kernel, f, g, n_iter: int, newton_at: int | None = N
 
 
 def _in_float64(rule: StoppingRule, kernel, n_iter: int) -> str | None:
-    """Whether the final updates go on in float64 (they stalled on the rounding floor of
-    a float32 kernel that can sum in float64, :meth:`DenseKernel.promote`): the note for
+    """Whether the final updates go on in float64 (they stalled, or crawled, on the
+    rounding floor of a float32 kernel that can sum in float64, :meth:`DenseKernel.promote`;
+    ``StoppingRule.ahead``): the note for
     ``result.acceleration`` from iteration ``n_iter``, or None. Measured on
     two noisy spheres at blur 0.01 (N = 1,000, every pair, two cores): float32 alone
     stalled at a marginal error of 1.04e-3 after 1,032 iterations (tol 1e-3, 3.3 s); with
@@ -344,7 +349,7 @@ def _in_float64(rule: StoppingRule, kernel, n_iter: int) -> str | None:
         return None
     kernel.promote()
     rule.resume()
-    rule.promoted, rule.patience = True, StoppingRule.PATIENCE
+    rule.promoted, rule.patience, rule.ahead = True, StoppingRule.PATIENCE, None
     return f"in float64 from iteration {n_iter} (float32's rounding floor)"
 
 

@@ -38,6 +38,32 @@ def test_stopping_rule():
     assert rule.reason == "max_iter"
 
 
+def test_an_error_that_crawls_along_its_rounding_floor_stops_for_float64_at_once():
+    """With ``ahead`` (a kernel that can go on in float64), an error within FLOOR times its
+    floor that would need more than ``ahead`` updates at its recent rate stops as a stall
+    once RATE_WINDOW updates show the rate, not after PATIENCE updates without a 1% low
+    (float32 on two noisy spheres at N = 1,000 crept from 1.65e-3 to 1.34e-3 by such lows
+    over 180 updates against tol 1e-3; float64 from there took 20)."""
+    window = StoppingRule.RATE_WINDOW
+    crawl = [2e-3 * 0.998**k for k in range(200)]  # 0.2% an update: 350 updates to 1e-3
+    rule = StoppingRule(tol=1e-3, ahead=60)
+    stops = [rule.stop(e, floor=lambda: 2e-3) for e in crawl]
+    assert stops.index(True) == window and rule.reason == "stalled"
+    rule = StoppingRule(tol=1e-3)  # (without ahead: each 1% low resets the patience)
+    assert not any(rule.stop(e, floor=lambda: 2e-3) for e in crawl)
+    # far above the floor, the same crawl is left alone (slow convergence, not rounding)
+    rule = StoppingRule(tol=1e-3, ahead=60)
+    assert not any(rule.stop(e, floor=lambda: 1e-6) for e in crawl)
+    # near the floor but fast enough (3% an update: 23 updates to tol) it runs to tol
+    rule = StoppingRule(tol=1e-3, ahead=60)
+    fast = [2e-3 * 0.97**k for k in range(40)]
+    stops = [rule.stop(e, floor=lambda: 2e-3) for e in fast]
+    assert stops.index(True) == 23 and rule.reason == "tol"
+    rule = StoppingRule(tol=1e-3, ahead=60)  # no progress at all: a stall as well
+    stops = [rule.stop(1.5e-3, floor=lambda: 2e-3) for _ in range(50)]
+    assert stops.index(True) == window and rule.reason == "stalled"
+
+
 def test_stopping_rule_waits_for_the_gradient_weighted_error():
     """Below tol, the rule stops only once ``tails()`` is within TAIL_FACTOR times tol, and
     asks for it at most every TAIL_EVERY updates."""

@@ -225,6 +225,26 @@ def test_float32_stalled_on_its_rounding_floor_goes_on_in_float64():
         assert float((r32.f.double() - r64.f).abs().max()) < 1e-3
 
 
+def test_float32_crawling_along_its_rounding_floor_goes_on_in_float64_early(monkeypatch):
+    """Where float32's error creeps down its rounding floor by 1% lows (each resets the
+    stall's patience), the updates go on in float64 as soon as the rate shows it (here 163
+    updates in all against 289 waiting for a stall), to the same solution."""
+    from otreg.ot import loop
+
+    x, y = _spheres()
+    r64 = otreg.sinkhorn(x, y, blur=0.02, max_iter=1000, tol=1e-4)
+    early = otreg.sinkhorn(x.float(), y.float(), blur=0.02, max_iter=1000, tol=1e-4)
+    monkeypatch.setattr(loop, "PROMOTE_AHEAD", None)
+    late = otreg.sinkhorn(x.float(), y.float(), blur=0.02, max_iter=1000, tol=1e-4)
+    assert early.converged and late.converged and early.marginal_error < 1e-4
+    assert "in float64 from iteration" in early.acceleration
+    assert early.n_iter < late.n_iter, (early.n_iter, late.n_iter)
+    if "in float64" in late.acceleration:  # (after a stall: on the blocked path, 289)
+        assert early.n_iter < 0.7 * late.n_iter, (early.n_iter, late.n_iter)
+    assert float(early.cost) == pytest.approx(float(r64.cost), rel=1e-6)
+    assert float((early.f.double() - r64.f).abs().max()) < 1e-3
+
+
 def test_float32_self_transport_goes_on_in_float64_too():
     # the divergence's OT(a, a) at blur 0.01: float32 hovered at a marginal error of
     # 2.9e-4 for 1,900 iterations (max_iter) against tol 1e-4
