@@ -28,10 +28,11 @@ def test_distance_says_why_it_did_not_converge(two_meshes):
     short = run(*args, steps)  # every iteration spent on the eps-scaling
     assert short.exit_code == 3
     assert "eps-scaling used all of --max-iter" in short.output and "nan" not in short.output
-    cut = run("distance", *two_meshes, "--blur", "0.5", "--tol", "1e-9", "--max-iter", "40")
+    # (at 40 it converges now: float32 that crawls on its rounding floor goes on in float64)
+    cut = run("distance", *two_meshes, "--blur", "0.5", "--tol", "1e-9", "--max-iter", "30")
     assert re.search(r"not converged: marginal error \S+ >= tol 1e-09", cut.output), cut.output
     assert cut.exit_code == 3
-    as_json = run("distance", *two_meshes, "--blur", "0.5", "--tol", "1e-9", "--max-iter", "40",
+    as_json = run("distance", *two_meshes, "--blur", "0.5", "--tol", "1e-9", "--max-iter", "30",
                   "--json")  # fmt: skip
     assert as_json.exit_code == 3 and json.loads(as_json.stdout)["converged"] is False
     assert "warning: not converged" in as_json.stderr
