@@ -225,17 +225,27 @@ def test_a_second_run_without_pictures_leaves_none_of_the_first(two_meshes, tmp_
     assert not (tmp_path / "out" / "history.png").exists()
 
 
-def test_transfer_carries_a_label_file_through_a_saved_registration(tmp_path):
+def registered_ball(tmp_path):
+    """A 20 mm sphere (842 vertices) in tmp_path / "src.vtk", registered rigidly by the CLI
+    onto its copy moved by 1 mm (tmp_path / "tgt.vtk"), the result in tmp_path / "r":
+    ``(the sphere, the target's path)``."""
     import pyvista as pv
 
     from otreg import Shape, save_shape
-    from otreg.io import VertexValues, load_values, save_values
 
     ball = Shape.from_pyvista(pv.Sphere(radius=20))
     src = save_shape(ball, tmp_path / "src.vtk")
     tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
     assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
                "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    return ball, tgt
+
+
+def test_transfer_carries_a_label_file_through_a_saved_registration(tmp_path):
+
+    from otreg.io import VertexValues, load_values, save_values
+
+    ball, tgt = registered_ball(tmp_path)
     labels = (ball.points[:, 2] > 0).long() + 1
     table = {1: ("south", (0.0, 0.0, 1.0, 1.0)), 2: ("north", (1.0, 0.0, 0.0, 1.0))}
     save_values(VertexValues(labels, table), tmp_path / "src.label.gii")
@@ -269,16 +279,10 @@ def test_transfer_writes_the_confidence_and_follows_the_output_name(tmp_path):
     float32'); a failed batch pair's folder is named as such (not 'parameters.npz is
     missing')."""
     import numpy as np
-    import pyvista as pv
 
-    from otreg import Shape, save_shape
     from otreg.io import load_values, save_values
 
-    ball = Shape.from_pyvista(pv.Sphere(radius=20))
-    src = save_shape(ball, tmp_path / "src.vtk")
-    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
-    assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
-               "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    ball, tgt = registered_ball(tmp_path)
     halves = ((ball.points[:, 2] > 0).float() + 1).numpy()
     np.save(tmp_path / "halves.npy", halves)  # whole-number floats
     out = tmp_path / "on-target.label.gii"
@@ -310,16 +314,11 @@ def test_transfer_keeps_labels_labels_and_writes_their_files_both_or_neither(tmp
     where the confidence cannot be written, neither file is (a traceback, and the labels
     left without it); the errors name OUTPUT's name and VALUES' file, not the API's words."""
     import numpy as np
-    import pyvista as pv
 
-    from otreg import Registration, Shape, save_shape
+    from otreg import Registration
     from otreg.io import VertexValues, load_values, save_values
 
-    ball = Shape.from_pyvista(pv.Sphere(radius=20))
-    src = save_shape(ball, tmp_path / "src.vtk")
-    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
-    assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
-               "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    ball, tgt = registered_ball(tmp_path)
     labels = (ball.points[:, 2] > 0).long() * 10 + 1  # 1 and 11: averages would show
     table = {1: ("south", (0.0, 0.0, 1.0, 1.0)), 11: ("north", (1.0, 0.0, 0.0, 1.0))}
     values = save_values(VertexValues(labels, table), tmp_path / "src.label.gii")
@@ -542,11 +541,7 @@ def test_transfer_refuses_a_target_that_was_not_registered_onto(tmp_path):
     from otreg import Shape, save_shape
     from otreg.io import save_values
 
-    ball = Shape.from_pyvista(pv.Sphere(radius=20))
-    src = save_shape(ball, tmp_path / "src.vtk")
-    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
-    assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
-               "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    ball, tgt = registered_ball(tmp_path)
     save_values(ball.points[:, 2].clone(), tmp_path / "z.func.gii")
     other = Shape.from_pyvista(pv.Sphere(radius=20, theta_resolution=10, phi_resolution=10))
     save_shape(other, tmp_path / "other.vtk")
@@ -660,16 +655,10 @@ def test_transfer_keeps_the_confidence_of_other_labels_that_share_its_name(tmp_p
     labels without their confidence (atlas_confidence.npy, removed as 'stale'); labels
     whose confidence would replace another label file's are refused, naming it."""
     import numpy as np
-    import pyvista as pv
 
-    from otreg import Shape, save_shape
     from otreg.io import VertexValues, save_values
 
-    ball = Shape.from_pyvista(pv.Sphere(radius=20))
-    src = save_shape(ball, tmp_path / "src.vtk")
-    tgt = save_shape(ball.with_points(ball.points + 1.0), tmp_path / "tgt.vtk")
-    assert run("register", str(src), str(tgt), "-o", str(tmp_path / "r"), "--model",
-               "rigid", "--no-picture").exit_code == 0  # fmt: skip
+    ball, tgt = registered_ball(tmp_path)
     labels = (ball.points[:, 2] > 0).long() + 1
     table = {1: ("south", (0.0, 0.0, 1.0, 1.0)), 2: ("north", (1.0, 0.0, 0.0, 1.0))}
     values = save_values(VertexValues(labels, table), tmp_path / "src.label.gii")
