@@ -11,6 +11,7 @@ rounding floor).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -294,7 +295,7 @@ class StoppingRule:
         #: float32 error that crawls down along its floor gets there in float64 in far
         #: fewer updates)
         self.ahead = ahead
-        self._lows: list[float] = []
+        self._lows: deque[float] = deque(maxlen=self.RATE_WINDOW + 1)
         #: whether the updates went on in float64 after a float32 stall
         self.promoted = False
         self.accuracy = tol if isinstance(tol, Accuracy) else None
@@ -314,7 +315,8 @@ class StoppingRule:
         """Go on after a stop (in a finer dtype, or on a kernel that gained pairs): the
         error's history starts again."""
         self.reason = "max_iter"
-        self._best, self._since, self._lows = math.inf, 0, []
+        self._best, self._since = math.inf, 0
+        self._lows.clear()
         self._last, self._changes = None, []
         self._tail_at = self._count - self.TAIL_EVERY
 
@@ -376,7 +378,7 @@ class StoppingRule:
             return False
         if not err < self.FLOOR * math.expm1(min(floor(), 700.0)):
             return False
-        rate = (low / self._lows[-1 - self.RATE_WINDOW]) ** (1 / self.RATE_WINDOW)
+        rate = (low / self._lows[0]) ** (1 / self.RATE_WINDOW)
         return rate >= 1 or math.log(self.tol / low) / math.log(rate) > self.ahead
 
     def _tails_within(self, tails: Callable[[], float] | None) -> bool:
