@@ -4,6 +4,7 @@ dense solver."""
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -387,6 +388,26 @@ def test_pair_list_softmins_equal_brute_force_over_its_pairs(spread):
     # the sums run in float32: their rounding, times eps
     torch.testing.assert_close(got_rows, rows, rtol=0, atol=1e-5 * eps)
     torch.testing.assert_close(got_cols, cols, rtol=0, atol=1e-5 * eps)
+
+
+def test_pairs_by_column_are_the_same_through_scipy_and_through_torch(monkeypatch):
+    """A list's column side, ordered through scipy (large lists) or torch's stable sort:
+    the same runs, counts and values, each column's pairs in the rows' order; brute force
+    (a stable argsort in numpy) as the oracle."""
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.randint(1, 40, (300,), generator=gen)
+    j = torch.randint(0, 250, (int(counts.sum()),), generator=gen, dtype=torch.int32)
+    values = torch.randn(len(j), generator=gen)
+    order = np.argsort(j.numpy(), kind="stable")
+    run = np.repeat(np.arange(300), counts.numpy())[order]
+    results = {}
+    for path, least in {"scipy": 1, "torch": 2**40}.items():
+        monkeypatch.setattr(sparse, "SCIPY_PAIRS", least)
+        results[path] = sparse._by_columns(counts, j, values.clone(), 250)
+    for got_run, got_counts, got_values in results.values():
+        assert np.array_equal(got_run.numpy(), run)
+        assert np.array_equal(got_counts.numpy(), np.bincount(j.numpy(), minlength=250))
+        assert np.array_equal(got_values.numpy(), values.numpy()[order])
 
 
 def test_an_infinite_potential_leaves_the_other_rows_pairs_as_they_were():
