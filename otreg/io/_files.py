@@ -194,6 +194,15 @@ def read_freesurfer(path: Path, caller: str, dtype) -> Shape:
     )
 
 
+def _numbers(line: str) -> bool:
+    """Whether a CSV line's fields are all numbers (as float() reads them: 1e-3, nan)."""
+    try:
+        [float(field) for field in line.split("#")[0].split(",")]
+    except ValueError:
+        return False
+    return True
+
+
 def read_points(path: Path, caller: str, dtype) -> Shape:
     try:
         if path.suffix == ".npy":
@@ -201,7 +210,7 @@ def read_points(path: Path, caller: str, dtype) -> Shape:
         else:
             with open(path) as fh:
                 first = fh.readline()
-            skip = 1 if any(c.isalpha() for c in first) else 0
+            skip = 0 if _numbers(first) else 1  # a header: x,y,z (not 1e-3, nan)
             pts = np.loadtxt(path, delimiter=",", skiprows=skip, ndmin=2)
     except Exception as err:
         raise ValueError(

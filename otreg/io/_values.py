@@ -300,12 +300,21 @@ def _gifti_values(img, path: Path, kind: str, caller: str) -> VertexValues:
                 "are integers: name a map .func.gii or .shape.gii"
             )
     if kind == ".label.gii" or np.issubdtype(data.dtype, np.integer):
-        table = {
-            int(lab.key): (str(lab.label), tuple(float(c) for c in lab.rgba))
-            for lab in img.labeltable.labels
-        }
+        table = {int(lab.key): _label_entry(lab) for lab in img.labeltable.labels}
         return VertexValues(torch.as_tensor(data.astype(np.int64)), table or None)
     return VertexValues(torch.as_tensor(np.asarray(data)))
+
+
+#: the colour of a GIFTI label that gives none (nibabel writes labels without one by default)
+NO_COLOUR = (0.5, 0.5, 0.5, 1.0)
+
+
+def _label_entry(lab) -> tuple[str, tuple[float, ...]]:
+    """A GIFTI label's ``(name, rgba)``: a label without a name is ``label<key>``, a colour
+    component it does not give is :data:`NO_COLOUR`'s."""
+    name = getattr(lab, "label", None)
+    rgba = tuple(NO_COLOUR[k] if c is None else float(c) for k, c in enumerate(lab.rgba))
+    return (f"label{int(lab.key)}" if name is None else str(name)), rgba
 
 
 #: The GIFTI intent of a map by its file's name (a label file's is NIFTI_INTENT_LABEL).
@@ -376,7 +385,7 @@ def write_values(values: VertexValues, path: Path, kind: str, name: str = "") ->
         with open(path, "wb") as f:
             np.save(f, data)
     elif kind == ".annot":
-        table = values.label_table or {int(k): (f"label{k}", (0.5, 0.5, 0.5, 1.0)) for k in
+        table = values.label_table or {int(k): (f"label{k}", NO_COLOUR) for k in
                                        np.unique(data)}  # fmt: skip
         keys = sorted(table)
         index = {k: i for i, k in enumerate(keys)}
@@ -410,7 +419,7 @@ def write_values(values: VertexValues, path: Path, kind: str, name: str = "") ->
             table = dict(values.label_table or {})
             for key in sorted(set(np.unique(data).tolist()) - set(table)):
                 table[key] = ("???", (0.0, 0.0, 0.0, 0.0)) if key == -1 else (
-                    f"label{key}", (0.5, 0.5, 0.5, 1.0))  # fmt: skip
+                    f"label{key}", NO_COLOUR)  # fmt: skip
             for key, (label, rgba) in sorted(table.items()):
                 lab = nib.gifti.GiftiLabel(key=int(key), red=rgba[0], green=rgba[1],
                                            blue=rgba[2], alpha=rgba[3])  # fmt: skip

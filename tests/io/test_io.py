@@ -357,6 +357,19 @@ def test_integer_files_keep_their_coordinates_and_an_integer_dtype_is_refused(tm
             load_shape(tmp_path / "f.npy", dtype=dtype)
 
 
+def test_a_csv_without_header_keeps_its_first_point_whatever_its_number_format(tmp_path):
+    """numpy's default format writes exponents (1.0e+00): a number, not a header's word."""
+    pts = np.random.default_rng(0).normal(size=(10, 3))
+    np.savetxt(tmp_path / "e.csv", pts, delimiter=",")  # '%.18e'
+    np.savetxt(tmp_path / "h.csv", pts, delimiter=",", header="x,y,z", comments="")
+    (tmp_path / "n.csv").write_text("nan,1,2\n3,4,5\n")  # refused as NaN, not dropped
+    for name in ("e.csv", "h.csv"):
+        shape = load_shape(tmp_path / name, dtype=torch.float64)
+        assert np.allclose(shape.points.numpy(), pts), name
+    with pytest.raises(ValueError, match="1 rows with NaN"):
+        load_shape(tmp_path / "n.csv")
+
+
 @pytest.mark.parametrize("name", ["m.ply", "m.obj", "m.stl", "m.gii", "lh.m", "m.csv", "m.npy"])
 def test_saving_to_a_format_without_arrays_names_the_arrays_it_drops(tmp_path, name):
     shape = mesh_with([])

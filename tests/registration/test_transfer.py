@@ -349,6 +349,23 @@ def test_gifti_labels_have_an_entry_for_every_value_and_maps_their_intent(tmp_pa
     assert repr(many) == "VertexValues((4,) int64; 40 labels: L0, L1, L2, ... 37 more)"
 
 
+def test_a_label_file_whose_labels_give_no_colour_or_name_is_read(tmp_path):
+    """nibabel writes GiftiLabel(key=k) without a colour (its components None): read
+    with a grey, and written again."""
+    import nibabel as nib
+
+    img = nib.GiftiImage(darrays=[nib.gifti.GiftiDataArray(np.array([1, 2, 2], np.int32))])
+    img.labeltable.labels.extend([nib.gifti.GiftiLabel(key=1), nib.gifti.GiftiLabel(key=2)])
+    for lab, name in zip(img.labeltable.labels, ("V1", "V2")):
+        lab.label = name
+    nib.save(img, tmp_path / "plain.label.gii")
+    got = load_values(tmp_path / "plain.label.gii")
+    assert got.values.tolist() == [1, 2, 2]
+    assert got.label_table == {1: ("V1", (0.5, 0.5, 0.5, 1.0)), 2: ("V2", (0.5, 0.5, 0.5, 1.0))}
+    again = load_values(save_values(got, tmp_path / "again.label.gii"))
+    assert again.label_table == got.label_table
+
+
 def test_a_label_file_of_fractions_is_refused_not_truncated(tmp_path):
     import nibabel as nib
 
