@@ -169,11 +169,11 @@ def solve(
     OT(a, a) and OT(b, b) took 14 to 22 of a divergence's 147 to 232 softmins, and without
     them its gradient moved by 1e-5).
     A small problem over every pair whose updates are crawling after
-    :data:`~otreg.ot.newton.AFTER` iterations (``newton_at``: the final updates stop there,
+    :func:`~otreg.ot.newton.check_at` iterations (``newton_at``: the final updates stop there,
     'crawling', where :func:`~otreg.ot.newton.crawling` says so) goes on by Newton's
     continuation (:func:`_newton`); updates near ``tol`` there go on undisturbed."""
     if newton_at is None and newton.applies(p, y, init, continuation):
-        sol = solve(p, x, a, y, b, newton_at=newton.AFTER)
+        sol = solve(p, x, a, y, b, newton_at=newton.check_at(p))
         return _newton(p, x, a, y, b, sol) if sol.rule.reason == "crawling" else sol
     n_first, story, resume = 0, "", None
     first_p = halfway(p, newton_at) if continuation and init is None and y is not None else None

@@ -138,7 +138,7 @@ def test_an_update_that_overflows_is_undone_not_the_end_of_the_solve(monkeypatch
 
     monkeypatch.setattr(loop, "HALFWAY", math.inf)
     monkeypatch.setattr(kernels.DenseKernel, "cell_step", lambda self, *args: None)
-    monkeypatch.setattr(newton, "AFTER", math.inf)  # (it would take over: the updates here)
+    monkeypatch.setattr(newton, "check_at", lambda p: math.inf)  # (the updates here)
 
     g = torch.Generator().manual_seed(24)
     x = torch.randn(40, 2, generator=g)

@@ -9,6 +9,7 @@ import torch
 
 import otreg
 from otreg.datasets import noisy_sphere
+from otreg.ot import newton
 from otreg.ot.convergence import Anderson
 from otreg.ot.kernels import make_kernel
 from otreg.ot.loop import gradient_weighted_error
@@ -144,6 +145,7 @@ def test_anderson_reaches_the_potentials_of_plain_updates(reach, batch):
 def test_anderson_that_cannot_help_falls_back_and_says_so(monkeypatch):
     # every extrapolated step counted as a failure: the safeguard resets, then gives up
     monkeypatch.setattr(Anderson, "RESET_FACTOR", 0.0)
+    monkeypatch.setattr(newton, "check_at", lambda p: math.inf)  # (the updates, to the end)
     x, y, a, b = clouds(n=60, m=50, seed=5)
     res = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000)
     plain = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-8, max_iter=20000, relaxation=1)
@@ -166,7 +168,7 @@ def test_the_final_eps_starts_from_potentials_converged_at_twice_the_blur(monkey
     # (in float64 with Newton's final phase: 481 updates, not 2,392 without)
     ref = otreg.sinkhorn(x.double(), y.double(), blur=0.01, tol=1e-6, max_iter=100_000)
     assert ref.converged
-    monkeypatch.setattr(newton, "AFTER", math.inf)  # (it would take over from the updates)
+    monkeypatch.setattr(newton, "check_at", lambda p: math.inf)  # (the updates)
     with warnings.catch_warnings():
         warnings.simplefilter("error", otreg.ConvergenceWarning)
         res = otreg.sinkhorn(x, y, blur=0.01)
@@ -192,6 +194,7 @@ def test_a_first_stage_that_diverges_leaves_the_final_eps_to_the_annealing(monke
 
     x, y, a, b = clouds(n=60, m=50, seed=3)
     monkeypatch.setattr(loop, "solve", diverging_first_stage)
+    monkeypatch.setattr(newton, "check_at", lambda p: math.inf)  # (the updates, to the end)
     res = otreg.sinkhorn(x, y, a, b, blur=0.05, tol=1e-9, max_iter=20_000)
     assert res.converged and "diverged: from the annealing" in res.acceleration
     monkeypatch.setattr(loop, "HALFWAY", math.inf)

@@ -63,6 +63,29 @@ def test_the_default_loss_on_small_clouds_converges_without_a_warning():
     assert float((x.grad.double() - expected).norm() / expected.norm()) < 2e-2
 
 
+def test_small_problems_give_way_to_newton_early_and_larger_ones_late():
+    """A y of at most ``SMALL_SIDE`` points is checked after ``EARLY_AT`` iterations (a
+    Newton solve there costs about an update); 300 points against 310 at blur 0.05,
+    float32: Newton's continuation after 30 updates (201 updates before), the gradient
+    as near the converged float64 one as the updates' was."""
+    assert newton.EARLY_AT < newton.AFTER
+    for m, at in ((newton.SMALL_SIDE, newton.EARLY_AT), (newton.SMALL_SIDE + 1, newton.AFTER)):
+        x, y = torch.zeros(10, 3), torch.rand(m, 3)
+        p = otreg.ot.problem.Problem.build("test", x, y, None, None, otreg.SinkhornOptions())
+        assert newton.check_at(p) == at
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 3, generator=g).requires_grad_(True)
+    y = torch.randn(310, 3, generator=g) + 0.5
+    value = otreg.sinkhorn_divergence(x, y, blur=0.05)
+    (grad,) = torch.autograd.grad(value, x)
+    res = otreg.sinkhorn(x.detach(), y, blur=0.05)
+    assert res.converged and f"after {newton.EARLY_AT} updates" in res.acceleration
+    reference = x.detach().double().requires_grad_(True)
+    exact = otreg.sinkhorn_divergence(reference, y.double(), blur=0.05, tol=1e-9, max_iter=10**5)
+    (expected,) = torch.autograd.grad(exact, reference)
+    assert float((grad.double() - expected).norm() / expected.norm()) < 1e-2
+
+
 def test_where_newton_fails_the_updates_go_on_within_max_iter(monkeypatch):
     x, y = gaussians()
     monkeypatch.setattr(newton, "stage", lambda C, a, b, g, eps, tol: (g, g, 1, math.inf))
@@ -102,17 +125,18 @@ def test_updates_near_tol_at_the_check_go_on_undisturbed(monkeypatch):
     x, y = gaussians()
     options = dict(blur=0.05, tol=1e-12, max_iter=1500)  # (past the check, then converged)
     monkeypatch.setattr(newton, "CRAWLING", 1e30)  # every error is 'near tol'
+    monkeypatch.setattr(newton, "EARLY_AT", 400)  # (the halfway solve's room as without)
     near = otreg.sinkhorn(x, y, **options)
     monkeypatch.setattr(newton, "applies", lambda *args: False)
     plain = otreg.sinkhorn(x, y, **options)
-    assert near.converged and near.n_iter > newton.AFTER and "Newton" not in near.acceleration
+    assert near.converged and near.n_iter > newton.EARLY_AT and "Newton" not in near.acceleration
     assert near.n_iter == plain.n_iter and near.acceleration == plain.acceleration
     assert torch.equal(near.f, plain.f) and torch.equal(near.g, plain.g)
 
 
 def test_updates_far_from_tol_at_the_check_give_way(monkeypatch):
     x, y = gaussians()
-    monkeypatch.setattr(newton, "AFTER", 50)
+    monkeypatch.setattr(newton, "EARLY_AT", 50)
     res = otreg.sinkhorn(x, y, blur=BLUR, tol=1e-6)
     assert res.converged and res.acceleration.startswith("Newton's method"), res.acceleration
     assert "after 50 updates" in res.acceleration
