@@ -174,8 +174,9 @@ def read_manifest(path: str | Path) -> list[Pair]:
 
     Raises:
         FileNotFoundError: no such manifest.
-        ValueError: a missing column, an unknown column, an empty or bad field, a pair id
-            that is not allowed or appears twice (the message names the line).
+        ValueError: not a text file, a missing column, an unknown column, an empty or bad
+            field, a pair id that is not allowed or appears twice (the message names the
+            line).
 
     Example:
         >>> import tempfile, pathlib
@@ -190,7 +191,13 @@ def read_manifest(path: str | Path) -> list[Pair]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"manifest {path} does not exist")
-    text = path.read_text(encoding="utf-8-sig")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"manifest {path} is not a text file (byte {err.start} is not UTF-8): give the "
+            "CSV of pairs (pair_id, source, target), not a surface"
+        ) from err
     reader = csv.DictReader(io.StringIO(text))
     header = [h.strip() for h in (reader.fieldnames or [])]
     missing = [c for c in COLUMNS[:3] if c not in header]

@@ -248,7 +248,8 @@ def save_shape(shape: Shape, path: str | Path) -> Path:
             UserWarning,
             stacklevel=2,
         )
-    _files.write_shape(shape, path, fmt)
+    with _files.named_folder_error(caller, path):
+        _files.write_shape(shape, path, fmt)
     return path
 
 
@@ -425,5 +426,6 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
             UserWarning,
             stacklevel=2,
         )
-    atomic_write(path, lambda tmp: _values.write_values(values, tmp, kind, path.name))
+    with _files.named_folder_error(caller, path):
+        atomic_write(path, lambda tmp: _values.write_values(values, tmp, kind, path.name))
     return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import gzip
@@ -419,6 +420,18 @@ def _make_folder(folder: Path) -> None:
                 raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", str(part))
             break
     folder.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def named_folder_error(caller: str, path: Path):
+    """Re-raise :func:`_make_folder`'s error naming the ``caller`` and the ``path`` it
+    could not write."""
+    try:
+        yield
+    except NotADirectoryError as err:
+        raise NotADirectoryError(
+            f"{caller}: cannot write {path}: {err.filename} is a file, not a folder"
+        ) from err
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +80,11 @@ def _levels(levels, loss, caller: str, refine: bool = False) -> list[Level]:
     varifold at every level of the refinement (``refine``).
     """
     out = []
+    if isinstance(levels, (str, bytes)) or not isinstance(levels, Iterable):
+        raise TypeError(
+            f"{caller}: levels must be a sequence of levels, each (points, scale_mm), "
+            f"(points, scale_mm, loss) or a Level; got {levels!r}"
+        )
     levels = list(levels)
     if not levels:
         raise ValueError(f"{caller}: levels is empty")

@@ -554,7 +554,12 @@ def _locate(caller: str, path: Path) -> tuple[Path, str]:
         if path.name.endswith(name) and not path.is_dir():
             return path.parent, path.name[: -len(name)]
     if not path.is_dir():
-        raise FileNotFoundError(f"{caller}: {path} is neither a folder nor a saved registration")
+        if not path.exists():
+            raise FileNotFoundError(f"{caller}: {path} does not exist")
+        raise ValueError(
+            f"{caller}: {path} is neither a folder nor a saved registration (give the folder "
+            f"Registration.save wrote, or its {OUTPUTS['registration']})"
+        )
     if (path / OUTPUTS["parameters"]).exists():
         return path, ""
     prefixes = sorted(

@@ -86,6 +86,12 @@ def test_bad_manifests_name_the_line_and_the_problem(tmp_path, text, message):
     assert message in str(err.value)
 
 
+def test_a_binary_file_given_as_the_manifest_is_named_as_such(tmp_path):
+    (tmp_path / "lh.pial").write_bytes(b"\xff\xff\xfe" + bytes(range(256)))
+    with pytest.raises(ValueError, match="manifest .*lh.pial is not a text file .*not a surface"):
+        read_manifest(tmp_path / "lh.pial")
+
+
 def test_a_missing_manifest_is_a_file_not_found_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.csv"):
         read_manifest(tmp_path / "nope.csv")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from otreg import Shape
-from otreg.io import load_shape, save_shape
+from otreg.io import load_shape, save_shape, save_values
 
 pytest.importorskip("pyvista")
 pytest.importorskip("skimage")
@@ -262,6 +262,15 @@ def test_save_never_overwrites_the_input_and_leaves_no_partial_file(tmp_path):
     finally:
         files.np.savetxt = original
     assert not (tmp_path / "b.csv").exists() and no_leftovers(tmp_path)
+
+
+def test_a_file_in_the_way_of_the_output_folder_is_named_with_the_writer(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"save_shape: cannot write .*notes.txt is a"):
+        save_shape(tetra(), tmp_path / "notes.txt" / "a.vtk")
+    with pytest.raises(NotADirectoryError, match=r"save_values: cannot write .*notes.txt is a"):
+        save_values(torch.rand(4), tmp_path / "notes.txt" / "sub" / "a.npy")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.filterwarnings("ignore:.*zero-area triangles")  # random triangles

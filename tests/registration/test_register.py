@@ -102,6 +102,7 @@ def test_lddmm_recovers_a_synthetic_subject_of_fsaverage5():
         (dict(optimizer=dict(max_iter=3)), TypeError, "optimizer must be an LBFGSOptions"),
         (dict(sinkhorn=dict(reach=3.0)), TypeError, "sinkhorn must be a SinkhornOptions"),
         (dict(levels=()), ValueError, "levels is empty"),
+        (dict(levels="fine"), TypeError, "levels must be a sequence of levels.*got 'fine'"),
         (dict(levels=((500, 6.0, "l2"),)), ValueError, "loss is 'l2'"),
         (dict(levels=((500, 6.0, {}),)), ValueError, "the loss of level 1 is \\{\\}"),
         (dict(levels=((500,),)), ValueError, "each level is \\(points, scale_mm\\)"),

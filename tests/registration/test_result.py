@@ -360,5 +360,8 @@ def test_load_reads_a_batchs_bids_derivative_names(tmp_path):
         shutil.copy(p, anat / f"sub-01_hemi-R_space-tpl_desc-otreg_{p.name}")
     with pytest.raises(ValueError, match="holds 2 saved registrations .*give the file"):
         Registration.load(anat)
-    with pytest.raises(FileNotFoundError, match="neither a folder nor a saved registration"):
+    (anat / "notes.txt").write_text("a file of another kind")
+    with pytest.raises(ValueError, match="neither a folder nor a saved registration"):
         Registration.load(anat / "notes.txt")
+    with pytest.raises(FileNotFoundError, match="missing.txt does not exist"):
+        Registration.load(anat / "missing.txt")
