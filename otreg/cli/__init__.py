@@ -8,6 +8,7 @@ from __future__ import annotations
 import click
 
 from .._info import info as show_info
+from ._common import Command
 from .batch import batch, manifest, report
 from .bids import bids
 from .ot import distance
@@ -32,10 +33,16 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="otreg")
 def main() -> None:
-    """Optimal transport and registration on PyTorch, within a memory budget."""
+    """Optimal transport and registration on PyTorch, within a memory budget.
+
+    Exit codes, of every command: 0 done; 1 an error, named on stderr (a bad option, a
+    missing or unreadable input); 3 done in part (a batch with failed pairs, a distance
+    printed though the solver stopped short of --tol); 130 interrupted (nothing partial
+    is left).
+    """
 
 
-@main.command()
+@main.command(cls=Command)
 @click.option("--no-keops", is_flag=True, help="Do not compile a test formula with KeOps.")
 def info(no_keops: bool) -> None:
     """Versions, the backends that work here and the KeOps cache folder."""

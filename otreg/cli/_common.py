@@ -324,3 +324,23 @@ def check_volume_options(label: float | None, level: float | None, paths: list[s
             f"{' and '.join(paths)} {'is not one' if len(paths) == 1 else 'are not'}: "
             f"leave {given[0]} out for meshes and point clouds"
         )
+
+
+class Command(click.Command):
+    """An otreg command: its usage errors (click's checks of options and arguments) exit
+    with 1, as the command's own checks of its inputs do (3 says a batch had failed pairs
+    or a distance did not converge, so 2 is not used)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as err:
+            err.exit_code = 1
+            raise
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as err:
+            err.exit_code = 1
+            raise

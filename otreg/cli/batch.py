@@ -1,6 +1,6 @@
 """The batch commands of ``otreg``: ``batch``, ``manifest``, ``report``, and what
 ``otreg bids`` shares with them (the runner options, :func:`run_engine`). Exit codes: 0 every
-pair done, 1 usage error, 3 some pairs failed, 130 interrupted."""
+pair done, 1 an error before any pair ran, 3 some pairs failed, 130 interrupted."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ..batch.records import find_records, unreadable_records
 from ..batch.report import build_report
 from ..io import same_file
 from ._common import (
+    Command,
     device_option,
     given_registration_options,
     progress_option,
@@ -26,25 +27,6 @@ from ._common import (
 )
 
 __all__: list[str] = []
-
-
-class BatchCommand(click.Command):
-    """A command whose usage errors exit with 1 (the batch convention: 3 means some pairs
-    failed, so 2 is not used)."""
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as err:
-            err.exit_code = 1
-            raise
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except click.UsageError as err:
-            err.exit_code = 1
-            raise
 
 
 def _ids(ctx, param, values) -> list[str] | None:
@@ -187,7 +169,7 @@ def _refuse_inputs_in_outputs(pairs, out: Path) -> None:
                 )
 
 
-@click.command(cls=BatchCommand)
+@click.command(cls=Command)
 @click.argument("pairs_csv", metavar="PAIRS.csv", type=click.Path(dir_okay=False))
 @click.option(
     "-o", "--output", required=True, type=click.Path(file_okay=False), help="Batch folder."
@@ -199,7 +181,7 @@ def batch(pairs_csv: str, output: str, **kw) -> None:
 
     Reruns nothing that is done (same inputs' content, options and output format); a pair
     that fails leaves the others running. Writes DIR/pairs/<id>/ per pair, summary.csv,
-    failed.csv and the group page index.html. Exit 0: all done, 1: usage error, 3: some
+    failed.csv and the group page index.html. Exit 0: all done, 1: an error (nothing run), 3: some
     pairs failed, 130: interrupted.
     """
     try:
@@ -267,7 +249,7 @@ def _write_manifest(pairs, output: str, overwrite: bool, inputs) -> None:
     write_manifest(pairs, output)
 
 
-@manifest.command("to-template", cls=BatchCommand)
+@manifest.command("to-template", cls=Command)
 @click.argument("template", type=click.Path(dir_okay=False, exists=True))
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--template-id", default="template", show_default=True)
@@ -285,7 +267,7 @@ def to_template(
     click.echo(f"wrote {output}: {len(pairs)} pairs")
 
 
-@manifest.command("all-pairs", cls=BatchCommand)
+@manifest.command("all-pairs", cls=Command)
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--symmetric", is_flag=True, help="Both directions of every pair.")
 @_id_from
@@ -300,7 +282,7 @@ def all_pairs_cmd(files: tuple[str, ...], symmetric: bool, id_from, output, over
     click.echo(f"wrote {output}: {len(pairs)} pairs")
 
 
-@click.command(cls=BatchCommand)
+@click.command(cls=Command)
 @click.argument("folder", type=click.Path(file_okay=False, exists=True))
 def report(folder: str) -> None:
     """Rebuild a batch folder's group page (index.html) from its per-pair records."""

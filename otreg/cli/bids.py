@@ -11,13 +11,13 @@ from ..batch import bids_pairs, build_report, find_inputs, write_dataset_descrip
 from ..batch.tables import tables_from_records
 from ..datasets import fsaverage5_path
 from ..io import same_file
-from ._common import warnings_as_lines
-from .batch import BatchCommand, _ids, run_engine, runner_options
+from ._common import Command, warnings_as_lines
+from .batch import _ids, run_engine, runner_options
 
 __all__: list[str] = []
 
 
-@click.command(cls=BatchCommand)
+@click.command(cls=Command)
 @click.argument("bids_dir", type=click.Path(file_okay=False))
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.argument("analysis_level", type=click.Choice(["participant", "group"]))

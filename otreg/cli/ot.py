@@ -16,6 +16,7 @@ from ..ot.divergence import divergence
 from ..ot.problem import SinkhornOptions
 from ..registration.prealign import check_scales
 from ._common import (
+    Command,
     check_volume_options,
     smooth_option,
     stdout_to_stderr,
@@ -25,7 +26,8 @@ from ._common import (
 
 __all__: list[str] = []
 
-#: Exit code of a value printed though the solver did not converge (0: converged, 1: usage).
+#: Exit code of a value printed though the solver did not converge (0: converged, 1: an
+#: error).
 NOT_CONVERGED = 3
 
 
@@ -46,7 +48,7 @@ class _Relaxation(click.ParamType):
         return w
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("source", type=click.Path(dir_okay=False))
 @click.argument("target", type=click.Path(dir_okay=False))
 @click.option(
@@ -112,8 +114,9 @@ def distance(
     """Sinkhorn divergence between two shapes' measures (area-weighted, normalised).
 
     SOURCE and TARGET are meshes, point clouds or volumes (with --label or --level). Exit 0:
-    converged; 1: usage error; 3: the value is printed (and "converged": false in --json)
-    but the solver stopped short of --tol, a warning on stderr says why.
+    converged; 1: an error (a bad option or input); 3: the value is printed (and
+    "converged": false in --json) but the solver stopped short of --tol, a warning on
+    stderr says why.
     """
     check_volume_options(label, level, [source, target])
     with stdout_to_stderr(as_json), warnings_as_lines():

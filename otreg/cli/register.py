@@ -28,6 +28,7 @@ from ..io import (
 )
 from ..registration import Registration
 from ._common import (
+    Command,
     check_volume_options,
     device_option,
     job_options,
@@ -43,7 +44,7 @@ from ._common import (
 __all__: list[str] = []
 
 
-@click.command("register")
+@click.command("register", cls=Command)
 @click.argument("source", type=click.Path())
 @click.argument("target", type=click.Path())
 @click.option(
@@ -165,7 +166,7 @@ def _print_outputs(m: dict, output: str, written: list[str]) -> None:
     )
 
 
-@click.command()
+@click.command(cls=Command)
 @click.option(
     "-o",
     "--output",
@@ -261,7 +262,7 @@ def _demo_pair(pair: str, hemi: str, surface: str, points: int | None):
     return source, subject.shape, subject.shape.points, what
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("result", type=click.Path(exists=True))
 @click.argument("values", type=click.Path())
 @click.option(

@@ -421,7 +421,7 @@ def test_carried_files_that_would_share_an_output_are_refused_before_the_work(tm
     result = CliRunner().invoke(
         main, [*args, "--source-values", str(labels), "--source-values", str(conf)]
     )
-    assert result.exit_code == 2 and "would both be written as dk_confidence.npy" in result.output
+    assert result.exit_code == 1 and "would both be written as dk_confidence.npy" in result.output
     assert not (tmp_path / "o").exists()
     with pytest.raises(ValueError, match="run_job: target_values has"):
         run_job(src, tgt, tmp_path / "p", JobOptions("rigid", picture=False),
@@ -465,7 +465,7 @@ def test_register_carries_values_and_refuses_bad_ones(tmp_path):
     assert result.exit_code == 0, result.output
     assert "to-target_src_height.func.gii" in result.output
     result = CliRunner().invoke(main, [*args, "--target-values", tgt])
-    assert result.exit_code == 2 and "is a surface or a volume" in result.output
+    assert result.exit_code == 1 and "is a surface or a volume" in result.output
     short = save_values(torch.zeros(5), tmp_path / "short.npy")
     result = CliRunner().invoke(main, [*args, "--target-values", str(short)])
     assert result.exit_code == 1 and f"target values {short}" in result.output

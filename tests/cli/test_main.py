@@ -33,7 +33,7 @@ def test_cli_errors_name_the_file_or_option(two_meshes, tmp_path):
     result = CliRunner().invoke(
         main, ["distance", str(seg), two_meshes[1], "--label", "1", "--level", "0.5"]
     )
-    assert result.exit_code == 2 and "--level (a threshold" in result.output
+    assert result.exit_code == 1 and "--level (a threshold" in result.output
     assert "not both" in result.output
 
 

@@ -118,7 +118,7 @@ def test_distance_smooth_sets_the_smoothing_of_a_volume(tmp_path):
     apart = json.loads(run(*args).output)["sqrt_2d_mm"]
     assert same < 0.005 < 0.01 < apart, (same, apart)  # mm: 0.002 and 0.02
     refused = CliRunner().invoke(main, [*args, "--smooth", "-1"])
-    assert refused.exit_code == 2 and "--smooth" in refused.output
+    assert refused.exit_code == 1 and "--smooth" in refused.output
 
 
 def test_distance_defaults_are_the_library_defaults():

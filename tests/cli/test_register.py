@@ -119,7 +119,7 @@ def test_an_unwritable_output_folder_is_refused_before_any_work(two_meshes, tmp_
     bad = str(tmp_path / "afile" / "out")
     for args in (["register", *two_meshes, "-o", bad], ["demo", "-o", bad, "--points", "400"]):
         result = CliRunner().invoke(main, args)
-        assert result.exit_code == 2, result.output
+        assert result.exit_code == 1, result.output
         assert "afile" in result.output and "is a file" in result.output
         assert "Traceback" not in result.output and result.exception is not None
         assert not isinstance(result.exception, AssertionError)
@@ -137,7 +137,7 @@ def test_a_read_only_output_folder_is_refused_before_any_work(two_meshes, tmp_pa
         result = CliRunner().invoke(main, ["register", *two_meshes, "-o", str(ro)])
     finally:
         ro.chmod(0o700)
-    assert result.exit_code == 2 and "ro" in result.output and "ermission" in result.output
+    assert result.exit_code == 1 and "ro" in result.output and "ermission" in result.output
 
 
 def test_a_failed_run_leaves_no_output_folder_it_created(two_meshes, tmp_path):
@@ -160,7 +160,7 @@ def test_a_folder_without_write_permission_is_refused_before_any_work(
 
     monkeypatch.setattr(tempfile, "mkstemp", denied)  # what a read-only folder does, even to root
     result = CliRunner().invoke(main, ["register", *two_meshes, "-o", str(tmp_path / "out")])
-    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.exit_code == 1 and "Traceback" not in result.output
     assert f"cannot write into the folder {tmp_path / 'out'}: Permission denied" in result.output
 
 
@@ -170,11 +170,11 @@ def test_label_or_level_for_meshes_only_is_a_usage_error(two_meshes, tmp_path, n
         result = CliRunner().invoke(
             main, ["register", *two_meshes, "-o", str(tmp_path / "out"), option, "3"]
         )
-        assert result.exit_code == 2, result.output
+        assert result.exit_code == 1, result.output
         assert f"{option} applies to volumes" in result.output
         assert "a.vtk" in result.output and "b.ply" in result.output
         result = CliRunner().invoke(main, ["distance", *two_meshes, option, "3"])
-        assert result.exit_code == 2 and f"{option} applies to volumes" in result.output
+        assert result.exit_code == 1 and f"{option} applies to volumes" in result.output
     assert not (tmp_path / "out").exists()
 
 
@@ -269,7 +269,7 @@ def test_transfer_carries_a_label_file_through_a_saved_registration(tmp_path):
         inside = tmp_path / "src.label.gii" / below / "out.label.gii"
         r = run("transfer", str(tmp_path / "r"), str(tmp_path / "src.label.gii"), "-o",
                 str(inside))  # fmt: skip
-        assert r.exit_code == 1 and "src.label.gii: a file, not a folder" in r.output, r.output
+        assert r.exit_code == 1 and "src.label.gii is a file, not a folder" in r.output, r.output
 
 
 def test_transfer_writes_the_confidence_and_follows_the_output_name(tmp_path):
@@ -412,7 +412,7 @@ def test_device_is_checked_before_any_work(two_meshes, tmp_path, no_work):
 
     base = ["register", *two_meshes, "-o", str(tmp_path / "out"), "--model", "rigid"]
     result = CliRunner().invoke(main, [*base, "--device", "tpu"])
-    assert result.exit_code == 2 and "'tpu'; give cpu, cuda or cuda:N" in result.output
+    assert result.exit_code == 1 and "'tpu'; give cpu, cuda or cuda:N" in result.output
     if not torch.cuda.is_available():
         result = CliRunner().invoke(main, [*base, "--device", "cuda"])
         assert result.exit_code == 1 and "sees no CUDA device here" in result.output
