@@ -60,21 +60,21 @@ class _Relaxation(click.ParamType):
 )
 @click.option(
     "--scaling",
-    default=0.7,
+    default=SinkhornOptions.scaling,
     show_default=True,
     type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
     help="eps-scaling factor per annealing step.",
 )
 @click.option(
     "--tol",
-    default=1e-3,
+    default=SinkhornOptions.tol,
     show_default=True,
     type=click.FloatRange(min=0),
     help="Marginal-error tolerance at the final blur.",
 )
 @click.option(
     "--max-iter",
-    default=2000,
+    default=SinkhornOptions.max_iter,
     show_default=True,
     type=click.IntRange(min=1),
     help="Most Sinkhorn iterations (the annealing ones included).",
@@ -87,7 +87,7 @@ class _Relaxation(click.ParamType):
 )
 @click.option(
     "--relaxation",
-    default="anderson",
+    default=SinkhornOptions.relaxation,
     show_default=True,
     type=_Relaxation(),
     help="How the Sinkhorn updates are accelerated: 'anderson' (mixing of the last 24), "

@@ -147,6 +147,9 @@ def _print_outputs(m: dict, output: str, written: list[str]) -> None:
             f"  curvature correlation  {m['before_curvature_correlation']:.3f} before, "
             f"{m['curvature_correlation']:.3f} after"
         )
+    for key in sorted(k for k in m if k.endswith("_dice") and f"before_{k}" in m):
+        name = f"{key.removesuffix('_dice')} Dice"
+        click.echo(f"  {name:<22} {m[f'before_{key}']:.3f} before, {m[key]:.3f} after")
     if "vertex_error_mean_mm" in m:
         click.echo(
             f"  vertex error (truth)   mean {m['vertex_error_mean_mm']:.3f} mm, max "

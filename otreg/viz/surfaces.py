@@ -9,6 +9,7 @@ RAS coordinates) or ``"iso"``.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -124,10 +125,28 @@ def _render(caller: str, path: str | Path, window_size, subplots: int, draw) -> 
     return path
 
 
-def _add_scalars(plotter, mesh, title: str, values, cmap: str, clim=None, fmt="%.1f") -> None:
+def _bar_format(low: float, high: float) -> str:
+    """The printf format of a colour bar's labels from ``low`` to ``high`` (its five labels a
+    quarter of the range apart): enough decimals that they differ, e.g. ``%.3f`` for 0 to
+    0.1 mm (0.000, 0.025, ... where ``%.1f`` printed 0.0, 0.0, 0.1, 0.1, 0.1).
+
+    Example:
+        >>> _bar_format(0.0, 0.1), _bar_format(0.0, 1.0), _bar_format(0.0, 250.0)
+        ('%.3f', '%.2f', '%.0f')
+    """
+    step = (high - low) / 4
+    if not math.isfinite(step) or step <= 0:
+        return "%.1f"
+    return f"%.{min(6, max(0, math.ceil(-math.log10(step)) + 1))}f"
+
+
+def _add_scalars(plotter, mesh, title: str, values, cmap: str, clim=None, fmt=None) -> None:
     import numpy as np
 
     mesh.point_data[title] = np.asarray(values, dtype=float)
+    if fmt is None:
+        low, high = clim or (float(np.min(values)), float(np.max(values)))
+        fmt = _bar_format(low, high)
     plotter.add_mesh(
         mesh,
         scalars=title,
@@ -383,7 +402,11 @@ def plot_momenta(
             glyphs,
             scalars=speed,
             cmap="plasma",
-            scalar_bar_args={"title": speed, "vertical": False, "fmt": "%.1f"},
+            scalar_bar_args={
+                "title": speed,
+                "vertical": False,
+                "fmt": _bar_format(0.0, float(arrows[speed].max())),
+            },
         )
         _set_view(plotter, view)
 

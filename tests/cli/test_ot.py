@@ -122,10 +122,12 @@ def test_distance_smooth_sets_the_smoothing_of_a_volume(tmp_path):
 
 
 def test_distance_defaults_are_the_library_defaults():
-    """--max-iter's default was 1,000 where the library's is 2,000."""
+    """--max-iter's default was 1,000 where the library's is 2,000, --scaling's 0.7 where
+    the library's is 0.5."""
     import otreg
 
     command = main.get_command(None, "distance")
     defaults = {p.name: p.default for p in command.params}
     options = otreg.SinkhornOptions(blur=1.0)
     assert defaults["max_iter"] == options.max_iter and defaults["tol"] == options.tol
+    assert defaults["scaling"] == options.scaling and defaults["relaxation"] == options.relaxation

@@ -1,6 +1,7 @@
 """otreg register and otreg demo: outputs, output folders refused before any work, choices."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -684,3 +685,14 @@ def test_transfer_keeps_the_confidence_of_other_labels_that_share_its_name(tmp_p
     assert np.load(out / "z.npy").dtype.kind == "i"
     r = transfer(thickness, "z.npy")  # their confidence is stale
     assert "removed" in r.output and not (out / "z_confidence.npy").exists(), r.output
+
+
+def test_the_summary_prints_the_label_overlap_before_and_after(capsys):
+    from otreg.cli.register import _print_outputs
+
+    metrics = {"before_mean_mm": 3.0, "mean_mm": 0.5, "mean_ab_mm": 0.5, "mean_ba_mm": 0.6,
+               "before_hausdorff_mm": 9.0, "hausdorff_mm": 2.0, "seconds": 1.0,
+               "prealign_seconds": 0.1, "fit_seconds": 0.8, "metrics_seconds": 0.1,
+               "dseg_dice": 0.912, "before_dseg_dice": 0.801}  # fmt: skip
+    _print_outputs(metrics, "out", ["registration.json"])
+    assert re.search(r"\n  dseg Dice +0\.801 before, 0\.912 after\n", capsys.readouterr().out)
