@@ -204,11 +204,15 @@ def solve(
 def _newton(p: Problem, x, a, y, b, sol: Solution) -> Solution:
     """The solve by Newton's method along halvings of the blur (:mod:`otreg.ot.newton`),
     from potentials converged at ``newton.START`` times the blur by the updates. Where that
-    start or the continuation does not converge, the updates go on from ``sol`` (their
-    result where they stopped, crawling) within what is left of ``max_iter``."""
+    start or the continuation does not converge, the updates go on within what is left of
+    ``max_iter`` from the nearer of ``sol`` (their result where they stopped, crawling) and
+    Newton's last potentials, by their marginal errors: 1,000 Gaussian points against
+    1,010 at blur 0.02 stopped Newton's method at 1.3e-3 (tol 1e-3), where the updates
+    had stopped at 0.013, and ran 1,567 more updates from there, unconverged (31 s)."""
     stages = newton.blurs(p)
     start = replace(p, schedule=[e for e in p.schedule if e >= stages[0]])
     first = solve(replace(start, max_iter=p.max_iter // 2), x, a, y, b, continuation=False)
+    init, whence = (sol.f, sol.g), "the updates went on"
     if first.rule.converged and len(stages) > 1:  # (one eps: no blur left to halve)
         f, g, solves, error = newton.continuation(p, x, a, y, b, first.g)
         if error <= p.tol:
@@ -222,12 +226,15 @@ def _newton(p: Problem, x, a, y, b, sol: Solution) -> Solution:
             )
             n_iter = sol.n_iter + first.n_iter + solves
             return Solution(f, g, n_iter, rule, sol.kernel, story)
+        if error < sol.rule.error:  # (NaN, inf: not nearer)
+            init = (f, g)
+            whence = f"the updates went on from its potentials (marginal error {error:.2g})"
     spent = sol.n_iter + first.n_iter
     if spent >= p.max_iter:
         sol.rule.reason = "max_iter"  # (not 'crawling': the budget is spent)
         return replace(sol, n_iter=spent)
-    rest = solve(replace(p, max_iter=p.max_iter - spent), x, a, y, b, init=(sol.f, sol.g))
-    note = f"; Newton's method did not converge: the updates went on at iteration {spent}"
+    rest = solve(replace(p, max_iter=p.max_iter - spent), x, a, y, b, init=init)
+    note = f"; Newton's method did not converge: {whence} at iteration {spent}"
     return replace(rest, n_iter=spent + rest.n_iter, acceleration=rest.acceleration + note)
 
 

@@ -99,6 +99,28 @@ def test_where_newton_fails_the_updates_go_on_within_max_iter(monkeypatch):
         assert float(res.cost) == pytest.approx(float(direct.cost), rel=1e-6)
 
 
+def test_where_newton_stops_nearer_than_the_updates_they_go_on_from_its_potentials(
+    monkeypatch,
+):
+    """Newton's method cut short (its last stage stopped at 100 times tol) ends
+    unconverged but nearer than the crawling updates: the updates go on from its
+    potentials and converge."""
+    x, y = gaussians()
+    stage = newton.stage
+
+    def cut_short(C, a, b, g, eps, tol):
+        f, g, solves, error = stage(C, a, b, g, eps, 100 * tol if eps == BLUR**2 else tol)
+        assert eps != BLUR**2 or error > tol  # (unconverged)
+        return f, g, solves, error
+
+    monkeypatch.setattr(newton, "stage", cut_short)
+    res = otreg.sinkhorn(x, y, blur=BLUR, tol=1e-6, max_iter=5000)
+    assert "the updates went on from its potentials (marginal error" in res.acceleration
+    assert res.converged
+    direct = otreg.sinkhorn(x, y, blur=BLUR, tol=1e-6)
+    assert float(res.cost) == pytest.approx(float(direct.cost), rel=1e-6)
+
+
 def test_a_batch_is_solved_problem_by_problem():
     x, y = gaussians(batch=(2,))
     res = otreg.sinkhorn(x, y, blur=BLUR, tol=1e-6)
