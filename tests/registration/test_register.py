@@ -337,3 +337,22 @@ def test_a_surface_registered_onto_itself_is_the_identity_without_a_fit(pial_sma
     nudged = pial_small.with_points(pial_small.points + 1e-3)
     moved = register(pial_small, nudged, levels=[Level(300, 5.0)], refine=False, progress=False)
     assert moved.history
+
+
+def test_sizes_a_rigid_pre_alignment_cannot_bridge_are_flagged():
+    """A target a third the size, pre-aligned rigidly: a warning that names
+    prealign='similarity'; pre-aligned by a similarity, none."""
+    import warnings
+
+    import pyvista as pv
+
+    from otreg import register
+
+    ball = Shape.from_pyvista(pv.Sphere(radius=20.0, theta_resolution=12, phi_resolution=12))
+    small = ball.with_points(ball.points / 3 + 5.0)
+    with pytest.warns(UserWarning, match=r"target is 3 times .*give prealign='similarity'"):
+        register(small, ball, model="rigid", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        res = register(small, ball, model="similarity", progress=False)
+    assert res.metrics["mean_mm"] < 0.1 * res.metrics["before_mean_mm"]
