@@ -209,12 +209,18 @@ def _newton(p: Problem, x, a, y, b, sol: Solution) -> Solution:
     Newton's last potentials, by their marginal errors: 1,000 Gaussian points against
     1,010 at blur 0.02 stopped Newton's method at 1.3e-3 (tol 1e-3), where the updates
     had stopped at 0.013, and ran 1,567 more updates from there, unconverged (31 s)."""
-    stages = newton.blurs(p)
-    start = replace(p, schedule=[e for e in p.schedule if e >= stages[0]])
-    first = solve(replace(start, max_iter=p.max_iter // 2), x, a, y, b, continuation=False)
+    spent = sol.n_iter
+    for factor in (newton.START, newton.START**2):  # a larger blur where the first fails
+        stages = newton.blurs(p, factor)
+        start = replace(p, schedule=[e for e in p.schedule if e >= stages[0]])
+        room = min(p.max_iter // 2, p.max_iter - spent)
+        first = solve(replace(start, max_iter=max(room, 1)), x, a, y, b, continuation=False)
+        spent += first.n_iter
+        if first.rule.converged or stages[0] == p.schedule[0]:
+            break
     init, whence = (sol.f, sol.g), "the updates went on"
     if first.rule.converged and len(stages) > 1:  # (one eps: no blur left to halve)
-        f, g, solves, error = newton.continuation(p, x, a, y, b, first.g)
+        f, g, solves, error = newton.continuation(p, x, a, y, b, first.g, factor)
         if error <= p.tol:
             rule = _rule(p, sol.kernel)
             rule.error, rule.reason = error, "tol"
@@ -224,12 +230,10 @@ def _newton(p: Problem, x, a, y, b, sol: Solution) -> Solution:
                 f"{blur:.3g} in {first.n_iter} iterations, after {sol.n_iter} updates "
                 "that had not converged"
             )
-            n_iter = sol.n_iter + first.n_iter + solves
-            return Solution(f, g, n_iter, rule, sol.kernel, story)
+            return Solution(f, g, spent + solves, rule, sol.kernel, story)
         if error < sol.rule.error:  # (NaN, inf: not nearer)
             init = (f, g)
             whence = f"the updates went on from its potentials (marginal error {error:.2g})"
-    spent = sol.n_iter + first.n_iter
     if spent >= p.max_iter:
         sol.rule.reason = "max_iter"  # (not 'crawling': the budget is spent)
         return replace(sol, n_iter=spent)

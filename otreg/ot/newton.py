@@ -104,10 +104,10 @@ def crawling(error: float, tol: float) -> bool:
     return not error <= CRAWLING * tol  # (NaN: crawling too)
 
 
-def blurs(p: Problem) -> list[float]:
-    """The eps of the start (the first of ``p.schedule`` at most ``START ** p`` times the
+def blurs(p: Problem, start: float = START) -> list[float]:
+    """The eps of the start (the first of ``p.schedule`` at most ``start ** p`` times the
     final eps), then of each stage, halving the blur down to the final eps."""
-    eps = next(e for e in p.schedule if e <= START**p.cost.p * p.eps)
+    eps = next(e for e in p.schedule if e <= start**p.cost.p * p.eps)
     out = [eps]
     while eps > p.eps * (1 + 1e-9):
         eps = max(eps / 2**p.cost.p, p.eps)
@@ -149,16 +149,18 @@ def stage(C, a, b, g, eps: float, tol: float) -> tuple[torch.Tensor, torch.Tenso
             mu *= 10
 
 
-def continuation(p: Problem, x, a, y, b, g) -> tuple[torch.Tensor, torch.Tensor, int, float]:
-    """From g (B, M), potentials converged at the first eps of :func:`blurs`, Newton's
-    method at each of the others: ``(f, g, solves, error)``, f (B, N) and g (B, M)
-    in x's dtype, the solves summed over the batch, the largest final error."""
+def continuation(
+    p: Problem, x, a, y, b, g, start: float = START
+) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """From g (B, M), potentials converged at the first eps of :func:`blurs` (from
+    ``start``), Newton's method at each of the others: ``(f, g, solves, error)``, f (B, N)
+    and g (B, M) in x's dtype, the solves summed over the batch, the largest final error."""
     fs, gs, solves, worst = [], [], 0, 0.0
     wide = [t.detach().double() for t in (x, a, y, b)]
     for k in range(x.shape[0]):
         C = p.cost.dense(wide[0][k : k + 1], wide[2][k : k + 1])[0]
         gk = g[k].double()
-        for eps in blurs(p)[1:]:
+        for eps in blurs(p, start)[1:]:
             tol = p.tol if eps == p.eps else max(p.tol, 1e-2)
             fk, gk, n, error = stage(C, wide[1][k], wide[3][k], gk, eps, tol)
             solves += n
