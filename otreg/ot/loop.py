@@ -203,8 +203,10 @@ def solve(
 
 def _newton(p: Problem, x, a, y, b, sol: Solution) -> Solution:
     """The solve by Newton's method along halvings of the blur (:mod:`otreg.ot.newton`),
-    from potentials converged at ``newton.START`` times the blur by the updates. Where that
-    start or the continuation does not converge, the updates go on within what is left of
+    from potentials converged at ``newton.START`` times the blur by the updates, or at its
+    square where they do not converge there (100 Gaussian points against 120 at blur 1e-3:
+    the updates at 16 times the blur ran 1,000 iterations unconverged). Where neither
+    start or the continuation converges, the updates go on within what is left of
     ``max_iter`` from the nearer of ``sol`` (their result where they stopped, crawling) and
     Newton's last potentials, by their marginal errors: 1,000 Gaussian points against
     1,010 at blur 0.02 stopped Newton's method at 1.3e-3 (tol 1e-3), where the updates

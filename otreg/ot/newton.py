@@ -55,12 +55,11 @@ CRAWLING = 10.0
 #: where y has at most ``SMALL_SIDE`` points the check comes after ``EARLY_AT`` iterations
 #: instead (:func:`check_at`): there a Newton solve costs little more than an update (each
 #: is a few dozen small torch calls), and the updates' final phase, hundreds of them, is
-#: what a call costs. On benchmarks/sinkhorn_family.py's
-#: problems at blur 0.01 (divergence and gradient, two cores), by y's size, the five
-#: problems' times summed: 150 points 2.78 -> 0.70 s, 300 points 3.04 -> 1.63 s, 400
-#: points 4.91 -> 2.75 s (the Gaussian clouds 0.42 -> 0.70 s), 500 points (checked after
-#: 100) 6.35 -> 6.43 s, 1,000 points (after 200) the clusters 1.64 -> 4.13 s
-#: (docs/guide/ot.md)
+#: what a call costs. On benchmarks/sinkhorn_family.py's problems at blur 0.01 (divergence
+#: and gradient, two cores), by y's size, the five problems' times summed: 150 points
+#: 2.78 -> 0.70 s, 300 points 3.04 -> 1.63 s, 400 points 4.91 -> 2.75 s (the Gaussian
+#: clouds 0.42 -> 0.70 s), 500 points (checked after 100) 6.35 -> 6.43 s, 1,000 points
+#: (after 200) the clusters 1.64 -> 4.13 s (docs/guide/ot.md)
 EARLY_AT = 30
 SMALL_SIDE = 400
 #: it starts from potentials converged at this many times the blur
