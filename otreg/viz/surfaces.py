@@ -143,9 +143,10 @@ def _bar_format(low: float, high: float) -> str:
 def _add_scalars(plotter, mesh, title: str, values, cmap: str, clim=None, fmt=None) -> None:
     import numpy as np
 
-    mesh.point_data[title] = np.asarray(values, dtype=float)
+    values = np.asarray(values, dtype=float)
+    mesh.point_data[title] = values
     if fmt is None:
-        low, high = clim or (float(np.min(values)), float(np.max(values)))
+        low, high = clim or (float(values.min()), float(values.max()))
         fmt = _bar_format(low, high)
     plotter.add_mesh(
         mesh,

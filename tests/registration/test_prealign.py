@@ -133,4 +133,4 @@ def test_register_warns_when_the_sizes_suggest_metres_and_millimetres():
         register(tetra(25.0), tetra(), model="rigid", progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # shapes of one unit, 15 times apart: no warning
-        register(tetra(15.0), tetra(), model="rigid", progress=False)
+        register(tetra(15.0), tetra(), model="similarity", progress=False)
