@@ -37,10 +37,17 @@ def _radius(shape: Shape) -> float:
 
 
 def check_scales(
-    caller: str, source: Shape, target: Shape, names: tuple[str, str] = ("source", "target")
+    caller: str,
+    source: Shape,
+    target: Shape,
+    names: tuple[str, str] = ("source", "target"),
+    prealign: str | None = None,
 ) -> None:
     """Warn (UserWarning) when the shapes' sizes, RMS distances of their points to their
-    centroids, differ by more than :data:`SCALE_RATIO`: probably two units."""
+    centroids, differ by more than :data:`SCALE_RATIO`: probably two units; or, for a
+    ``prealign`` kind that keeps sizes (rigid, none), by more than
+    :data:`RIGID_SIZE_RATIO`: the deformation alone would have to scale one (a fit of 2.5k
+    vertices onto a target a tenth the size left them as far apart as before, 17.9 mm)."""
     radii = [_radius(source), _radius(target)]
     if min(radii) == 0:  # a single point (or all at one place): no size to compare
         return
@@ -54,26 +61,12 @@ def check_scales(
             "(shape.with_points(shape.points * 1000) for metres)",
             UserWarning,
         )
-
-
-def check_rigid_sizes(caller: str, source: Shape, target: Shape, kind: str) -> None:
-    """Warn (UserWarning) where a pre-alignment ``kind`` that keeps sizes (rigid, none)
-    meets shapes whose sizes differ by more than :data:`RIGID_SIZE_RATIO` (and by at most
-    :data:`SCALE_RATIO`, where :func:`check_scales` warns of units): the deformation alone
-    would have to scale one, and a fit of 2.5k vertices a tenth the size left them as far
-    apart as before (17.9 mm)."""
-    if kind not in ("rigid", "none"):
-        return
-    radii = [_radius(source), _radius(target)]
-    if min(radii) == 0:
-        return
-    ratio = max(radii) / min(radii)
-    if RIGID_SIZE_RATIO < ratio <= SCALE_RATIO:
-        bigger = "source" if radii[0] > radii[1] else "target"
+    elif ratio > RIGID_SIZE_RATIO and prealign in ("rigid", "none"):
         warn(
-            f"{caller}: the {bigger} is {ratio:.2g} times the size of the other (RMS radii "
-            f"{radii[0]:.3g} and {radii[1]:.3g} {source.unit}), and prealign={kind!r} keeps "
-            "sizes: give prealign='similarity' (or 'affine') to scale it first",
+            f"{caller}: the {names[big]} is {ratio:.2g} times the size of the other (RMS "
+            f"radii {radii[0]:.3g} and {radii[1]:.3g} {source.unit}), and "
+            f"prealign={prealign!r} keeps sizes: give prealign='similarity' (or 'affine') "
+            "to scale it first",
             UserWarning,
         )
 

@@ -49,7 +49,7 @@ from .options import (
     RefineOptions,
     loss_weights,
 )
-from .prealign import check_rigid_sizes, check_scales
+from .prealign import check_scales
 from .prealign import prealign as fit_prealign
 from .result import Registration, transform_with_jacobians
 
@@ -173,7 +173,6 @@ def _plan(
             raise ValueError(f"{caller}: {name} has no triangles; registration compares surfaces")
     if source.unit != target.unit:
         raise ValueError(f"{caller}: source is in {source.unit} but target in {target.unit}")
-    check_scales(caller, source, target)
     if isinstance(model, LDDMMOptions):
         lddmm, model = model, "lddmm"
     else:
@@ -186,7 +185,7 @@ def _plan(
         pre = PrealignOptions(prealign)
     if model in LINEAR:  # a linear model is the pre-alignment of its own kind
         pre = dataclasses.replace(pre, kind=model)
-    check_rigid_sizes(caller, source, target, pre.kind)
+    check_scales(caller, source, target, prealign=pre.kind)
     if optimizer is None:
         optimizer = LBFGSOptions()
     elif not isinstance(optimizer, LBFGSOptions):
