@@ -195,6 +195,18 @@ def _device(ctx, param, value):
     return value
 
 
+def check_local_device(device: str | None) -> None:
+    """For a command that registers in this process: --device is here (a batch's workers
+    check theirs where they run), as a usage error naming the option."""
+    from .._checks import check_device
+
+    try:
+        check_device("--device", device)
+    except ValueError as err:
+        message = str(err).removeprefix("--device: ")
+        raise click.BadParameter(message, param_hint="'--device'") from err
+
+
 #: --device, for the commands that run registrations.
 device_option = click.option(
     "--device",

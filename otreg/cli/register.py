@@ -29,6 +29,7 @@ from ..io import (
 from ..registration import Registration
 from ._common import (
     Command,
+    check_local_device,
     check_volume_options,
     device_option,
     job_options,
@@ -92,6 +93,7 @@ def register_cmd(
 ) -> None:
     """Register SOURCE onto TARGET (meshes, or volumes with --label/--level)."""
     check_volume_options(label, level, [source, target])
+    check_local_device(device)
     set_threads(threads)
     options = job_options(registration)
     progress = check_progress("otreg register", progress)
@@ -223,6 +225,7 @@ def demo(
 ) -> None:
     """Register two real brain surfaces (by default fsaverage5 onto Conte69) and write the
     warped surface, the parameters, the metrics and a picture."""
+    check_local_device(device)
     set_threads(threads)
     with output_folder(output, [], ("source.vtk", "target.vtk")) as staging:
         try:

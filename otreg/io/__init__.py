@@ -348,11 +348,11 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
         )
     path = Path(path).expanduser()
     kind = _values.suffix(path)
-    if kind == "morph" and path.suffix.lower() in _values.NOT_MORPH:
+    if kind == "morph" and not _values.morph_name(path.name):
         raise ValueError(
             f"{caller}: otreg does not write per-vertex values as {path.suffix} "
             f"({path.name}); name the file .func.gii, .label.gii, .annot, .mgh, .mgz, .npy, or "
-            "lh.NAME for a FreeSurfer morphometry file"
+            "lh.NAME (rh.NAME, NAME.curv) for a FreeSurfer morphometry file"
         )
     if values.source is not None and _files.same_file(path, values.source):
         raise ValueError(

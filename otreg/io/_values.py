@@ -106,10 +106,25 @@ KINDS = {
 }
 
 
-#: Extensions of other kinds of file, which a name that otherwise falls through to FreeSurfer's
-#: morphometry format (no extension of its own) must not have when written.
-NOT_MORPH = (".csv", ".tsv", ".txt", ".json", ".gz", ".nii", ".npz", ".mat", ".pt", ".h5",
-             ".vtk", ".vtp", ".ply", ".stl", ".obj")  # fmt: skip
+#: The extensions of FreeSurfer's morphometry files named without a hemisphere (``NAME.curv``):
+#: a name that falls through to that format (it has no extension of its own) is written
+#: as one only if it starts with ``lh.`` / ``rh.``, has no extension, or ends in one of these
+#: (:func:`morph_name`); ``out.xyz`` is refused rather than written as a curv file
+MORPH_EXTENSIONS = (".curv", ".thickness", ".sulc", ".area", ".volume", ".jacobian_white",
+                    ".avg_curv")  # fmt: skip
+
+
+def morph_name(name: str) -> bool:
+    """Whether a file ``name`` reads as FreeSurfer morphometry's when written (see
+    :data:`MORPH_EXTENSIONS`).
+
+    Example:
+        >>> from otreg.io._values import morph_name
+        >>> morph_name("lh.thickness"), morph_name("sub-01.curv"), morph_name("out.xyz")
+        (True, True, False)
+    """
+    lower = name.lower()
+    return lower.startswith(("lh.", "rh.")) or "." not in lower or lower.endswith(MORPH_EXTENSIONS)
 
 
 #: Names of a label table's "no label" entries (FreeSurfer's unknown, the HCP's ???),

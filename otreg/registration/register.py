@@ -185,7 +185,7 @@ def _plan(
         pre = PrealignOptions(prealign)
     if model in LINEAR:  # a linear model is the pre-alignment of its own kind
         pre = dataclasses.replace(pre, kind=model)
-    check_scales(caller, source, target, prealign=pre.kind)
+    check_scales(caller, source, target, prealign=pre.kind, deformable=lddmm is not None)
     if optimizer is None:
         optimizer = LBFGSOptions()
     elif not isinstance(optimizer, LBFGSOptions):

@@ -417,6 +417,7 @@ def test_device_is_checked_before_any_work(two_meshes, tmp_path, no_work):
     if not torch.cuda.is_available():
         result = CliRunner().invoke(main, [*base, "--device", "cuda"])
         assert result.exit_code == 1 and "sees no CUDA device here" in result.output
+        assert "Invalid value for '--device'" in result.output  # the option, not a function
         assert not (tmp_path / "out").exists()
         rows = tmp_path / "pairs.csv"
         rows.write_text(f"pair_id,source,target\np1,{two_meshes[0]},{two_meshes[1]}\n")

@@ -120,6 +120,18 @@ def tetra(scale=1.0):
     return Shape(pts * scale, torch.tensor([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]]))
 
 
+def test_a_deformable_fit_between_two_units_under_a_rigid_prealignment_is_refused():
+    """Metres against millimetres before LDDMM with a pre-alignment that keeps sizes: a
+    ValueError naming the sizes and the way out, before any fit (that fit ran for minutes);
+    with a similarity, which can scale the source, a warning as for a linear model."""
+    from otreg import register
+
+    with pytest.raises(ValueError, match=r"register: target is 1000 times larger.*'similarity'"):
+        register(tetra(0.001), tetra(), progress=False)
+    with pytest.raises(ValueError, match=r"prealign='none' keeps sizes"):
+        register(tetra(), tetra(0.001), prealign="none", progress=False)
+
+
 def test_register_warns_when_the_sizes_suggest_metres_and_millimetres():
     import warnings
 

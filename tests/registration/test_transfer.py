@@ -439,9 +439,12 @@ def test_a_file_of_another_kind_is_refused_not_read_as_numbers(tmp_path):
     for name in ("thick.csv", "lh.aparc.annot.gz"):
         with pytest.raises(ValueError, match=f"{name} could not be read.*magic number"):
             load_values(tmp_path / name)
-    for name in ("thick.csv", "thick.gz"):
+    for name in ("thick.csv", "thick.gz", "out.xyz"):  # (.xyz: no known kind, not lh.NAME)
         with pytest.raises(ValueError, match=f"does not write per-vertex values as .*{name}"):
             save_values(torch.rand(3), tmp_path / name)
+        assert not (tmp_path / name).exists() or name == "thick.csv"
+    for name in ("lh.thick", "sub-01.curv", "thickness"):  # FreeSurfer's own names
+        assert load_values(save_values(torch.rand(3), tmp_path / name)).values.shape == (3,)
     assert (tmp_path / "thick.csv").read_text() == "1.0,2.0,3.0\n" and not (
         tmp_path / "thick.gz"
     ).exists()
