@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 import torch
 
+from .._checks import check_device
 from .._info import usable_cores
 from ..batch.dispatch import sigterm_as_interrupt
 from ..batch.job import JOB_FILES, JOB_LOSSES, JOB_OPTION_NAMES, JobOptions
@@ -198,8 +199,6 @@ def _device(ctx, param, value):
 def check_local_device(device: str | None) -> None:
     """For a command that registers in this process: --device is here (a batch's workers
     check theirs where they run), as a usage error naming the option."""
-    from .._checks import check_device
-
     try:
         check_device("--device", device)
     except ValueError as err:
