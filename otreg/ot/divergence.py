@@ -364,8 +364,17 @@ class SinkhornLoss(nn.Module):
         return f"{opts}debias={self.debias}, warm_start={self.warm_start}"
 
     def reset(self) -> None:
-        """Forget the potentials kept for warm starts."""
+        """Forget the potentials kept for warm starts and the last call's result."""
         self._warm = {}
+        self.last_result = None
+
+    def __getstate__(self) -> dict:
+        """A copy or a pickle leaves out ``last_result``: a diagnostic of the last call,
+        whose cost and plan belong to that call's autograd graph (``copy.deepcopy`` of a
+        model holding the loss refused them, and pickles carried the clouds)."""
+        state = dict(super().__getstate__())
+        state["last_result"] = None
+        return state
 
     # torch.compile: a compiled model runs the loss as it is (a graph break), since tracing a
     # converging loop recompiled 54 times and took 113 s for one call of 200 points

@@ -143,6 +143,30 @@ def test_sinkhorn_loss_warm_start_gives_the_same_values_faster():
         otreg.SinkhornLoss(warm_start=1)
 
 
+def test_a_model_holding_the_loss_copies_and_pickles_after_a_call():
+    """deepcopy (a best checkpoint, an EMA copy) and pickle of a model holding the loss
+    after a forward and backward: last_result (the call's graph) is left out, the warm
+    potentials kept; the copy computes what the original does."""
+    import copy
+    import pickle
+
+    x, y, a, b = clouds(n=60, m=50, d=3, seed=5)
+    lin = torch.nn.Linear(3, 3).to(x.dtype)
+    loss = otreg.SinkhornLoss(blur=0.2, warm_start=True)
+    model = torch.nn.ModuleList([lin, loss])
+    loss(lin(x), y).backward()
+    assert loss.last_result is not None and loss.last_result.cost.grad_fn is not None
+    twin = copy.deepcopy(model)
+    assert twin[1].last_result is None and loss.last_result is not None
+    assert twin[1]._warm.keys() == loss._warm.keys()
+    with torch.no_grad():
+        assert float(twin[1](twin[0](x), y)) == pytest.approx(float(loss(lin(x), y)), rel=1e-6)
+    blob = pickle.dumps(model)
+    assert pickle.loads(blob)[1].last_result is None
+    loss.reset()
+    assert loss.last_result is None and not loss._warm
+
+
 def test_a_warm_start_that_crawls_falls_back_to_the_annealing():
     """Clouds moved far between calls: the previous potentials are a poor start (a model
     trained by Adam took 900 to 2,000 iterations from them, and stopped unconverged, where
