@@ -30,6 +30,7 @@ from ..io import (
     VOLUME_SMOOTH,
     check_writable_folder,
     remove_empty_folders,
+    replace_recorded_outputs,
     same_file,
 )
 from ..registration.options import MODELS, PREALIGNS, LBFGSOptions
@@ -44,10 +45,10 @@ def output_folder(output: str, inputs: list[str], extra: tuple[str, ...] = ()) -
     staging folder inside it for the command's files.
 
     When the command ends well its files replace an earlier job's in the folder, and the
-    files that the earlier run recorded writing (in :data:`RECORD`) and this one did not
-    write are removed, so that the folder holds one run's results; any other file (the
-    user's, an input) is never touched, whatever its name. When
-    it fails or is interrupted (Ctrl-C, or SIGTERM, which raises KeyboardInterrupt here)
+    files that the earlier run recorded writing (in :data:`~otreg.io.OUTPUTS_RECORD`) and
+    this one did not write are removed, so that the folder holds one run's results; any
+    other file (the user's, an input) is never touched, whatever its name. When it fails or
+    is interrupted (Ctrl-C, or SIGTERM, which raises KeyboardInterrupt here)
     the staging folder goes, the folder is as it was, and removed if this command made it."""
     folder = Path(output).expanduser()
     if folder.exists() and not folder.is_dir():
@@ -79,32 +80,16 @@ def output_folder(output: str, inputs: list[str], extra: tuple[str, ...] = ()) -
         shutil.rmtree(staging, ignore_errors=True)
 
 
-#: the hidden file in an output folder that lists the files its last run wrote, one name a
-#: line: the only files a later run into the folder removes
-RECORD = ".otreg-outputs"
-
-
 def _publish(staging: Path, folder: Path, inputs: list[str]) -> None:
     """Move the staged files into ``folder``, then remove the files that the earlier run
-    recorded writing and this one did not replace (never an input), and record this run's,
-    with Ctrl-C and SIGTERM held until it is done (then raised), so that the folder never
-    mixes two runs."""
+    recorded writing and this one did not replace (never an input), and record this run's
+    (:func:`otreg.io.replace_recorded_outputs`), with Ctrl-C and SIGTERM held until it is
+    done (then raised), so that the folder never mixes two runs."""
     new = {p.name for p in staging.iterdir()}
-    record = folder / RECORD
-    earlier = set(record.read_text().split("\n")) if record.is_file() else set()
-    (staging / RECORD).write_text("".join(name + "\n" for name in sorted(new)))
     with _signals_held():
         for name in sorted(new):
             os.replace(staging / name, folder / name)
-        for name in sorted(earlier - new - {""}):
-            old = folder / name
-            if (
-                "/" not in name
-                and old.is_file()
-                and not any(same_file(old, given) for given in inputs)
-            ):
-                old.unlink()
-        os.replace(staging / RECORD, record)
+        replace_recorded_outputs(folder, new, inputs)
 
 
 @contextlib.contextmanager

@@ -29,12 +29,14 @@ import torch
 from ..shapes import Shape
 from . import _files, _values, _volume
 from ._files import (
+    OUTPUTS_RECORD,
     atomic_write,
     atomic_write_all,
     check_writable_folder,
     read_pyvista_mesh,
     remove_empty_folders,
     remove_stale_temps,
+    replace_recorded_outputs,
     same_file,
 )
 
@@ -56,6 +58,8 @@ __all__ = [
     "read_pyvista_mesh",
     "remove_empty_folders",
     "remove_stale_temps",
+    "replace_recorded_outputs",
+    "OUTPUTS_RECORD",
     "same_file",
     "VOLUME_EXTS",
     "MESH_EXTS",

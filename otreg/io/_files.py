@@ -448,6 +448,42 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     atomic_write_all({path: write})
 
 
+#: the hidden file in an output folder that lists the files its last run wrote, one name a
+#: line: the only files a later run into the folder removes
+OUTPUTS_RECORD = ".otreg-outputs"
+
+
+def replace_recorded_outputs(folder: Path, written, inputs: Sequence) -> None:
+    """After a run wrote the files named ``written`` into ``folder``: remove those that the
+    folder's record (:data:`OUTPUTS_RECORD`) lists from the run before and this one did
+    not write (never an input, never anything outside the folder), then record this
+    run's, so that the folder never mixes two runs' files.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from otreg.io import replace_recorded_outputs
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> for name in ("a.vtk", "old.png", "mine.txt"):
+        ...     _ = (folder / name).write_text(name)
+        >>> replace_recorded_outputs(folder, ["a.vtk", "old.png"], [])   # a first run's
+        >>> replace_recorded_outputs(folder, ["a.vtk"], [])   # a second wrote a.vtk only
+        >>> sorted(p.name for p in folder.iterdir())   # its picture gone, the user's kept
+        ['.otreg-outputs', 'a.vtk', 'mine.txt']
+    """
+    written = set(written)
+    record = folder / OUTPUTS_RECORD
+    earlier = set(record.read_text().split("\n")) if record.is_file() else set()
+    for name in sorted(earlier - written - {""}):
+        old = folder / name
+        if (
+            "/" not in name
+            and old.is_file()
+            and not any(given is not None and same_file(old, given) for given in inputs)
+        ):
+            old.unlink()
+    atomic_write(record, lambda p: p.write_text("".join(n + "\n" for n in sorted(written))))
+
+
 def write_shape(shape: Shape, path: Path, fmt: str) -> None:
     pts = shape.points.detach().cpu().double().numpy()
     faces = None if shape.faces is None else shape.faces.cpu().numpy()

@@ -16,6 +16,7 @@ import torch
 
 from .._checks import check_choice, check_positive
 from ..io import (
+    OUTPUTS_RECORD,
     VertexValues,
     atomic_write_all,
     check_writable_folder,
@@ -23,6 +24,7 @@ from ..io import (
     load_shape,
     read_pyvista_mesh,
     remove_stale_temps,
+    replace_recorded_outputs,
     same_file,
     unlabelled,
 )
@@ -430,7 +432,11 @@ class Registration:
         """Write warped.vtk, parameters.npz (no pickle) and registration.json, all or
         nothing: each carries the same run id, which :meth:`load` checks. Refuses
         (ValueError) a folder where one of them would replace an input of the run, and
-        (PermissionError or ValueError, naming it) a folder that cannot be written."""
+        (PermissionError or ValueError, naming it) a folder that cannot be written. In a
+        folder where an otreg command wrote (its ``.otreg-outputs`` record), the files that
+        command wrote and this save does not replace (pictures, carried values) are
+        removed, as a command's next run would (:func:`otreg.io.replace_recorded_outputs`):
+        the folder never mixes two runs."""
         folder = Path(folder)
         for name in OUTPUTS.values():
             for role, given in self.inputs.items():
@@ -467,6 +473,8 @@ class Registration:
                 folder / OUTPUTS["registration"]: lambda p: p.write_text(text),
             }
         )
+        if (folder / OUTPUTS_RECORD).is_file():
+            replace_recorded_outputs(folder, OUTPUTS.values(), list(self.inputs.values()))
         return folder
 
     @classmethod

@@ -192,6 +192,37 @@ def test_save_writes_one_run_id_into_the_three_files(tmp_path):
     assert a[0] != b[0]
 
 
+def test_save_into_a_command_s_folder_removes_that_run_s_other_files_only(tmp_path):
+    """A folder an otreg command wrote (its record lists a picture and carried values
+    besides the three files) loses that run's other files when another result is saved
+    there; the user's own file and an input of the saved run stay, and the record then
+    lists the save's files."""
+    from otreg.io import OUTPUTS_RECORD, replace_recorded_outputs
+
+    folder = tmp_path / "run"
+    result().save(folder)
+    for name in ("picture.png", "to-target_lab.label.gii", "notes.txt"):
+        (folder / name).write_text(name)
+    earlier = ["parameters.npz", "picture.png", "registration.json", "to-target_lab.label.gii",
+               "warped.vtk"]  # fmt: skip
+    replace_recorded_outputs(folder, earlier, [])
+    again = result()
+    again.inputs = {"source": str(folder / "to-target_lab.label.gii"), "target": None}
+    again.save(folder)
+    left = sorted(p.name for p in folder.iterdir())
+    assert left == [OUTPUTS_RECORD, "notes.txt", "parameters.npz", "registration.json",
+                    "to-target_lab.label.gii", "warped.vtk"]  # fmt: skip
+    assert (folder / OUTPUTS_RECORD).read_text().split() == [
+        "parameters.npz", "registration.json", "warped.vtk"]  # fmt: skip
+    Registration.load(folder)
+    plain = tmp_path / "plain"  # a folder no command wrote: nothing removed, no record
+    plain.mkdir()
+    (plain / "picture.png").write_text("mine")
+    result().save(plain)
+    assert sorted(p.name for p in plain.iterdir()) == [
+        "parameters.npz", "picture.png", "registration.json", "warped.vtk"]  # fmt: skip
+
+
 def test_an_interrupted_save_leaves_no_temporary_and_a_folder_load_refuses(tmp_path, monkeypatch):
     import os
 
