@@ -70,7 +70,8 @@ class _Relaxation(click.ParamType):
     default=SinkhornOptions.tol,
     show_default=True,
     type=click.FloatRange(min=0),
-    help="Marginal-error tolerance at the final blur.",
+    help="Marginal-error tolerance at the final blur; 0: exactly --max-iter iterations "
+    "(a fixed count, no convergence test).",
 )
 @click.option(
     "--max-iter",
@@ -114,9 +115,9 @@ def distance(
     """Sinkhorn divergence between two shapes' measures (area-weighted, normalised).
 
     SOURCE and TARGET are meshes, point clouds or volumes (with --label or --level). Exit 0:
-    converged; 1: an error (a bad option or input); 3: the value is printed (and
-    "converged": false in --json) but the solver stopped short of --tol, a warning on
-    stderr says why.
+    converged (or, with --tol 0, ran its --max-iter iterations); 1: an error (a bad option
+    or input); 3: the value is printed (and "converged": false in --json) but the solver
+    stopped short of --tol, a warning on stderr says why.
     """
     check_volume_options(label, level, [source, target])
     with stdout_to_stderr(as_json), warnings_as_lines():
@@ -162,7 +163,7 @@ def distance(
             f"a W2-like distance), blur {blur} mm, {res.n_iter} iterations, "
             f"{out['seconds']:.1f} s"
         )
-    if not res.converged:
+    if not res.converged and not (tol == 0 and res.stopped == "max_iter"):  # (0: a count)
         hint = {
             "stalled": "it stopped decreasing (the rounding floor): raise --tol or --blur",
             "diverged": "the iteration diverged: use --relaxation anderson",

@@ -38,6 +38,17 @@ def test_distance_says_why_it_did_not_converge(two_meshes):
     assert "warning: not converged" in as_json.stderr
 
 
+def test_distance_with_tol_0_runs_a_fixed_count_and_exits_0(two_meshes):
+    """--tol 0 asks for exactly --max-iter iterations, as tol=0 does in the library: no
+    warning, exit 0, "stopped": "max_iter" in --json."""
+    fixed = run("distance", *two_meshes, "--blur", "0.5", "--tol", "0", "--max-iter", "60",
+                "--json")  # fmt: skip
+    assert fixed.exit_code == 0, fixed.output
+    out = json.loads(fixed.stdout)
+    assert out["stopped"] == "max_iter" and out["iterations"] == 60
+    assert "warning" not in fixed.stderr
+
+
 def test_distance_reports_bad_files(two_meshes, tmp_path):
     result = CliRunner().invoke(main, ["distance", two_meshes[0], str(tmp_path / "none.vtk")])
     assert result.exit_code != 0 and "does not exist" in result.output
