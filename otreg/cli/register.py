@@ -5,6 +5,7 @@ saved registration."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import resource
 from pathlib import Path
@@ -237,6 +238,11 @@ def demo(
         click.echo(f"{what}: {source.n_points:,} and {target.n_points:,} vertices")
         save_shape(source, staging / "source.vtk")
         save_shape(target, staging / "target.vtk")
+        # recorded as the registration's inputs where they will be (otreg transfer reads
+        # the target from there)
+        final = Path(output).expanduser().resolve()
+        source = dataclasses.replace(source, source=str(final / "source.vtk"))
+        target = dataclasses.replace(target, source=str(final / "target.vtk"))
         try:
             progress = check_progress("otreg demo", progress)
             out = run_job(source, target, staging, JobOptions(), truth=truth, progress=progress,

@@ -3,6 +3,7 @@
 import json
 import re
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -48,6 +49,14 @@ def test_demo_registers_two_brain_surfaces_and_writes_everything(pair, tmp_path)
     assert m["read_seconds"] > 0 and f"reading the inputs {m['read_seconds']:.1f} s" in timing
     if pair == "synthetic":
         assert "vertex error" in result.output and m["vertex_error_mean_mm"] < 2.0
+    # the surfaces written are recorded as the inputs: otreg transfer finds the target
+    where = out.resolve()
+    assert doc["inputs"] == {role: str(where / f"{role}.vtk") for role in ("source", "target")}
+    values = tmp_path / "x.npy"
+    np.save(values, pv.read(out / "source.vtk").points[:, 0].astype(np.float64))
+    carried = run("transfer", str(out), str(values), "-o", str(tmp_path / "x_on_target.npy"))
+    assert carried.exit_code == 0, carried.output
+    assert np.load(tmp_path / "x_on_target.npy").shape == (pv.read(out / "target.vtk").n_points,)
 
 
 def test_demo_without_its_data_names_one_install_command(tmp_path, monkeypatch):
