@@ -26,7 +26,9 @@ class SinkhornResult:
         f, g: dual potentials, ``(N,)`` and ``(M,)`` or ``(B, N)`` and ``(B, M)``, detached,
             in cost units.
         cost: the entropic OT value OT_eps(a, b), ``()`` or ``(B,)``, differentiable with
-            respect to the points and weights (envelope theorem).
+            respect to the points and weights (envelope theorem); its entropic term
+            included (POT's ``ot.solve(C, a, b, reg=eps).value``, not ``ot.sinkhorn2``'s
+            linear part ``<pi, C>``).
         n_iter: iterations run, the eps-scaling ones included.
         converged: whether the marginal error fell below ``tol``.
         stopped: why the loop at the final eps stopped

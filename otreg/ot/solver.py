@@ -142,7 +142,7 @@ def sinkhorn(
         backend: ``"auto"``, ``"keops"``, ``"tensorized"`` or ``"blocked"`` (see
             :mod:`otreg.reductions`).
         tol: stop when the relative L1 marginal error at the final eps is < tol and the
-            same error weighed by how far each point's mass travels is < 2 tol (far points
+            same error weighed by how far each point's mass travels is < 5 tol (far points
             with little mass: docs/guide/ot.md); tol=0 runs exactly max_iter iterations;
             or :class:`~otreg.ot.convergence.Accuracy` ``(value, gradient)``: when the
             value's and the gradient's estimated relative errors are below these
