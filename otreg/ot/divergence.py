@@ -290,8 +290,9 @@ class SinkhornLoss(nn.Module):
 
     Args:
         blur: the final length scale, in the points' units (eps = blur ** p). The default,
-            0.05, suits clouds of unit size; for brain surfaces in mm give 1 to 5 (mm): a
-            default blur far below the data's span warns.
+            0.05, suits clouds about one unit across (standard normal clouds of thousands
+            of points span 10 or more); for brain surfaces in mm give 1 to 5 (mm): a
+            default blur below a hundredth of the data's span warns.
         reach: as in :func:`otreg.sinkhorn`.
         debias: subtract the self-transport terms (a divergence: 0 for equal inputs).
         warm_start: start each call's solves from the previous call's potentials (when the

@@ -541,8 +541,8 @@ def warn_default_blur(caller: str, p: Problem) -> None:
         warn(
             f"{caller}: blur is the default {blur:g}, in the points' units, but the "
             f"points span {p.size:.3g}: the solve resolves details of {blur:g} units "
-            "(slow, and rarely what is meant for data in mm). Set blur (1 to 5 suits brain "
-            "surfaces in mm)",
+            "(slow, and rarely what is meant for data in mm). Set blur (a tenth to a "
+            "hundredth of the span is usual; 1 to 5 suits brain surfaces in mm)",
             UserWarning,
         )
 

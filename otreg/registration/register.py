@@ -170,7 +170,13 @@ def _plan(
     for name, s in (("source", source), ("target", target)):
         _check_shape(caller, name, s)
         if s.n_faces == 0:
-            raise ValueError(f"{caller}: {name} has no triangles; registration compares surfaces")
+            raise ValueError(
+                f"{caller}: {name} has no triangles ({s.n_points} points); register fits "
+                "surfaces, whatever the loss (its levels decimate meshes, its metrics measure "
+                "distances to surfaces): mesh a point cloud first (pyvista's "
+                "reconstruct_surface), or fit clouds with otreg.SinkhornLoss in a model of "
+                "your own"
+            )
     if source.unit != target.unit:
         raise ValueError(f"{caller}: source is in {source.unit} but target in {target.unit}")
     if isinstance(model, LDDMMOptions):
