@@ -356,7 +356,8 @@ def save_values(values: VertexValues | torch.Tensor | np.ndarray, path: str | Pa
         raise ValueError(
             f"{caller}: otreg does not write per-vertex values as {path.suffix} "
             f"({path.name}); name the file .func.gii, .label.gii, .annot, .mgh, .mgz, .npy, or "
-            "lh.NAME (rh.NAME, NAME.curv) for a FreeSurfer morphometry file"
+            "lh.NAME (rh.NAME, NAME.curv, NAME.thickness..., or a name without an "
+            "extension) for a FreeSurfer morphometry file"
         )
     if values.source is not None and _files.same_file(path, values.source):
         raise ValueError(
