@@ -4,18 +4,22 @@ into ``summary.csv`` and onto the group page, each with its reason.
 - **side**: a hemisphere filed as left whose source lies right of the midline (x > 0 in
   RAS, by more than :data:`MIDLINE_MARGIN_MM`), or the reverse; a source and a target on
   opposite sides.
-- **duplicate**: two pairs whose sources are byte-identical (the resume key's digest),
-  or a pair whose source and target are.
+- **duplicate**: two different files of the batch with the same content (the resume key's
+  digest: one subject's surface under two names?), two pairs with the same source and target
+  contents, or a pair whose source and target are. One file used by several pairs (a
+  template, a subject of an all-pairs batch) is no duplicate.
 - **outlier**: a metric far from the batch's others, by robust statistics: beyond
   :data:`OUTLIER_MADS` times the median absolute deviation (scaled to a standard
-  deviation) from the median, in the direction that is worse, once at least
-  :data:`OUTLIER_MIN_PAIRS` pairs are done; the label overlaps (``<labels>_dice``) where
-  the batch measured them.
+  deviation) from the median, and by at least :data:`OUTLIER_MIN_CHANGE` of it, in the
+  direction that is worse, once at least :data:`OUTLIER_MIN_PAIRS` pairs are done; the
+  label overlaps (``<labels>_dice``) where the batch measured them. The group page's strip
+  plots mark these pairs, no others.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -31,6 +35,10 @@ MIDLINE_MARGIN_MM = 10.0
 OUTLIER_MADS = 3.5
 #: Outliers are looked for once this many pairs are done.
 OUTLIER_MIN_PAIRS = 5
+#: ... and are at least this fraction of the median away from it: in a batch of near-equal
+#: pairs the deviation's spread is tiny, and a smallest Jacobian of 0.722 against a median of
+#: 0.74 (no fold) or a Dice of 0.993 against 0.995 was flagged
+OUTLIER_MIN_CHANGE = 0.05
 #: The metrics looked at for outliers, the direction that is worse, and their names.
 OUTLIER_METRICS = {
     "mean_mm": ("high", "mean surface distance after", "mm"),
@@ -105,21 +113,33 @@ def _side(rec: dict) -> list[Flag]:
 
 
 def _duplicates(done: Mapping[str, dict]):
-    by_digest: dict[str, list[str]] = {}
+    files: dict[str, dict[str, list[tuple[str, str]]]] = {}  # digest -> path -> (pair, role)
+    contents: dict[tuple[str, str], list[str]] = {}  # (source, target) digests -> pairs
     for pid, rec in done.items():
         parts = rec.get("key_parts") or {}
-        if parts.get("source"):
-            by_digest.setdefault(parts["source"], []).append(pid)
-        if parts.get("source") and parts.get("source") == parts.get("target"):
+        src, tgt = parts.get("source"), parts.get("target")
+        if src and src == tgt:
             yield pid, Flag("duplicate", "its source and target files have the same content")
-    for pids in by_digest.values():
+        if src and tgt:
+            contents.setdefault((src, tgt), []).append(pid)
+        for role, digest in (("source", src), ("target", tgt)):
+            if digest:
+                path = os.path.normpath(str(rec.get(role) or ""))
+                files.setdefault(digest, {}).setdefault(path, []).append((pid, role))
+    for pids in contents.values():
         for pid in pids:
             others = [p for p in pids if p != pid]
             if others:
                 shown = ", ".join(others[:3]) + (" ..." if len(others) > 3 else "")
+                yield pid, Flag("duplicate", f"the same source and target contents as {shown}")
+    for by_path in files.values():  # one file used by several pairs is no duplicate
+        for path, uses in by_path.items():
+            others = sorted(p for p in by_path if p != path)
+            for pid, role in uses if others else ():
+                shown = others[0] + (f" and {len(others) - 1} more" if len(others) > 1 else "")
                 yield (
                     pid,
-                    Flag("duplicate", f"its source file has the same content as that of {shown}"),
+                    Flag("duplicate", f"its {role} file has the same content as {shown}"),
                 )
 
 
@@ -142,11 +162,11 @@ def _outliers(done: Mapping[str, dict]):
         arr = np.array(list(values.values()))
         median = float(np.median(arr))
         spread = 1.4826 * float(np.median(np.abs(arr - median)))
-        if spread == 0:
+        reach = max(OUTLIER_MADS * spread, OUTLIER_MIN_CHANGE * abs(median))
+        if reach == 0:
             continue
         for pid, v in values.items():
-            far = (v - median) / spread
-            if (far if worse == "high" else -far) > OUTLIER_MADS:
+            if (v - median if worse == "high" else median - v) > reach:
                 u = f" {unit}" if unit else ""
                 detail = f"{name} {v:.3g}{u} (median {median:.3g}{u})"
                 side = "above" if worse == "high" else "below"

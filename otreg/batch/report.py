@@ -488,12 +488,13 @@ def _strip(key: str, label: str, pts: list[tuple[dict, float]]) -> str:
     w, h, pad = 800, 64, 14
     vals = np.array([v for _, v in pts])
     lo, hi, med = float(vals.min()), float(vals.max()), float(np.median(vals))
-    mad = 1.4826 * float(np.median(np.abs(vals - med)))
     dots = []
     for i, (r, v) in enumerate(pts):
         x = w / 2 if hi == lo else pad + (v - lo) / (hi - lo) * (w - 2 * pad)
         y = 8 + (h - 30) * ((i * 0.6180339887) % 1.0)  # deterministic jitter
-        odd = any(f.metric == key for f in r["flags"]) or (mad > 0 and abs(v - med) > 3.5 * mad)
+        # red: the pairs flagged as far from the batch on this metric (the flags' rule), and
+        # a fold
+        odd = any(f.metric == key for f in r["flags"]) or (key == "jacobian_min" and v <= 0)
         href = r["picture"] or r["href"]
         dots.append(
             f'<a class="dot" href="{_e(href)}"><circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" '

@@ -209,7 +209,8 @@ def test_flagged_pairs_come_first_with_their_reasons(tmp_path):
     from otreg.batch.tables import write_tables
 
     checks = {"source_mean_x_mm": -30.0, "target_mean_x_mm": -31.0}
-    parts = lambda src: {"key_parts": {"source": src, "target": "tpl"}}  # noqa: E731
+    parts = lambda src: {"key_parts": {"source": src, "target": "tpl"},  # noqa: E731
+                         "target": "/data/tpl.gii"}  # fmt: skip
     for i, mean in enumerate([0.6, 0.7, 0.65, 0.62, 0.68, 0.66]):
         record(tmp_path, f"s{i}", metrics={"mean_mm": mean}, checks=checks, **parts(f"d{i}"))
     record(tmp_path, "wrong_side", metrics={"mean_mm": 0.7}, **parts("dw"),
@@ -221,7 +222,7 @@ def test_flagged_pairs_come_first_with_their_reasons(tmp_path):
     assert flagged == {"wrong_side": "side", "copy": "duplicate", "s1": "duplicate",
                        "far": "outlier"}  # fmt: skip
     assert "lies right of the midline (mean x +32.6 mm)" in page
-    assert "same content as that of copy" in page
+    assert "its source file has the same content as /data/copy/source.gii" in page
     assert "mean surface distance after 4.08 mm (median 0.66 mm)" in page
     assert '<span id="n-flagged">4</span> flagged' in page
     far = re.search(r'data-pair="far">(.*?)</tr>', page).group(1)
@@ -233,6 +234,49 @@ def test_flagged_pairs_come_first_with_their_reasons(tmp_path):
     rows = {r.split(",")[0]: r for r in (tmp_path / "summary.csv").read_text().splitlines()}
     assert "mislabelled hemisphere" in rows["wrong_side"] and "far from the batch" in rows["far"]
     assert rows["s0"].split(",")[2] == ""
+
+
+def test_one_file_used_by_several_pairs_is_no_duplicate(tmp_path):
+    """A template carried onto subjects and an all-pairs batch use one file in several
+    pairs by design: not flagged; the same pair listed twice, and a pair whose source and
+    target have the same content, are."""
+    from otreg.batch.flags import flag_pairs
+
+    def rec(src, tgt, src_digest, tgt_digest):
+        return {"status": "done", "source": src, "target": tgt,
+                "key_parts": {"source": src_digest, "target": tgt_digest}}  # fmt: skip
+
+    atlas = {f"tpl_to_s{i}": rec("/d/tpl.gii", f"/d/s{i}.gii", "T", f"S{i}") for i in range(4)}
+    every = {f"s{i}_to_s{j}": rec(f"/d/s{i}.gii", f"/d/s{j}.gii", f"S{i}", f"S{j}")
+             for i in range(3) for j in range(3) if i != j}  # fmt: skip
+    assert flag_pairs(atlas) == {} and flag_pairs(every) == {}
+    twice = {**atlas, "again": rec("/d/tpl.gii", "/d/s0.gii", "T", "S0"),
+             "self": rec("/d/s1.gii", "/d/s1_copy.gii", "S1", "S1")}  # fmt: skip
+    flags = {pid: [f.reason for f in found] for pid, found in flag_pairs(twice).items()}
+    assert flags["again"] == ["the same source and target contents as tpl_to_s0"]
+    assert "the same source and target contents as again" in flags["tpl_to_s0"]
+    assert "its source and target files have the same content" in flags["self"]
+    assert "its target file has the same content as /d/s1_copy.gii" in flags["tpl_to_s1"]
+
+
+def test_near_equal_pairs_are_not_outliers_and_red_dots_are_the_flagged_ones(tmp_path):
+    """A batch of near-equal pairs (a spread of a few thousandths): no outlier, and no red
+    dot on its strips; a pair far below on the label overlap is flagged and is the one red
+    dot of that strip."""
+    jac = [0.74, 0.741, 0.739, 0.74, 0.722, 0.738]
+    dice = [0.995, 0.993, 0.995, 0.995, 0.994, 0.71]
+    for i, (j, d) in enumerate(zip(jac, dice)):
+        metrics = {"mean_mm": 0.5 + 0.001 * i, "jacobian_min": j, "curvature_correlation":
+                   0.8 + 0.05 * (i == 2), "before_dseg_dice": 0.6, "dseg_dice": d}  # fmt: skip
+        record(tmp_path, f"s{i}", metrics=metrics)
+    page = build_report(tmp_path).read_text()
+    flagged = dict(re.findall(r'<tr class="flag" data-pair="([^"]+)" data-kind="([^"]+)"', page))
+    assert flagged == {"s5": "outlier"}
+    strips = re.findall(r'(<svg class="strip" data-metric="([^"]+)".*?</svg>)', page, re.S)
+    assert {key for _, key in strips} >= {"dseg_dice", "jacobian_min", "curvature_correlation"}
+    for svg, key in strips:
+        reds = re.findall(r'fill="#d62728"[^>]*><title>([^:]+):', svg)
+        assert reds == (["s5"] if key == "dseg_dice" else []), (key, reds)
 
 
 def test_an_unreadable_record_is_listed_not_dropped(tmp_path):
