@@ -28,7 +28,7 @@ from .dispatch import Cluster, dispatch
 from .keys import effective_options, file_digest, pair_key, why_rerun
 from .locks import is_stale, lock_path, read_lock
 from .manifest import Pair
-from .records import failure_reason, read_plan, read_record, write_plan
+from .records import failure_reason, find_records, read_plan, read_record, write_plan
 from .report import build_report
 from .tables import write_tables
 from .worker import STAGING_PREFIX, record_path, write_failure
@@ -315,7 +315,16 @@ def run_batch(
     out.mkdir(parents=True, exist_ok=True)
     if tables:  # the group page then shows older records of these pairs as "not run"
         keys = read_plan(out) if only is not None else None  # the others' stay
-        write_plan(out, {**(keys or {}), **{p.pair.pair_id: p.key for p in planned}})
+        keys = {**(keys or {}), **{p.pair.pair_id: p.key for p in planned}}
+        write_plan(out, keys)
+        foreign = sorted({str(rec["pair_id"]) for _, rec in find_records(out)} - set(keys))
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "")
+            echo(
+                f"note: {out} holds the records of {len(foreign)} pair(s) not in this batch "
+                f"({shown}), from an earlier batch: summary.csv and the group page leave "
+                "them out (a new batch of other pairs is clearer in a folder of its own)"
+            )
     batch_id = uuid.uuid4().hex
     records: dict[str, dict] = {}
     for p in planned:

@@ -182,21 +182,28 @@ def build_report(
         raise FileNotFoundError(f"build_report: batch folder {folder} does not exist")
     if not folder.is_dir():
         raise NotADirectoryError(f"build_report: {folder} is not a folder")
-    rows, stale = _rows(folder)
+    rows, stale, foreign = _rows(folder)
     title = title if title is not None else f"otreg batch: {folder.resolve().name}"
-    page = _page(rows, stale, unreadable_records(folder), title, distance_metric)
+    page = _page(rows, (stale, foreign), unreadable_records(folder), title, distance_metric)
     out = folder / "index.html"
     atomic_write(out, lambda tmp: tmp.write_text(page, encoding="utf-8"))
     return out
 
 
-def _rows(folder: Path) -> tuple[list[dict], int]:
-    """One row per pair id, sorted by pair id (where a pair has two records, e.g. an old
-    error.json beside a newer metrics.json: the one finished last), with its flags, and how
-    many records were left out that way."""
+def _rows(folder: Path) -> tuple[list[dict], int, int]:
+    """One row per pair id, sorted by pair id, with its flags; how many records were left
+    out as older ones of a pair (where a pair has two records, e.g. an old error.json beside
+    a newer metrics.json: the one of the last run's inputs and options, else the one
+    finished last), and how many as records of pairs the last run did not plan (a folder
+    used for an earlier batch of other pairs: as summary.csv does)."""
     best: dict[str, dict] = {}
     records = find_records(folder)
-    plan = read_plan(folder) or {}
+    plan = read_plan(folder)
+    foreign = 0
+    if plan is not None:
+        foreign = sum(str(rec["pair_id"]) not in plan for _, rec in records)
+        records = [(path, rec) for path, rec in records if str(rec["pair_id"]) in plan]
+    plan = plan or {}
     for path, rec in records:
         metrics, error, files = (
             rec.get(k) if isinstance(rec.get(k), dict) else {}
@@ -224,7 +231,8 @@ def _rows(folder: Path) -> tuple[list[dict], int]:
             "record": rec,
         }
         old = best.get(row["id"])
-        if old is None or (row["finished"], row["done"]) > (old["finished"], old["done"]):
+        rank = (not row["outdated"], row["finished"], row["done"])
+        if old is None or rank > (not old["outdated"], old["finished"], old["done"]):
             best[row["id"]] = row
     stale = len(records) - len(best)
     for pid in set(plan) - set(best):  # planned, never finished: as summary.csv says
@@ -242,7 +250,7 @@ def _rows(folder: Path) -> tuple[list[dict], int]:
     flags = flag_pairs(current)
     for pid, row in best.items():
         row["flags"] = flags.get(pid, [])
-    return [best[k] for k in sorted(best)], stale
+    return [best[k] for k in sorted(best)], stale, foreign
 
 
 def _file_link(where: Path, base: str, name: object) -> str | None:
@@ -275,7 +283,9 @@ def _iso(text: str) -> datetime | None:
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
-def _page(rows: list[dict], stale: int, unreadable: list[Path], title: str, metric: str) -> str:
+def _page(
+    rows: list[dict], left: tuple[int, int], unreadable: list[Path], title: str, metric: str
+) -> str:
     n_done = sum(r["state"] == "done" for r in rows)
     n_failed = sum(r["state"] == "failed" for r in rows)
     n_flagged = sum(bool(r["flags"]) for r in rows)
@@ -301,8 +311,14 @@ def _page(rows: list[dict], stale: int, unreadable: list[Path], title: str, metr
         )
     facts.append(f'built <time id="built">{built}</time>')
     parts = [f"<h1>{_e(title)}</h1>", f'<p id="summary">{" · ".join(facts)}</p>']
+    stale, foreign = left
     if stale:
         parts.append(f'<p class="note">{stale} older record(s) of pairs run again left out.</p>')
+    if foreign:
+        parts.append(
+            f'<p class="note">{foreign} record(s) of pairs not in the last run\'s manifest '
+            "left out (an earlier batch of other pairs in this folder).</p>"
+        )
     if not rows and not unreadable:
         parts.append('<p id="empty">No pairs have finished yet: no records in this folder.</p>')
     else:

@@ -228,6 +228,23 @@ def test_the_plan_says_what_runs_and_why(tmp_path):
     assert [p.pair.pair_id for p in plan_batch(pairs, tmp_path / "out", only=["gone"])] == ["gone"]
 
 
+def test_a_batch_into_a_folder_of_other_pairs_says_they_are_left_out(tmp_path):
+    """A second batch of other pairs in the same folder: a note names the earlier pairs
+    that summary.csv and the group page leave out."""
+    out, lines = tmp_path / "out", []
+    run_batch([Pair("a", str(tmp_path / "gone.vtk"), str(tmp_path / "t.vtk"))], out,
+              echo=lines.append)  # fmt: skip
+    assert not any(line.startswith("note:") for line in lines)
+    lines.clear()
+    run_batch([Pair("b", str(tmp_path / "gone.vtk"), str(tmp_path / "t.vtk"))], out,
+              echo=lines.append)  # fmt: skip
+    note = [line for line in lines if line.startswith("note:")]
+    assert len(note) == 1 and "1 pair(s) not in this batch (a)" in note[0]
+    summary = (out / "summary.csv").read_text()
+    assert "\nb," in summary and "\na," not in summary
+    assert 'data-pair="a"' not in (out / "index.html").read_text()
+
+
 def test_bad_arguments_are_refused_before_any_work(tmp_path):
     a = write(tmp_path / "a.vtk", "a")
     pairs = [Pair("p", str(a), str(a))]

@@ -279,6 +279,33 @@ def test_near_equal_pairs_are_not_outliers_and_red_dots_are_the_flagged_ones(tmp
         assert reds == (["s5"] if key == "dseg_dice" else []), (key, reds)
 
 
+def test_the_record_of_the_last_run_s_inputs_wins_and_other_batches_pairs_are_left_out(
+    tmp_path,
+):
+    """A pair done, then failed on a broken input (a newer error.json of another key), then
+    the input restored (the plan's key is the done record's again): the page says done.
+    Records of pairs the last run did not plan (an earlier batch of other pairs in the
+    folder) are left out, with a note."""
+    from otreg.batch.records import write_plan
+
+    done = record(tmp_path, "s3", metrics={"mean_mm": 0.5}, key="k-good",
+                  finished="2025-01-01T00:01:00+00:00")  # fmt: skip
+    failed = done.parent / "error.json"
+    rec = json.loads(done.read_text())
+    rec.update(status="failed", key="k-broken", finished="2025-01-02T00:00:00+00:00",
+               error={"class": "bad input", "reason": "empty file"})  # fmt: skip
+    failed.write_text(json.dumps(rec))
+    record(tmp_path, "s4", metrics={"mean_mm": 0.6}, key="k4")
+    record(tmp_path, "old_pair", metrics={"mean_mm": 9.0}, key="k-old")
+    write_plan(tmp_path, {"s3": "k-good", "s4": "k4"})
+    page = build_report(tmp_path).read_text()
+    assert '<span id="n-pairs">2</span> pairs: <span id="n-done">2</span>' in page
+    assert 'id="n-not-run"' not in page
+    assert 'data-pair="old_pair"' not in page and "empty file" not in page
+    assert "1 record(s) of pairs not in the last run's manifest left out" in page
+    assert "1 older record(s) of pairs run again left out" in page
+
+
 def test_an_unreadable_record_is_listed_not_dropped(tmp_path):
     record(tmp_path, "a")
     record(tmp_path, "b")
