@@ -91,6 +91,9 @@ class Cluster:
             "distributed.worker.memory.pause": False,
             "distributed.worker.memory.terminate": 0.95,
             "distributed.admin.system-monitor.gil.enabled": False,
+            # the scheduler's scratch space (its locks) in the batch folder too, not in
+            # /tmp/dask-scratch-space
+            "temporary-directory": str(self.out / ".dask"),
         }
         with dask.config.set(self.config):
             # the workers leave Ctrl-C to this process, which closes them: each printed a
