@@ -59,7 +59,16 @@ class Cluster:
         self.memory_limit_bytes = None
         if self.scheduler or self.scheduler_file:
             file = str(self.scheduler_file) if self.scheduler_file else None
-            self.client = Client(self.scheduler, scheduler_file=file, timeout=30)
+            try:
+                self.client = Client(self.scheduler, scheduler_file=file, timeout=30)
+            except (OSError, TimeoutError, ValueError) as err:
+                given = ("scheduler", self.scheduler)
+                if not self.scheduler:
+                    given = ("scheduler_file", file)
+                raise OSError(
+                    f"the Dask scheduler given as {given[0]} (--{given[0].replace('_', '-')}) "
+                    f"{given[1]} cannot be reached: {err}"
+                ) from err
             if not self.client.scheduler_info()["workers"]:  # e.g. their jobs are queued
                 self.echo("otreg batch: the scheduler has no worker yet; waiting for one")
                 wait = NO_WORKER_SECONDS["existing"]

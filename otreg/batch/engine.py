@@ -186,12 +186,27 @@ def plan_batch(
         elif done is not None or failed is not None:
             why = why_rerun(done or failed, parts, opts)
             planned.append(Planned(pair, "rerun", why, key, parts, opts, done or failed))
+        elif (running := _running(out, pair)) is not None:
+            planned.append(Planned(pair, "run", running, key, parts, opts))
         elif _partial(out, pair):
             why = "partial output of an interrupted run"
             planned.append(Planned(pair, "rerun", why, key, parts, opts))
         else:
             planned.append(Planned(pair, "run", "", key, parts, opts))
     return planned
+
+
+def _running(out: Path, pair: Pair) -> str | None:
+    """Why a pair that a live process holds (its lock: an earlier run's worker on a
+    cluster, another batch into this folder) is not run from scratch, or None: this run
+    waits for that one's result."""
+    doc = read_lock(lock_path(out, pair.pair_id))
+    if doc is None or is_stale(doc):
+        return None
+    return (
+        f"running now (locked by host {doc.get('host', '?')}, pid {doc.get('pid', '?')}): "
+        "this run waits for its result"
+    )
 
 
 def _select(pairs: Sequence[Pair], only: Iterable[str] | None) -> list[Pair]:
@@ -370,11 +385,18 @@ def run_batch(
     )
     n_left = len(selected) - n_ok - n_failed
     if interrupted:  # said once the records are read: the last pair may have finished
-        echo(
-            f"otreg batch: interrupted; the {n_left} pair(s) not finished run on the next call"
-            if n_left
-            else "otreg batch: interrupted after every pair had finished: nothing is left to run"
-        )
+        left = [p.pair for p in todo if p.pair.pair_id not in records]
+        running = sum(_running(out, pair) is not None for pair in left)
+        rest = f"the {n_left - running} pair(s) not finished run on the next call"
+        if running:  # on an existing cluster: Dask cannot stop a task once it started
+            rest = (
+                f"{running} pair(s) still run on the cluster's workers (a started task "
+                "cannot be stopped): they write their results, which the next run takes as "
+                "done" + (f"; {rest}" if n_left > running else "")
+            )
+        elif not n_left:
+            rest = "every pair had finished: nothing is left to run"
+        echo(f"otreg batch: interrupted; {rest}")
     others = len(pairs) - len(selected)
     left_out = f" ({others} more in the manifest, not asked for)" if others else ""
     echo(

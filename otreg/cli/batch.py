@@ -139,8 +139,8 @@ def run_engine(pairs, output: str | Path, kw: dict, tables: bool = True) -> None
             )
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise click.UsageError(str(err)) from err
-        except (ImportError, OSError) as err:
-            raise click.UsageError(str(err)) from err
+        except (ImportError, OSError) as err:  # not the command line's fault: no usage text
+            raise click.ClickException(str(err)) from err
     sys.exit(result.exit_code)
 
 

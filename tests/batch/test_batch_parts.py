@@ -223,6 +223,10 @@ def test_the_plan_says_what_runs_and_why(tmp_path):
     partial = tmp_path / "out" / "pairs" / "new" / ".partial-new-1234"
     partial.mkdir(parents=True)
     assert plan_batch(pairs[:1], tmp_path / "out")[0].why == "partial output of an interrupted run"
+    with PairLock(tmp_path / "out", "new"):  # a live process works on it (a cluster's worker)
+        held = plan_batch(pairs[:1], tmp_path / "out")[0]
+        assert held.state == "run" and held.why.startswith("running now (locked by host")
+        assert f"pid {os.getpid()}" in held.why
     with pytest.raises(ValueError, match="no pair has the id"):
         plan_batch(pairs, tmp_path / "out", only=["zzz"])
     assert [p.pair.pair_id for p in plan_batch(pairs, tmp_path / "out", only=["gone"])] == ["gone"]

@@ -139,7 +139,8 @@ def test_failures_are_isolated_reported_and_a_rerun_does_nothing(subjects, tmp_p
         ("folder", "missing input"),
     }
     summary = {row["pair_id"]: row for row in csv.DictReader(open(out / "summary.csv"))}
-    assert "same content as that of copy" in summary["a"]["flags"]
+    assert "its source file has the same content as " in summary["a"]["flags"]
+    assert "s1_copy.vtk" in summary["a"]["flags"]
     assert summary["b"]["flags"] == ""
     assert summary["a"]["status"] == "done" and float(summary["a"]["mean_mm"]) < float(
         summary["a"]["before_mean_mm"]
@@ -534,3 +535,22 @@ def test_an_existing_dask_cluster_losing_a_worker_completes_every_pair(subjects,
         for p in procs:
             p.kill()
             p.wait(timeout=30)
+
+
+def test_an_unreachable_scheduler_is_an_error_naming_the_option_without_usage_text(
+    subjects, tmp_path, monkeypatch
+):
+    """--scheduler that cannot be reached (Dask's Client times out after 30 s: made to fail
+    at once here): exit 1, the option and the address named, no usage text."""
+    import distributed
+
+    def refuse(*args, **kwargs):
+        raise OSError("Timed out trying to connect to tcp://127.0.0.1:1 after 30 s")
+
+    monkeypatch.setattr(distributed, "Client", refuse)
+    m = manifest(tmp_path / "m.csv", [("p", subjects / "s1.vtk", subjects / "s0.vtk")])
+    args = ["batch", str(m), "-o", str(tmp_path / "out"), "--scheduler", "tcp://127.0.0.1:1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert "scheduler (--scheduler) tcp://127.0.0.1:1 cannot be reached" in result.output
+    assert "Usage:" not in result.output and "Timed out trying to connect" in result.output
