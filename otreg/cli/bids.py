@@ -7,7 +7,14 @@ from pathlib import Path
 
 import click
 
-from ..batch import bids_pairs, build_report, find_inputs, write_dataset_description, write_manifest
+from ..batch import (
+    bids_pairs,
+    build_report,
+    find_inputs,
+    find_records,
+    write_dataset_description,
+    write_manifest,
+)
 from ..batch.tables import tables_from_records
 from ..datasets import fsaverage5_path
 from ..io import same_file
@@ -130,6 +137,10 @@ def bids(
     if analysis_level == "group":
         if not out.is_dir():
             raise click.BadParameter(f"{output_dir} does not exist", param_hint="OUTPUT_DIR")
+        if not find_records(out):
+            raise click.ClickException(
+                f"{output_dir} holds no pair records: run the participant level first"
+            )
         n = tables_from_records(out)
         click.echo(f"wrote {out / 'summary.csv'} ({n} pairs) and {build_report(out)}")
         return

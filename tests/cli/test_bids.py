@@ -65,6 +65,10 @@ def test_bids_participant_then_group_on_fmriprep_derivatives(tmp_path):
     assert (out / "index.html").read_text().count('class="pair') == 3
     none = run("bids", root, out, "participant", "--participant-label", "99", *common)
     assert none.returncode == 1 and "99" in none.stderr
+    (tmp_path / "empty").mkdir()
+    empty = run("bids", root, tmp_path / "empty", "group")
+    assert empty.returncode == 1 and "holds no pair records" in empty.stderr
+    assert not (tmp_path / "empty" / "summary.csv").exists()
 
 
 def freesurfer_sphere(path: Path, radius: float, res: int, cras) -> Path:
