@@ -208,7 +208,17 @@ def _subject_ids(files: tuple[str, ...], id_from: str) -> dict[str, str]:
         try:
             check_pair_id(sid)
         except ValueError as err:
-            raise click.BadParameter(str(err), param_hint="--id-from") from err
+            where = (
+                f"its folder's name ({p.parent.name!r})"
+                if id_from == "parent"
+                else (f"its name up to the first dot ({sid!r})")
+            )
+            raise click.BadParameter(
+                f"{f}: the subject id is {where} (--id-from {id_from}), which cannot be a "
+                f"pair id: {err}; rename the file or use --id-from "
+                f"{'name' if id_from == 'parent' else 'parent'}",
+                param_hint="FILES",
+            ) from err
         if sid in out:
             raise click.BadParameter(
                 f"two files give the subject id {sid!r} ({out[sid]}, {f}); use --id-from parent "
@@ -260,7 +270,8 @@ def to_template(
 ):
     """Every subject FILE onto TEMPLATE."""
     try:
-        pairs = pairs_to_template(_subject_ids(files, id_from), template, template_id)
+        with warnings_as_lines():  # (the template among the files: said in one line)
+            pairs = pairs_to_template(_subject_ids(files, id_from), template, template_id)
         _write_manifest(pairs, output, overwrite, (template, *files))
     except (ValueError, TypeError) as err:
         raise click.UsageError(str(err)) from err

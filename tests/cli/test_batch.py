@@ -466,6 +466,15 @@ def test_manifest_helpers_write_what_batch_reads(subjects, tmp_path):
     assert again.returncode == 0 and len(list(csv.DictReader(open(tmp_path / "t.csv")))) == 1
     onto = run("manifest", "all-pairs", *files[:2], "-o", files[0], "--overwrite")
     assert onto.returncode == 1 and "is one of the inputs" in onto.stderr
+    odd = shutil.copy(files[0], tmp_path / "sub 01(a).vtk")  # a name that is no pair id
+    named = run("manifest", "all-pairs", odd, files[1], "-o", tmp_path / "n.csv")
+    assert named.returncode == 1 and "Invalid value for FILES" in named.stderr
+    assert "'sub 01(a)'" in named.stderr and "rename the file" in named.stderr
+    itself = run("manifest", "to-template", subjects / "s0.vtk", subjects / "s0.vtk", files[0],
+                 "-o", tmp_path / "i.csv")  # fmt: skip
+    assert itself.returncode == 0, itself.stderr
+    assert "warning: pairs_to_template: s0 is the template itself" in itself.stderr
+    assert "UserWarning" not in itself.stderr
 
 
 def test_an_existing_dask_cluster_losing_a_worker_completes_every_pair(subjects, tmp_path):
