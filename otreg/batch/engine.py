@@ -64,8 +64,8 @@ def check_memory_limit(memory_limit: object) -> str | int:
     if limit < WORKER_MEMORY_MIN_MB * 10**6:  # MB as the user writes them (dask's)
         raise ValueError(
             f"memory_limit is {memory_limit!r} ({limit / 1e6:,.0f} MB); a worker holds "
-            f"about 300 MB before its first pair and the smallest pairs need about "
-            f"{WORKER_MEMORY_MIN_MB} MB: give at least {WORKER_MEMORY_MIN_MB}MB (1.5GB suits "
+            "about 300 MB before its first pair and the smallest pairs need about 550 MB "
+            f"(more with pictures): give at least {WORKER_MEMORY_MIN_MB}MB (1.5GB suits "
             "hemispheres), or auto"
         )
     return memory_limit
