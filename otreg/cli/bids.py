@@ -123,7 +123,8 @@ def bids(
     """BIDS-Apps entry point: register each subject's surfaces (fMRIPrep/sMRIPrep
     derivatives, or a FreeSurfer SUBJECTS_DIR) onto a template.
 
-    participant: find the inputs, write OUTPUT_DIR/otreg_pairs.csv and run them (outputs
+    participant: find the inputs, write each subject's pairs as a manifest
+    (OUTPUT_DIR/sub-XX/sub-XX_desc-otreg_pairs.csv) and run them (outputs
     named as BIDS derivatives, sub-XX/anat/sub-XX_hemi-L_space-ID_desc-otreg_*). group: the
     summary tables and the group page from the records of every participant run.
     """
@@ -169,7 +170,13 @@ def bids(
         if not kw["dry_run"]:
             out.mkdir(parents=True, exist_ok=True)
             write_dataset_description(out, bids_dir)
-            write_manifest(pairs, out / "otreg_pairs.csv")
+            # a manifest a subject (participant jobs run in parallel: one file for all
+            # would hold the last job's subjects only)
+            by_subject: dict[str, list] = {}
+            for pair in pairs:
+                by_subject.setdefault(pair.folder.split("/")[0], []).append(pair)
+            for sub, rows in by_subject.items():
+                write_manifest(rows, out / sub / f"{sub}_desc-otreg_pairs.csv")
     run_engine(pairs, out, kw, tables=False)
 
 

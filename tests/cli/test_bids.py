@@ -173,7 +173,7 @@ def test_bids_carries_a_subjects_map_and_a_templates_labels(tmp_path):
     labels = load_values(f"{prefix}to-source_atlas.label.gii")
     assert labels.n_vertices == n and labels.label_table[1][0] == "superior"
     assert Path(f"{prefix}to-source_atlas_confidence.npy").is_file()
-    rows = list(csv.DictReader(open(out / "otreg_pairs.csv")))
+    rows = list(csv.DictReader(open(out / "sub-01" / "sub-01_desc-otreg_pairs.csv")))
     assert rows[0]["target_values"] == str(atlas) and rows[0]["source_values"].endswith(
         "sub-01_hemi-L_thickness.shape.gii"
     )
