@@ -359,7 +359,8 @@ def run_batch(
     interrupted = False
     if todo:
         workers = workers or max(1, usable_cores() // 2)
-        _preflight(out, todo, workers, echo)
+        local = memory_limit if not (scheduler or scheduler_file) else None
+        _preflight(out, todo, workers, echo, local)
         try:
             cluster = Cluster(out, workers, threads, scheduler, scheduler_file, memory_limit, echo)
             with cluster as cl:
@@ -476,9 +477,12 @@ def pair_spec(
     }
 
 
-def _preflight(out: Path, todo: list[Planned], workers: int, echo) -> None:
+def _preflight(
+    out: Path, todo: list[Planned], workers: int, echo, memory_limit: str | int | None = None
+) -> None:
     """Refuse a batch whose outputs cannot fit on the disk; warn when the workers' memory
-    may not fit (numbers in both)."""
+    may not fit, or their ``memory_limit`` (a local cluster's, given) all together exceeds
+    the machine's (numbers in each)."""
     need = sum(2 * os.path.getsize(p.pair.source) / 2**20 + DISK_PER_PAIR_MB for p in todo)
     free = shutil.disk_usage(out).free / 2**20
     if need > free:
@@ -501,6 +505,14 @@ def _preflight(out: Path, todo: list[Planned], workers: int, echo) -> None:
         if p.record and p.record.get("status") == "done" and p.record.get("peak_rss_mb")
     ]
     per_pair = max(peaks) * 1.2 if peaks else MEMORY_PER_PAIR_MB
+    if memory_limit not in (None, "auto"):
+        limit = parse_bytes("memory_limit", memory_limit) / 2**20
+        if workers * limit > total:
+            echo(
+                f"warning: {workers} workers x a memory limit of {limit:,.0f} MB exceeds this "
+                f"machine's {total:,.0f} MB: the limit cannot hold, and the system may kill "
+                "workers before it does; give a smaller --memory-limit, or leave it out"
+            )
     if workers * per_pair > total:
         echo(
             f"warning: {workers} workers x about {per_pair:,.0f} MB a pair exceeds this "

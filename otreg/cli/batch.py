@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .._checks import check_progress
+from .._checks import check_device, check_progress
 from ..batch import all_pairs, pairs_to_template, read_manifest, write_manifest
 from ..batch.engine import check_memory_limit, describe, plan_batch, run_batch
 from ..batch.manifest import check_pair_id
@@ -109,6 +109,8 @@ def run_engine(pairs, output: str | Path, kw: dict, tables: bool = True) -> None
     with warnings_as_lines():
         try:
             if kw["dry_run"]:
+                if kw["device"] is not None and not (kw["scheduler"] or kw["scheduler_file"]):
+                    check_device("otreg batch", kw["device"])  # as the run would, first
                 planned = plan_batch(
                     pairs, out, options, rerun_failed=kw["rerun_failed"], only=kw["only"]
                 )

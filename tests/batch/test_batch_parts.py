@@ -279,6 +279,24 @@ def test_the_preflight_refuses_a_disk_too_small_for_the_outputs(tmp_path, monkey
         run_batch(pairs, tmp_path / "out", echo=lambda line: None)
 
 
+def test_the_preflight_warns_of_memory_limits_beyond_the_machine(tmp_path):
+    """Workers x --memory-limit above the machine's memory: a warning with the numbers; an
+    existing cluster's (no limit of ours) and auto: none."""
+    import psutil
+
+    a = write(tmp_path / "a.vtk", "x" * 100)
+    todo = plan_batch([Pair("p", str(a), str(a))], tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    total_gb = psutil.virtual_memory().total / 1e9
+    lines: list[str] = []
+    engine_mod._preflight(tmp_path / "out", todo, 2, lines.append, f"{total_gb:.0f}GB")
+    assert any("2 workers x a memory limit of" in line for line in lines), lines
+    for limit in (None, "auto", "1GB"):
+        lines.clear()
+        engine_mod._preflight(tmp_path / "out", todo, 2, lines.append, limit)
+        assert not any("memory limit" in line for line in lines), (limit, lines)
+
+
 def test_a_batch_with_no_worker_alive_ends_with_a_reason(tmp_path, monkeypatch):
     """The dispatcher never waits on nothing: with every worker gone and pairs waiting,
     they fail 'no worker' within a bounded time and the batch ends (exit 3)."""

@@ -426,6 +426,12 @@ def test_usage_errors_exit_1_and_name_the_problem(subjects, tmp_path):
         (["batch", m, "-o", m / "sub"], "lies under"),
         (["batch", m, "-o", tmp_path / "o", "--bogus"], "No such option"),
     ]
+    import torch
+
+    if not torch.cuda.is_available():  # a dry run checks the device as the run would
+        cases.append(
+            (["batch", m, "-o", tmp_path / "o", "--device", "cuda", "--dry-run"], "no CUDA")
+        )
     bad = tmp_path / "bad.csv"
     bad.write_text("pair_id,source\na,x.vtk\n")
     cases.append((["batch", bad, "-o", tmp_path / "o"], "missing column(s) target"))
