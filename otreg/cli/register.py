@@ -55,9 +55,9 @@ __all__: list[str] = []
     required=True,
     type=click.Path(file_okay=False),
     help="Folder for warped.vtk, parameters.npz, registration.json, pictures and the "
-    "carried values (to-target_*, to-source_*); an earlier otreg run's files there are "
-    "replaced (those this run does not write are removed, as listed in its .otreg-outputs), "
-    "any other file is kept.",
+    "carried values (to-target_*, to-source_*): a file of a name this run writes is "
+    "replaced (never an input), an earlier otreg run's other files there are removed (as "
+    "listed in its .otreg-outputs), any other file is kept.",
 )
 @click.option(
     "--source-values",
