@@ -240,6 +240,15 @@ _id_from = click.option(
 )
 
 
+_hemisphere = click.option(
+    "--hemisphere",
+    type=click.Choice(["L", "R"]),
+    default=None,
+    help="Every pair's hemisphere column (the batch then checks each source's side of the "
+    "midline).",
+)
+
+
 def _manifest_out(command):
     """``-o OUTPUT`` and ``--overwrite``: an existing CSV is replaced only when asked."""
     command = click.option(
@@ -266,14 +275,18 @@ def _write_manifest(pairs, output: str, overwrite: bool, inputs) -> None:
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--template-id", default="template", show_default=True)
 @_id_from
+@_hemisphere
 @_manifest_out
 def to_template(
-    template: str, files: tuple[str, ...], template_id: str, id_from, output, overwrite
-):
+    template: str, files: tuple[str, ...], template_id: str, id_from, hemisphere, output,
+    overwrite,
+):  # fmt: skip
     """Every subject FILE onto TEMPLATE."""
     try:
         with warnings_as_lines():  # (the template among the files: said in one line)
-            pairs = pairs_to_template(_subject_ids(files, id_from), template, template_id)
+            pairs = pairs_to_template(
+                _subject_ids(files, id_from), template, template_id, hemisphere=hemisphere
+            )
         _write_manifest(pairs, output, overwrite, (template, *files))
     except (ValueError, TypeError) as err:
         raise click.UsageError(str(err)) from err
@@ -284,11 +297,12 @@ def to_template(
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--symmetric", is_flag=True, help="Both directions of every pair.")
 @_id_from
+@_hemisphere
 @_manifest_out
-def all_pairs_cmd(files: tuple[str, ...], symmetric: bool, id_from, output, overwrite):
+def all_pairs_cmd(files: tuple[str, ...], symmetric: bool, id_from, hemisphere, output, overwrite):
     """Every pair of subject FILES (a before b in the given order)."""
     try:
-        pairs = all_pairs(_subject_ids(files, id_from), symmetric=symmetric)
+        pairs = all_pairs(_subject_ids(files, id_from), symmetric=symmetric, hemisphere=hemisphere)
         _write_manifest(pairs, output, overwrite, files)
     except (ValueError, TypeError) as err:
         raise click.UsageError(str(err)) from err

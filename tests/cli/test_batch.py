@@ -481,6 +481,10 @@ def test_manifest_helpers_write_what_batch_reads(subjects, tmp_path):
     assert itself.returncode == 0, itself.stderr
     assert "warning: pairs_to_template: s0 is the template itself" in itself.stderr
     assert "UserWarning" not in itself.stderr
+    sided = run("manifest", "to-template", subjects / "s0.vtk", *files, "--hemisphere", "L",
+                "-o", tmp_path / "h.csv")  # fmt: skip
+    assert sided.returncode == 0, sided.stderr
+    assert {row["hemisphere"] for row in csv.DictReader(open(tmp_path / "h.csv"))} == {"L"}
 
 
 def test_an_existing_dask_cluster_losing_a_worker_completes_every_pair(subjects, tmp_path):
