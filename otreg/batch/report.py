@@ -216,7 +216,7 @@ def _rows(folder: Path) -> tuple[list[dict], int, int]:
             "id": pid,
             "done": rec["status"] == "done",
             # a record of earlier inputs or options: the last run planned the pair again
-            "outdated": pid in plan and rec.get("key") != plan[pid],
+            "outdated": pid in plan and str(rec.get("key")) != plan[pid],
             "metrics": {k: _num(v) for k, v in metrics.items() if _num(v) is not None},
             "error": error,
             "href": base or "./",

@@ -6,13 +6,13 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from ..io import atomic_write
 from .flags import describe, flag_pairs
 from .manifest import Pair
-from .records import find_records, overlap_keys
+from .records import find_records, overlap_keys, write_plan
 
 __all__: list[str] = []
 
@@ -95,9 +95,12 @@ def write_tables(out: Path, pairs: Sequence[Pair], records: Mapping[str, dict]) 
     return len(flags)
 
 
-def tables_from_records(out: str | Path) -> int:
+def tables_from_records(out: str | Path, expected: Iterable[Pair] = ()) -> int:
     """``summary.csv`` and ``failed.csv`` from every record in a folder (several runs'
-    pairs, e.g. one BIDS participant job a subject); returns the number of pairs."""
+    pairs, e.g. one BIDS participant job a subject), with the ``expected`` pairs that have
+    no record as "not run" (a job killed before it wrote one); returns the number of
+    pairs. The group page then lists them too: ``plan.json`` gets every pair, a recorded
+    one with its record's key."""
     out = Path(out)
     records: dict[str, dict] = {}
     folders: dict[str, Path] = {}
@@ -110,7 +113,11 @@ def tables_from_records(out: str | Path) -> int:
         Pair(pid, doc.get("source") or "?", doc.get("target") or "?", folder=str(folders[pid]))
         for pid, doc in records.items()
     ]
+    pairs += [p for p in {p.pair_id: p for p in expected}.values() if p.pair_id not in records]
+    pairs.sort(key=lambda p: p.pair_id)
     write_tables(out, pairs, records)
+    # the page's pairs: each recorded one with its record's key, the others "not run"
+    write_plan(out, {p.pair_id: str((records.get(p.pair_id) or {}).get("key", "")) for p in pairs})
     return len(pairs)
 
 

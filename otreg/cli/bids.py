@@ -12,6 +12,7 @@ from ..batch import (
     build_report,
     find_inputs,
     find_records,
+    read_manifest,
     write_dataset_description,
     write_manifest,
 )
@@ -142,7 +143,17 @@ def bids(
             raise click.ClickException(
                 f"{output_dir} holds no pair records: run the participant level first"
             )
-        n = tables_from_records(out)
+        # the pairs the participant jobs planned (their manifests): those without a record
+        # (a job killed before it wrote one) are listed as not run
+        try:
+            expected = [
+                pair
+                for path in sorted(out.glob("sub-*/sub-*_desc-otreg_pairs.csv"))
+                for pair in read_manifest(path)
+            ]
+        except (ValueError, OSError) as err:  # (the message names the file and line)
+            raise click.ClickException(f"a participant job's manifest: {err}") from err
+        n = tables_from_records(out, expected)
         click.echo(f"wrote {out / 'summary.csv'} ({n} pairs) and {build_report(out)}")
         return
     with warnings_as_lines():

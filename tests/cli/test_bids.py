@@ -177,3 +177,28 @@ def test_bids_carries_a_subjects_map_and_a_templates_labels(tmp_path):
     assert rows[0]["target_values"] == str(atlas) and rows[0]["source_values"].endswith(
         "sub-01_hemi-L_thickness.shape.gii"
     )
+
+
+def test_group_lists_the_pairs_a_participant_job_planned_but_never_recorded(tmp_path):
+    """Two subjects' manifests (written by their participant jobs), a record for one pair
+    only (the other job killed before it wrote any): the group level lists both, the
+    second as not run, in summary.csv and on the page."""
+    from otreg.batch import FORMAT, Pair, write_manifest
+
+    out = tmp_path / "out"
+    for sub in ("sub-01", "sub-02"):
+        pair = Pair(f"{sub}_hemi-L", f"/d/{sub}.gii", "/d/tpl.gii", hemisphere="L",
+                    folder=f"{sub}/anat", prefix=f"{sub}_hemi-L_desc-otreg_")  # fmt: skip
+        (out / sub).mkdir(parents=True)
+        write_manifest([pair], out / sub / f"{sub}_desc-otreg_pairs.csv")
+    done = {"format": FORMAT, "pair_id": "sub-01_hemi-L", "status": "done", "key": "k1",
+            "source": "/d/sub-01.gii", "target": "/d/tpl.gii", "metrics": {"mean_mm": 0.5},
+            "finished": "2025-01-01T00:01:00+00:00"}  # fmt: skip
+    (out / "sub-01" / "anat").mkdir()
+    (out / "sub-01" / "anat" / "sub-01_hemi-L_desc-otreg_metrics.json").write_text(json.dumps(done))
+    r = run_here("bids", tmp_path, out, "group")
+    assert r.returncode == 0, r.stderr
+    rows = {row["pair_id"]: row["status"] for row in csv.DictReader(open(out / "summary.csv"))}
+    assert rows == {"sub-01_hemi-L": "done", "sub-02_hemi-L": "not run"}
+    page = (out / "index.html").read_text()
+    assert '<span id="n-done">1</span>' in page and '<span id="n-not-run">1</span>' in page
