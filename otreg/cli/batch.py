@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .._checks import check_device, check_progress
+from .._checks import check_progress
 from ..batch import all_pairs, pairs_to_template, read_manifest, write_manifest
 from ..batch.engine import check_memory_limit, describe, plan_batch, run_batch
 from ..batch.manifest import check_pair_id
@@ -19,6 +19,7 @@ from ..batch.report import build_report
 from ..io import same_file
 from ._common import (
     Command,
+    check_local_device,
     device_option,
     given_registration_options,
     progress_option,
@@ -109,8 +110,8 @@ def run_engine(pairs, output: str | Path, kw: dict, tables: bool = True) -> None
     with warnings_as_lines():
         try:
             if kw["dry_run"]:
-                if kw["device"] is not None and not (kw["scheduler"] or kw["scheduler_file"]):
-                    check_device("otreg batch", kw["device"])  # as the run would, first
+                if not (kw["scheduler"] or kw["scheduler_file"]):  # as the run would, first
+                    check_local_device(kw["device"])
                 planned = plan_batch(
                     pairs, out, options, rerun_failed=kw["rerun_failed"], only=kw["only"]
                 )
@@ -210,15 +211,14 @@ def _subject_ids(files: tuple[str, ...], id_from: str) -> dict[str, str]:
         try:
             check_pair_id(sid)
         except ValueError as err:
-            where = (
-                f"its folder's name ({p.parent.name!r})"
+            where, other = (
+                ("its folder's name", "name")
                 if id_from == "parent"
-                else (f"its name up to the first dot ({sid!r})")
+                else ("its name up to the first dot", "parent")
             )
             raise click.BadParameter(
-                f"{f}: the subject id is {where} (--id-from {id_from}), which cannot be a "
-                f"pair id: {err}; rename the file or use --id-from "
-                f"{'name' if id_from == 'parent' else 'parent'}",
+                f"{f}: the subject id is {where} ({sid!r}, --id-from {id_from}), which cannot "
+                f"be a pair id: {err}; rename the file or use --id-from {other}",
                 param_hint="FILES",
             ) from err
         if sid in out:
